@@ -1,0 +1,114 @@
+"""Every meshlm setting with its default. Other configs start from this one and change a few keys.
+
+Sections: model, mesh, train, data, checkpoint, log, distributed. Unknown keys are rejected (the ConfigDict is
+locked), so a typo in an override fails before anything runs.
+"""
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+
+  m = c.model = ml_collections.ConfigDict()
+  m.vocab_size = 32000  # tokens in the embedding table (tokenizer vocabulary, possibly padded)
+  m.d_model = 4096  # residual stream width
+  m.num_layers = 32  # transformer blocks
+  m.num_heads = 32  # query heads
+  m.num_kv_heads = 32  # key/value heads: == num_heads MHA, 1 MQA, otherwise GQA (must divide num_heads)
+  m.head_dim = 128  # per-head width, independent of d_model / num_heads
+  m.mlp_dim = 11008  # hidden width of the feed-forward block
+  m.mlp_type = "swiglu"  # swiglu | geglu | gelu
+  m.norm_type = "rmsnorm"  # rmsnorm | layernorm (pre-norm in both cases)
+  m.norm_eps = 1e-5  # epsilon inside the normalisation
+  m.use_bias = False  # biases on every projection (off in Llama-style models; on only for comparison)
+  m.rope_theta = 10000.0  # RoPE base frequency
+  m.rope_scaling = "none"  # none | llama3 (Llama-3.1 frequency scaling; parameters below)
+  m.rope_scaling_factor = 8.0  # llama3 scaling: factor
+  m.rope_low_freq_factor = 1.0  # llama3 scaling: low_freq_factor
+  m.rope_high_freq_factor = 4.0  # llama3 scaling: high_freq_factor
+  m.rope_original_max_len = 8192  # llama3 scaling: original_max_position_embeddings
+  m.max_seq_len = 4096  # longest sequence the model is configured for (HF max_position_embeddings)
+  m.sliding_window = 0  # attention window in tokens (a token sees itself and window-1 before it); 0 = full causal
+  m.global_every = 0  # with a window: every k-th layer (k-1, 2k-1, ...) attends globally; 0 = all layers windowed
+  m.block_type = "sequential"  # sequential | parallel (GPT-J/PaLM: x + attn(norm x) + mlp(norm x))
+  m.tie_embeddings = False  # share the input embedding with the output projection
+  m.scan_layers = True  # stack layer parameters and lax.scan over them (compile time independent of depth)
+  m.attention_impl = "xla"  # xla (reference) | dot_product (jax.nn.dot_product_attention, cuDNN on GPU) | blockwise
+  m.attention_block_size = 512  # query/key block length of the blockwise (flash-style) attention
+  m.dtype = "float32"  # computation dtype (bfloat16 on accelerators); logits and softmax statistics stay float32
+  m.param_dtype = "float32"  # parameter (master weight) dtype
+  m.init_std = 0.02  # standard deviation of the normal initialiser for weights
+
+  mesh = c.mesh = ml_collections.ConfigDict()
+  # Devices per axis inside a slice/host (ICI); -1 = all remaining devices. Product must equal the device count.
+  mesh.data = -1  # pure data parallelism (parameters replicated)
+  mesh.fsdp = 1  # data parallelism with parameters, gradients and optimizer state sharded (ZeRO-3)
+  mesh.tensor = 1  # tensor (Megatron) parallelism over heads / mlp / vocab
+  mesh.sequence = 1  # sequence (context) parallelism over the length axis of activations
+  mesh.expert = 1  # reserved: expert parallelism (MoE)
+  mesh.stage = 1  # reserved: pipeline parallelism
+  # Across slices/hosts (DCN); the product of dcn_* is the number of slices (or hosts). Tensor/sequence stay in ICI.
+  mesh.dcn_data = 1  # data parallelism across slices
+  mesh.dcn_fsdp = 1  # fsdp across slices
+  mesh.rules = ()  # overrides of the logical-axis rules: ((logical_name, mesh_axis or (axes...) or None), ...)
+
+  t = c.train = ml_collections.ConfigDict()
+  t.steps = 1000  # optimizer steps
+  t.batch_size = 256  # global batch in sequences per optimizer step (all microbatches together)
+  t.seq_len = 2048  # tokens per sequence
+  t.grad_accum = 1  # microbatches per step (lax.scan), same math as one large batch
+  t.lr = 3e-4  # peak learning rate
+  t.min_lr_ratio = 0.1  # final learning rate as a fraction of the peak (cosine / decay phase end)
+  t.schedule = "cosine"  # cosine (linear warmup + cosine) | wsd (warmup-stable-decay) | constant (after warmup)
+  t.warmup_steps = 100  # linear warmup from 0 to lr
+  t.decay_fraction = 0.2  # wsd: fraction of the steps spent in the final decay
+  t.b1 = 0.9  # AdamW beta1
+  t.b2 = 0.95  # AdamW beta2
+  t.eps = 1e-8  # AdamW epsilon
+  t.weight_decay = 0.1  # decoupled weight decay
+  t.decay_exclude = ("norm", "bias", "embed")  # parameter-path substrings that get no weight decay
+  t.clip_norm = 1.0  # global-norm gradient clipping threshold; 0 disables
+  t.z_loss = 1e-4  # coefficient of the z-loss (logsumexp^2)
+  t.remat = "none"  # none | full | save_dots | save_qkv_proj | minimal
+  t.seed = 0  # seed for parameter init and any training randomness
+  t.log_every = 10  # steps between metric lines
+  t.eval_every = 200  # steps between held-out evaluations; 0 disables
+  t.eval_steps = 10  # batches per evaluation
+  t.max_nonfinite = 5  # halt after this many consecutive steps with a non-finite loss or gradient
+  t.init_from = ""  # start from weights only: a meshlm run directory / checkpoint, or a Hugging Face directory
+  t.peak_tflops = 0.0  # hardware peak per device for MFU; 0 = look up the device kind (CPU: MFU omitted)
+
+  d = c.data = ml_collections.ConfigDict()
+  d.sources = "builtin"  # builtin (Python's own docs + stdlib source) or a mixture spec; see data/sources.py
+  d.weights = ()  # sampling weights per source (empty = the sources' own defaults)
+  d.text_field = "text"  # JSONL / Parquet field holding the document text
+  d.tokenizer = ""  # path to a sentencepiece .model; empty = train one into the run directory
+  d.tokenizer_type = "bpe"  # bpe | unigram (when training one)
+  d.tokenizer_vocab_size = 0  # 0 = model.vocab_size
+  d.packing = "first_fit"  # first_fit | concat (concatenate-then-split)
+  d.shuffle_seed = 0  # seed of the global document order
+  d.eval_fraction = 0.01  # documents held out for evaluation
+  d.worker_count = 0  # grain worker processes (0 = in the main process, with a prefetch thread)
+  d.prefetch = 2  # batches prefetched ahead of the step
+  d.strict = False  # fail on unparseable records instead of skipping them with a warning
+
+  ck = c.checkpoint = ml_collections.ConfigDict()
+  ck.every = 500  # steps between checkpoints (and one at the end); 0 = only at the end
+  ck.keep = 3  # most recent checkpoints kept
+  ck.keep_period = 0  # also keep every N-th step permanently; 0 = off
+  ck.async_save = True  # save in the background while training continues
+
+  lg = c.log = ml_collections.ConfigDict()
+  lg.tensorboard = True  # write TensorBoard event files under the workdir
+  lg.wandb = False  # log to Weights & Biases (only when installed)
+  lg.wandb_project = "meshlm"  # W&B project name
+  lg.progress = True  # progress bar on the console
+
+  ds = c.distributed = ml_collections.ConfigDict()
+  ds.coordinator_address = ""  # host:port of process 0; empty = from the environment (TPU pod, SLURM) or single process
+  ds.num_processes = 0  # 0 = from the environment
+  ds.process_id = -1  # -1 = from the environment
+  ds.local_device_ids = ()  # restrict this process to these local devices (empty = all)
+
+  c.lock()
+  return c
