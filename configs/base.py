@@ -28,7 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.rope_high_freq_factor = 4.0  # llama3 scaling: high_freq_factor
   m.rope_original_max_len = 8192  # llama3 scaling: original_max_position_embeddings
   m.max_seq_len = 4096  # longest sequence the model is configured for (HF max_position_embeddings)
-  m.sliding_window = 0  # attention window in tokens (a token sees itself and window-1 before it); 0 = full causal
+  m.sliding_window = 0  # attention window in tokens (a token sees itself and window-1 before it); 0 = full causal; < 0 invalid
   m.global_every = 0  # with a window: every k-th layer (k-1, 2k-1, ...) attends globally; 0 = all layers windowed
   m.block_type = "sequential"  # sequential | parallel (GPT-J/PaLM: x + attn(norm x) + mlp(norm x))
   m.tie_embeddings = False  # share the input embedding with the output projection
@@ -48,7 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.expert = 1  # reserved: expert parallelism (MoE)
   mesh.stage = 1  # reserved: pipeline parallelism
   # Across slices/hosts (DCN); the product of dcn_* is the number of slices (or hosts). Tensor/sequence stay in ICI.
-  mesh.dcn_data = 1  # data parallelism across slices
+  mesh.dcn_data = -1  # data parallelism across slices/hosts; -1 = all slices (or hosts) not used by dcn_fsdp
   mesh.dcn_fsdp = 1  # fsdp across slices
   mesh.rules = ()  # overrides of the logical-axis rules: ((logical_name, mesh_axis or (axes...) or None), ...)
 
@@ -66,7 +66,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.b2 = 0.95  # AdamW beta2
   t.eps = 1e-8  # AdamW epsilon
   t.weight_decay = 0.1  # decoupled weight decay
-  t.decay_exclude = ("norm", "bias", "embed")  # parameter-path substrings that get no weight decay
+  t.decay_exclude = ("norm", "bias", "embedding")  # parameter-path substrings without weight decay (unembed decays)
   t.clip_norm = 1.0  # global-norm gradient clipping threshold; 0 disables
   t.z_loss = 1e-4  # coefficient of the z-loss (logsumexp^2)
   t.remat = "none"  # none | full | save_dots | save_qkv_proj | minimal
@@ -85,7 +85,11 @@ def get_config() -> ml_collections.ConfigDict:
   d.tokenizer = ""  # path to a sentencepiece .model; empty = train one into the run directory
   d.tokenizer_type = "bpe"  # bpe | unigram (when training one)
   d.tokenizer_vocab_size = 0  # 0 = model.vocab_size
+  d.tokenizer_character_coverage = 0.9995  # fraction of characters given their own piece (rest: byte fallback)
+  d.tokenizer_byte_fallback = True  # unknown characters become UTF-8 byte pieces, so any text round-trips
+  d.tokenizer_max_sentences = 100_000  # cap on training lines (bounds tokenizer training time)
   d.packing = "first_fit"  # first_fit | concat (concatenate-then-split)
+  d.packing_bins = 8  # first_fit: bins open at once per batch row (more = less padding, more reordering)
   d.shuffle_seed = 0  # seed of the global document order
   d.eval_fraction = 0.01  # documents held out for evaluation
   d.worker_count = 0  # grain worker processes (0 = in the main process, with a prefetch thread)
@@ -109,6 +113,9 @@ def get_config() -> ml_collections.ConfigDict:
   ds.num_processes = 0  # 0 = from the environment
   ds.process_id = -1  # -1 = from the environment
   ds.local_device_ids = ()  # restrict this process to these local devices (empty = all)
+  ds.mode = "auto"  # auto: start jax.distributed when the environment shows several processes | on | off
+  ds.cpu_collectives = "gloo"  # cross-process collectives on CPU: gloo | mpi
+  ds.timeout_s = 300  # seconds to wait for all processes to join
 
   c.lock()
   return c

@@ -5,6 +5,7 @@ Peaks are dense bf16 matmul TFLOP/s per chip (the MFU denominator in DESIGN.md);
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -12,12 +13,14 @@ class Chip:
   name: str
   peak_tflops: float  # dense bf16 TFLOP/s per chip
   hbm_gib: float  # memory per chip, GiB
+  tpu_family: str = ""  # jax topology prefix ("v4", "v5e", "v5p"); empty for GPUs
+  cores_per_chip: int = 1  # TensorCores per chip; v4/v5p run them as one megacore jax device
 
 
 CHIPS: dict[str, Chip] = {c.name: c for c in [
-    Chip("tpu_v4", 275.0, 32.0),
-    Chip("tpu_v5e", 197.0, 16.0),
-    Chip("tpu_v5p", 459.0, 95.0),
+    Chip("tpu_v4", 275.0, 32.0, "v4", 2),
+    Chip("tpu_v5e", 197.0, 16.0, "v5e", 1),
+    Chip("tpu_v5p", 459.0, 95.0, "v5p", 2),
     Chip("a100_40gb", 312.0, 40.0),
     Chip("a100_80gb", 312.0, 80.0),
     Chip("h100", 989.0, 80.0),
@@ -54,3 +57,92 @@ def peak_flops_per_device(device_kind: str, override_tflops: float = 0.0) -> flo
     return override_tflops * 1e12
   chip = chip_for_device_kind(device_kind)
   return chip.peak_tflops * 1e12 if chip else None
+
+
+def find_chip(name: str) -> Chip:
+  """A Chip by table key or common spelling: `tpu_v4`, `v4`, `v5litepod`, `a100-80gb`, `H100`."""
+  key = name.strip().lower().replace("-", "_").replace(" ", "_")
+  aliases = {"v5litepod": "tpu_v5e", "v5lite": "tpu_v5e", "a100": "a100_40gb", "a100_40g": "a100_40gb",
+             "a100_80g": "a100_80gb"}
+  key = aliases.get(key, key)
+  for candidate in (key, "tpu_" + key):
+    if candidate in CHIPS:
+      return CHIPS[candidate]
+  raise ValueError(f"unknown accelerator {name!r}; use one of: {', '.join(CHIPS)} (or add it to train/hardware.py)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSlice:
+  """A TPU slice as jax.experimental.topologies names it, plus the chip facts."""
+  chip: Chip
+  topology: str  # e.g. "v4:2x2x4"
+  num_chips: int  # chips per slice (= jax devices: megacore where the chip has two cores)
+  num_slices: int = 1  # slices joined over DCN
+
+  @property
+  def num_devices(self) -> int:
+    return self.num_chips * self.num_slices
+
+  def topology_kwargs(self) -> dict:
+    """Keyword arguments of `get_topology_desc(platform="tpu", topology_name=self.topology, **kw)`."""
+    kw: dict = {"num_slices": self.num_slices}
+    if self.chip.cores_per_chip > 1:
+      kw["chip_config_name"] = "megacore"  # one device per chip, as on real v4/v5p pods
+    if self.num_chips < 4:  # a host holds 2x2x1 chips by default; smaller slices are one host
+      dims = [int(d) for d in self.topology.split(":")[1].split("x")]
+      kw["chips_per_host_bounds"] = tuple(dims + [1] * (3 - len(dims)))
+    return kw
+
+
+# Slice shapes as Cloud TPU names them: 3-D tori grown by doubling the smallest (last) axis, 2-D for v5e.
+_V5E_SHAPES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+
+
+def _torus_shape(chips: int) -> str:
+  dims = [2, 2, 1]
+  while dims[0] * dims[1] * dims[2] < chips:
+    smallest = min(dims)
+    i = max(j for j, d in enumerate(dims) if d == smallest)
+    dims[i] *= 2
+  return "x".join(map(str, dims))
+
+
+def tpu_slice(name: str, num_slices: int = 1) -> TpuSlice:
+  """Parses a slice name: `v4-32`, `v5p-16`, `v5e-16` / `v5litepod-16`, or the raw `v4:2x2x4` form.
+
+  In `v4-N` and `v5p-N`, N counts TensorCores (two per chip), so v4-32 is 16 chips ("v4:2x2x4"); in `v5e-N`
+  N counts chips. Raises ValueError naming the accepted forms.
+  """
+  text = name.strip().lower().replace("v5litepod", "v5e").replace("tpu", "").lstrip("_-")
+  if num_slices < 1:
+    raise ValueError(f"num_slices must be >= 1, got {num_slices}")
+  if ":" in text:
+    family, shape = text.split(":", 1)
+    chip = _chip_for_family(family, name)
+    try:
+      dims = [int(d) for d in shape.split("x")]
+    except ValueError:
+      raise ValueError(f"topology {name!r}: shape {shape!r} must look like 2x2x4") from None
+    return TpuSlice(chip, f"{chip.tpu_family}:{shape}", math.prod(dims), num_slices)
+  family, _, count = text.partition("-")
+  chip = _chip_for_family(family, name)
+  if not count.isdigit():
+    raise ValueError(f"topology {name!r}: expected e.g. {chip.tpu_family}-32 or {chip.tpu_family}:2x2x4")
+  n = int(count)
+  if chip.tpu_family == "v5e":
+    if n not in _V5E_SHAPES:
+      raise ValueError(f"topology {name!r}: v5e slices have {sorted(_V5E_SHAPES)} chips")
+    return TpuSlice(chip, f"v5e:{_V5E_SHAPES[n]}", n, num_slices)
+  chips = n // chip.cores_per_chip
+  if n % chip.cores_per_chip or chips < 4 or chips & (chips - 1):
+    raise ValueError(f"topology {name!r}: {chip.tpu_family}-N counts TensorCores (2 per chip); N must be 8, 16, "
+                     f"32, ... (a power of two >= 8); other shapes in the raw form, e.g. {chip.tpu_family}:4x4x12")
+  return TpuSlice(chip, f"{chip.tpu_family}:{_torus_shape(chips)}", chips, num_slices)
+
+
+def _chip_for_family(family: str, name: str) -> Chip:
+  for chip in CHIPS.values():
+    if chip.tpu_family and chip.tpu_family == family:
+      return chip
+  families = sorted(c.tpu_family for c in CHIPS.values() if c.tpu_family)
+  raise ValueError(f"topology {name!r}: unknown TPU generation {family!r}; use one of {families}")

@@ -1,0 +1,389 @@
+"""The curation pipeline: three passes over the shards with two deterministic global steps between them.
+
+  pass 1  (per shard)  paragraph hashes                             -> _work/hashes/NNNNN.npy
+  global              first occurrence wins, in shard order          -> _work/keep/NNNNN.npy
+  pass 2  (per shard)  dedup, min length, MinHash signatures, language, quality, perplexity, PII masking
+                                                                     -> _work/scored/NNNNN.jsonl (+ .npz)
+  global              near-duplicate groups, per-language perplexity cutoffs  -> _work/global.json
+  pass 3  (per shard)  apply the decisions in CCNet's stage order, bucket -> DIR/<lang>/<bucket>/part-NNNNN.jsonl
+
+Every per-shard result is written to a temporary file and renamed, then a marker `_work/<pass>/NNNNN.done`
+(holding the shard's stage counts) is written; a re-run skips shards with a marker, so a crash loses no finished
+work and leaves no partial or duplicated output. The global steps depend only on shard order, so the output is
+identical for any executor and worker count.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import time
+
+import ml_collections
+import numpy as np
+
+from data.curate import dedup
+from data.curate import executors
+from data.curate import minhash
+from data.curate import perplexity as ppl
+from data.curate import pii
+from data.curate import quality
+from data.curate import readers
+from data.curate import stats as statslib
+from data.curate import text as textlib
+
+log = logging.getLogger(__name__)
+
+WORK = "_work"
+_BATCH = 256  # documents scored together (perplexity is vectorised over a batch)
+# Keys that change how the run executes, not what it outputs: a re-run may change them.
+_EXECUTION_KEYS = ("executor", "num_workers", "ray_address", "input", "output")
+
+
+def _atomic_write(path: str, data: bytes | str) -> None:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "wb") as f:
+    f.write(data.encode("utf-8") if isinstance(data, str) else data)
+  os.replace(tmp, path)
+
+
+def _atomic_save(path: str, array: np.ndarray) -> None:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f"{path}.tmp-{os.getpid()}.npy"
+  np.save(tmp, array)
+  os.replace(tmp, path)
+
+
+def _marker(work: str, step: str, shard: int) -> str:
+  return os.path.join(work, step, f"{shard:05d}.done")
+
+
+def _done(work: str, step: str, shard: int) -> bool:
+  return os.path.exists(_marker(work, step, shard))
+
+
+def _mark(work: str, step: str, shard: int, payload: dict) -> dict:
+  _atomic_write(_marker(work, step, shard), json.dumps(payload))
+  return payload
+
+
+def _read_marker(work: str, step: str, shard: int) -> dict:
+  with open(_marker(work, step, shard)) as f:
+    return json.load(f)
+
+
+def _config(cfg_dict: dict) -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(cfg_dict)
+
+
+def _docs(cfg, path: str):
+  return readers.read_shard(path, cfg.input_format, cfg.text_mode, cfg.id_field, cfg.text_field)
+
+
+# ---------------------------------------------------------------------------------------------- pass 1
+def hash_shard(cfg_dict: dict, path: str, shard: int, work: str) -> dict:
+  """Pass 1: the uint64 hashes of every paragraph of the shard, in document order."""
+  cfg = _config(cfg_dict)
+  parts = [textlib.paragraph_hashes(doc["text"]) for doc in _docs(cfg, path)]
+  hashes = np.concatenate(parts) if parts else np.zeros(0, np.uint64)
+  _atomic_save(os.path.join(work, "hashes", f"{shard:05d}.npy"), hashes)
+  return _mark(work, "hash", shard, {"documents": len(parts), "paragraphs": int(hashes.size)})
+
+
+# ---------------------------------------------------------------------------------------------- pass 2
+def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) -> dict:
+  """Pass 2: per document, paragraph dedup and min length (stages 1-2), then for the survivors the MinHash
+  signature, language, quality verdict, perplexity and PII masking, written to _work/scored/NNNNN.jsonl."""
+  cfg = _config(cfg_dict)
+  from data.curate import langid  # fastText loads only where it is used
+  identifier = langid.LanguageIdentifier(cfg.langid.model) if cfg.langid.enabled else None
+  hasher = (minhash.MinHasher(cfg.minhash.shingle_size, cfg.minhash.bands, cfg.minhash.rows, cfg.minhash.seed)
+            if cfg.minhash.enabled else None)
+  scorer = ppl.Scorer(models) if cfg.perplexity.enabled else None
+  keep = np.load(os.path.join(work, "keep", f"{shard:05d}.npy")) if cfg.dedup.enabled else None
+  counter = statslib.StageCounter()
+  bands, sigs, meta = [], [], {"language": [], "language_ok": [], "quality_ok": [], "perplexity": []}
+  out_path = os.path.join(work, "scored", f"{shard:05d}.jsonl")
+  os.makedirs(os.path.dirname(out_path), exist_ok=True)
+  tmp = f"{out_path}.tmp-{os.getpid()}"
+  offset = 0
+  with open(tmp, "w", encoding="utf-8") as out:
+    batch: list[dict] = []
+    for doc in _docs(cfg, path):
+      text = doc["text"]
+      if keep is not None:
+        n = text.count("\n") + 1
+        deduped = dedup.apply_keep(text, keep[offset:offset + n])
+        offset += n
+      else:
+        deduped = text
+      stripped = deduped.strip("\n")
+      if identifier is not None:
+        lang, score = identifier.identify(stripped if stripped.strip() else text)
+      else:
+        lang, score = "und", 0.0
+      counter.add("read", lang, len(text), len(text))
+      counter.add("paragraph_dedup", lang, len(text), len(stripped) if stripped.strip() else None)
+      if not stripped.strip():
+        continue
+      long_enough = not cfg.dedup.enabled or len(stripped) >= cfg.dedup.min_length
+      counter.add("min_length", lang, len(stripped), len(stripped) if long_enough else None)
+      if not long_enough:
+        continue
+      doc["text"] = stripped
+      doc["language"], doc["language_score"] = lang, round(score, 4)
+      lang_ok = identifier is None or (score >= cfg.langid.threshold and
+                                       (not cfg.langid.languages or lang in cfg.langid.languages))
+      reason = quality.check(stripped, lang, cfg.quality) if cfg.quality.enabled else None
+      if hasher is not None:
+        sig = hasher.signature(stripped)
+        sigs.append(sig)
+        bands.append(hasher.band_hashes(sig))
+      meta["language"].append(lang)
+      meta["language_ok"].append(lang_ok)
+      meta["quality_ok"].append(reason is None)
+      batch.append({"doc": doc, "quality": reason, "language_ok": lang_ok})
+      if len(batch) >= _BATCH:
+        _flush(batch, scorer, cfg, out, meta)
+        batch = []
+    _flush(batch, scorer, cfg, out, meta)
+  if keep is not None and offset != keep.size:
+    raise ValueError(f"{path}: {offset} paragraphs read but pass 1 hashed {keep.size}; the input changed during "
+                     "the run: delete the output directory and start again")
+  os.replace(tmp, out_path)
+  num_perm = cfg.minhash.bands * cfg.minhash.rows
+  arrays = {
+      "bands": np.array(bands, np.uint64).reshape(-1, cfg.minhash.bands),
+      "signatures": np.array(sigs, np.uint32).reshape(-1, num_perm),
+      "language": np.array(meta["language"], dtype=str),
+      "language_ok": np.array(meta["language_ok"], bool),
+      "quality_ok": np.array(meta["quality_ok"], bool),
+      "perplexity": np.array(meta["perplexity"], np.float64),
+  }
+  npz = os.path.join(work, "scored", f"{shard:05d}.npz")
+  with open(f"{npz}.tmp-{os.getpid()}", "wb") as f:
+    np.savez(f, **arrays)
+  os.replace(f"{npz}.tmp-{os.getpid()}", npz)
+  return _mark(work, "score", shard, {"stages": counter.to_dict()})
+
+
+def _flush(batch: list[dict], scorer, cfg, out, meta: dict) -> None:
+  """Perplexity for a batch (grouped by language), PII masking, then one JSON line per document."""
+  values = np.full(len(batch), np.nan)
+  if scorer is not None:
+    by_lang: dict[str, list[int]] = {}
+    for i, item in enumerate(batch):
+      by_lang.setdefault(item["doc"]["language"], []).append(i)
+    for lang, idx in by_lang.items():
+      values[idx] = scorer.perplexities([batch[i]["doc"]["text"] for i in idx], lang)
+  for item, value in zip(batch, values):
+    doc = item["doc"]
+    doc["perplexity"] = None if np.isnan(value) else round(float(value), 2)
+    meta["perplexity"].append(np.nan if doc["perplexity"] is None else doc["perplexity"])
+    record = {"doc": doc, "language_ok": item["language_ok"], "quality": item["quality"],
+              "chars_before_pii": len(doc["text"])}
+    if cfg.pii.enabled:
+      doc["text"], _ = pii.mask(doc["text"], cfg.pii)
+    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------- pass 3
+def write_shard(cfg_dict: dict, shard: int, work: str, output: str, cutoffs: dict) -> dict:
+  """Pass 3: the stage decisions in order (near duplicates, language, quality), the perplexity bucket, and the
+  output files DIR/<lang>/<bucket>/part-NNNNN.jsonl (all renamed into place only when complete)."""
+  cfg = _config(cfg_dict)
+  name = f"part-{shard:05d}.jsonl"
+  for stale in glob.glob(os.path.join(output, "*", "*", name)) + glob.glob(os.path.join(output, "*", "*", name + ".tmp-*")):
+    os.remove(stale)  # left by an attempt that crashed between renames
+  near = (np.load(os.path.join(work, "neardup", f"{shard:05d}.npy")) if cfg.minhash.enabled else None)
+  counter = statslib.StageCounter()
+  files: dict[tuple[str, str], object] = {}
+  written: dict[str, dict[str, list[int]]] = {}
+  reasons: dict[str, int] = {}
+  try:
+    with open(os.path.join(work, "scored", f"{shard:05d}.jsonl"), encoding="utf-8") as f:
+      for i, line in enumerate(f):
+        record = json.loads(line)
+        doc = record["doc"]
+        lang, n = doc["language"], record["chars_before_pii"]
+        if near is not None:
+          counter.add("minhash", lang, n, None if near[i] else n)
+          if near[i]:
+            continue
+        if cfg.langid.enabled:
+          counter.add("langid", lang, n, n if record["language_ok"] else None)
+          if not record["language_ok"]:
+            continue
+        if cfg.quality.enabled:
+          counter.add("quality", lang, n, None if record["quality"] else n)
+          if record["quality"]:
+            reasons[record["quality"]] = reasons.get(record["quality"], 0) + 1
+            continue
+        cut = cutoffs.get(lang, (float("nan"), float("nan")))
+        value = doc["perplexity"]
+        doc["bucket"] = ppl.bucket(float("nan") if value is None else value, tuple(cut))
+        if cfg.perplexity.enabled:
+          counter.add("perplexity", lang, n, n)
+        if cfg.pii.enabled:
+          counter.add("pii", lang, n, len(doc["text"]))
+        key = (lang, doc["bucket"])
+        if key not in files:
+          directory = os.path.join(output, lang, doc["bucket"])
+          os.makedirs(directory, exist_ok=True)
+          files[key] = open(os.path.join(directory, f"{name}.tmp-{os.getpid()}"), "w", encoding="utf-8")
+        files[key].write(json.dumps(doc, ensure_ascii=False) + "\n")
+        cell = written.setdefault(lang, {}).setdefault(doc["bucket"], [0, 0])
+        cell[0] += 1
+        cell[1] += len(doc["text"])
+  finally:
+    for handle in files.values():
+      handle.close()
+  for lang, bucket in files:
+    directory = os.path.join(output, lang, bucket)
+    os.replace(os.path.join(directory, f"{name}.tmp-{os.getpid()}"), os.path.join(directory, name))
+  return _mark(work, "write", shard, {"stages": counter.to_dict(), "output": written, "quality_reasons": reasons})
+
+
+# ---------------------------------------------------------------------------------------------- global steps
+def _resolve_near_duplicates(cfg, work: str, num_shards: int) -> dict:
+  """Global MinHash step: writes _work/neardup/NNNNN.npy (bool per scored document) and returns counts."""
+  loaded = [np.load(os.path.join(work, "scored", f"{s:05d}.npz")) for s in range(num_shards)]
+  sizes = [z["bands"].shape[0] for z in loaded]
+  band_hashes = np.concatenate([z["bands"] for z in loaded]) if loaded else np.zeros((0, cfg.minhash.bands), np.uint64)
+  signatures = np.concatenate([z["signatures"] for z in loaded]) if loaded else np.zeros((0, 1), np.uint32)
+  drop = minhash.resolve(band_hashes, signatures, cfg.minhash.threshold)
+  start = 0
+  for s, size in enumerate(sizes):
+    _atomic_save(os.path.join(work, "neardup", f"{s:05d}.npy"), drop[start:start + size])
+    start += size
+  return {"documents": int(drop.size), "near_duplicates": int(drop.sum())}
+
+
+def _perplexity_cutoffs(cfg, work: str, num_shards: int) -> dict:
+  """Per language: (head, tail) perplexity cutoffs over the documents that survive every filter."""
+  by_lang: dict[str, list[np.ndarray]] = {}
+  for s in range(num_shards):
+    with np.load(os.path.join(work, "scored", f"{s:05d}.npz")) as z:
+      survive = z["quality_ok"] | (not cfg.quality.enabled)
+      if cfg.langid.enabled:
+        survive &= z["language_ok"]
+      if cfg.minhash.enabled:
+        survive &= ~np.load(os.path.join(work, "neardup", f"{s:05d}.npy"))
+      for lang in np.unique(z["language"][survive]):
+        by_lang.setdefault(str(lang), []).append(z["perplexity"][survive & (z["language"] == lang)])
+  return {lang: ppl.cutoffs(np.concatenate(v), cfg.perplexity.head_percentile, cfg.perplexity.tail_percentile)
+          for lang, v in sorted(by_lang.items())}
+
+
+# ---------------------------------------------------------------------------------------------- driver
+def _fingerprint(cfg, files: list[str]) -> dict:
+  settings = {k: v for k, v in cfg.to_dict().items() if k not in _EXECUTION_KEYS}
+  inputs = [[f, os.path.getsize(f)] for f in files]
+  return json.loads(json.dumps({"settings": settings, "inputs": inputs}))
+
+
+def _check_manifest(work: str, manifest: dict) -> None:
+  path = os.path.join(work, "manifest.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+    if old != manifest:
+      what = "input files" if old.get("inputs") != manifest["inputs"] else "settings " + ", ".join(
+          sorted(k for k in set(old["settings"]) | set(manifest["settings"])
+                 if old["settings"].get(k) != manifest["settings"].get(k)))
+      raise ValueError(f"{os.path.dirname(work)} holds an unfinished or finished run with different {what}; "
+                       "use a new --output directory, or delete this one to start over")
+  else:
+    _atomic_write(path, json.dumps(manifest, indent=1))
+
+
+def validate(cfg) -> None:
+  """Clear errors for settings that cannot work, before anything runs."""
+  if not cfg.output:
+    raise ValueError("no output directory: pass --output DIR")
+  if cfg.minhash.enabled and not 0 < cfg.minhash.threshold <= 1:
+    raise ValueError(f"minhash.threshold must be in (0, 1]; got {cfg.minhash.threshold}")
+  if cfg.langid.enabled and not 0 <= cfg.langid.threshold <= 1:
+    raise ValueError(f"langid.threshold must be in [0, 1]; got {cfg.langid.threshold}")
+  if cfg.perplexity.enabled:
+    ppl.cutoffs(np.zeros(0), cfg.perplexity.head_percentile, cfg.perplexity.tail_percentile)
+
+
+def _run_pass(executor, work: str, step: str, num_shards: int, fn, make_args) -> None:
+  todo = [s for s in range(num_shards) if not _done(work, step, s)]
+  if todo:
+    t0 = time.time()
+    executor.map(fn, [make_args(s) for s in todo])
+    log.info("%s: %d shards in %.1fs", step, len(todo), time.time() - t0)
+
+
+def run(cfg: ml_collections.ConfigDict, executor=None) -> dict:
+  """Runs (or resumes) the whole pipeline; returns the stats also written to DIR/stats.json and DIR/stats.md."""
+  validate(cfg)
+  files = readers.expand_inputs(cfg.input)
+  output = os.path.abspath(cfg.output)
+  work = os.path.join(output, WORK)
+  os.makedirs(work, exist_ok=True)
+  _check_manifest(work, _fingerprint(cfg, files))
+  executor = executor or executors.make_executor(cfg)
+  cfg_dict = cfg.to_dict()
+  n = len(files)
+  extra: dict = {"input_files": n}
+
+  models: dict = {}
+  if cfg.perplexity.enabled:
+    models_path = os.path.join(work, "lm", "models.json")
+    if not os.path.exists(models_path):
+      models = ppl.train_models(cfg.perplexity, os.path.join(work, "lm"))
+      _atomic_write(models_path, json.dumps(models))
+    with open(models_path) as f:
+      models = json.load(f)
+
+  if cfg.dedup.enabled:
+    _run_pass(executor, work, "hash", n, hash_shard, lambda s: (cfg_dict, files[s], s, work))
+    resolved = os.path.join(work, "keep", "resolved.json")
+    if not os.path.exists(resolved):
+      seen = dedup.make_hash_set(cfg.dedup.hash_set, cfg.dedup.bloom_expected, cfg.dedup.bloom_error_rate)
+      info = dedup.resolve_paragraphs(
+          lambda s: np.load(os.path.join(work, "hashes", f"{s:05d}.npy")), n, seen,
+          lambda s, keep: _atomic_save(os.path.join(work, "keep", f"{s:05d}.npy"), keep))
+      _atomic_write(resolved, json.dumps(info))
+    with open(resolved) as f:
+      extra["paragraph_dedup"] = json.load(f)
+
+  _run_pass(executor, work, "score", n, score_shard, lambda s: (cfg_dict, files[s], s, work, models))
+
+  global_path = os.path.join(work, "global.json")
+  if not os.path.exists(global_path):
+    info = {}
+    if cfg.minhash.enabled:
+      info["minhash"] = _resolve_near_duplicates(cfg, work, n)
+    info["cutoffs"] = _perplexity_cutoffs(cfg, work, n) if cfg.perplexity.enabled else {}
+    _atomic_write(global_path, json.dumps(info))
+  with open(global_path) as f:
+    info = json.load(f)
+  extra.update(info)
+
+  _run_pass(executor, work, "write", n, write_shard, lambda s: (cfg_dict, s, work, output, info["cutoffs"]))
+
+  counter = statslib.StageCounter()
+  output_counts: dict = {}
+  reasons: dict = {}
+  for s in range(n):
+    scored, written = _read_marker(work, "score", s), _read_marker(work, "write", s)
+    counter.merge(statslib.StageCounter(scored["stages"]))
+    counter.merge(statslib.StageCounter(written["stages"]))
+    for reason, count in written["quality_reasons"].items():
+      reasons[reason] = reasons.get(reason, 0) + count
+    for lang, by_bucket in written["output"].items():
+      for bucket, (docs, chars) in by_bucket.items():
+        cell = output_counts.setdefault(lang, {}).setdefault(bucket, {"docs": 0, "chars": 0})
+        cell["docs"] += docs
+        cell["chars"] += chars
+  extra["quality_reasons"] = dict(sorted(reasons.items()))
+  summary = statslib.summarise(counter, {k: output_counts[k] for k in sorted(output_counts)}, extra)
+  _atomic_write(os.path.join(output, "stats.json"), json.dumps(summary, indent=1, ensure_ascii=False))
+  _atomic_write(os.path.join(output, "stats.md"), statslib.table(summary))
+  return summary

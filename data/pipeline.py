@@ -1,0 +1,277 @@
+"""The per-process grain pipeline: read ▶ mix ▶ tokenize ▶ pack ▶ batch, deterministic and exactly resumable.
+
+Global order. The mixture is one infinite, seeded sequence of documents (`mixture_dataset`). The global batch has
+B = config.train.batch_size rows; row r of every batch is filled, in order, from the documents r, r+B, r+2B, ...
+of that sequence by its own packer. Process p of P computes rows [p*B/P, (p+1)*B/P) only, so its batch is
+exactly its slice of the global batch and the processes read disjoint documents: concatenating the per-process
+batches of step s (in process order) gives the 1-process batch of step s, for any P dividing B.
+
+Batch (numpy, each [B/P, seq_len]): `inputs`, `targets`, `segment_ids`, `positions` int32 and `loss_mask` float32.
+A document d_1..d_n becomes inputs BOS d_1..d_n and targets d_1..d_n EOS; documents longer than a row are split
+into row-sized pieces (first_fit) or across rows (concat). segment_ids number the pieces in a row from 1
+(0 = padding), positions restart at 0 for every piece, and padding has loss_mask 0.
+
+Resume. `get_state()` records the process index/count, batch size, sequence length, worker count, packing and
+sources next to grain's own state; `set_state()` refuses a state from a different layout, naming both values
+(a changed process count would otherwise duplicate or skip documents). The realised mixture and packing
+efficiency (`stats(iterator)`) are part of the state, so they continue exactly after a restore.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+
+from data import mixture as mixture_lib
+from data import sources as sources_lib
+from data import tokenizer as tokenizer_lib
+
+log = logging.getLogger(__name__)
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+_EVAL_SEED_OFFSET = 104729  # the eval split's document order uses shuffle_seed + this
+
+
+def mixture_dataset(specs, srcs, split: str, eval_fraction: float, seed: int) -> grain.MapDataset:
+  """Infinite MapDataset of (source_id, text): each source's split shuffled anew every epoch, mixed by weight
+  (see data/mixture.py)."""
+  docs, indices, weights, ids = [], [], [], []
+  for sid, (spec, src) in enumerate(zip(specs, srcs)):
+    if len(src) == 0:
+      raise ValueError(f"data source {spec.name!r} ({spec.kind}:{spec.arg}) has no documents")
+    split_idx = sources_lib.split_indices(len(src), eval_fraction, split)
+    if len(split_idx) == 0:
+      continue  # e.g. a one-document source holds nothing out; the eval mixture renormalises without it
+    docs.append(src)
+    indices.append(split_idx)
+    weights.append(spec.weight)
+    ids.append(sid)
+  if not docs:
+    raise ValueError(f"no documents in the {split!r} split; "
+                     + ("set config.data.eval_fraction > 0" if split == "eval" else "add documents"))
+  return grain.MapDataset.source(mixture_lib.MixtureDocs(docs, indices, weights, seed, ids))
+
+
+class _Tokenize:
+  """(source_id, text) -> {inputs: BOS+ids, targets: ids+EOS, source_ids}, or None for an empty document."""
+
+  def __init__(self, tokenizer: tokenizer_lib.Tokenizer):
+    self.tokenizer = tokenizer
+
+  def __call__(self, element):
+    source_id, text = element
+    if not text or not text.strip():
+      return None
+    ids = np.asarray(self.tokenizer.encode(text), np.int32)
+    inputs = np.concatenate([[self.tokenizer.bos_id], ids]).astype(np.int32)
+    targets = np.concatenate([ids, [self.tokenizer.eos_id]]).astype(np.int32)
+    return {"inputs": inputs, "targets": targets, "source_ids": np.full(len(inputs), source_id, np.int32)}
+
+
+def _is_document(element) -> bool:
+  return element is not None
+
+
+class _SplitLong(grain.experimental.FlatMapTransform):
+  """Cuts a tokenized document into pieces of at most `seq_len` tokens (first-fit packs whole pieces)."""
+  max_fan_out = 1 << 20
+
+  def __init__(self, seq_len: int):
+    self.seq_len = seq_len
+
+  def flat_map(self, element):
+    n = len(element["inputs"])
+    return [{k: v[i:i + self.seq_len] for k, v in element.items()} for i in range(0, n, self.seq_len)]
+
+
+class _Row:
+  """Packed grain features -> one batch row with positions restarting per segment and padding masked."""
+
+  def __init__(self, pad_id: int):
+    self.pad_id = pad_id
+
+  def __call__(self, packed):
+    seg = np.asarray(packed["inputs_segment_ids"], np.int32)
+    return {
+        "inputs": np.where(seg > 0, packed["inputs"], self.pad_id).astype(np.int32),
+        "targets": np.where(seg > 0, packed["targets"], self.pad_id).astype(np.int32),
+        "segment_ids": seg,
+        "positions": positions_from_segments(seg),
+        "loss_mask": (seg > 0).astype(np.float32),
+        "source_ids": np.where(seg > 0, packed["source_ids"], -1).astype(np.int32),
+    }
+
+
+def positions_from_segments(segment_ids_L: np.ndarray) -> np.ndarray:
+  """[L] segment ids -> [L] int32 positions: 0, 1, ... from the start of each run of equal ids (0 on padding)."""
+  idx = np.arange(len(segment_ids_L))
+  starts = np.concatenate([[True], segment_ids_L[1:] != segment_ids_L[:-1]])
+  pos = idx - np.maximum.accumulate(np.where(starts, idx, 0))
+  return np.where(segment_ids_L > 0, pos, 0).astype(np.int32)
+
+
+def _stack_rows(rows) -> dict[str, np.ndarray]:
+  return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def _row_stream(mixture: grain.MapDataset, row: int, global_rows: int, tokenizer, data_config,
+                seq_len: int) -> grain.IterDataset:
+  """Packed rows of global batch row `row`: documents row, row+global_rows, ... of the mixture."""
+  ds = mixture[row::global_rows].map(_Tokenize(tokenizer))
+  ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)).filter(_is_document)
+  lengths = {"inputs": seq_len, "targets": seq_len, "source_ids": seq_len}
+  if data_config.packing == "first_fit":
+    ds = grain.experimental.FlatMapIterDataset(ds, _SplitLong(seq_len))
+    ds = grain.experimental.FirstFitPackIterDataset(ds, length_struct=lengths,
+                                                    num_packing_bins=data_config.packing_bins, shuffle_bins=False)
+  elif data_config.packing == "concat":
+    ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths)
+  else:
+    raise ValueError(f"config.data.packing must be 'first_fit' or 'concat', got {data_config.packing!r}")
+  return ds.map(_Row(tokenizer.pad_id))
+
+
+def _worker_init(worker_index: int, worker_count: int) -> None:
+  del worker_index, worker_count
+  logging.getLogger().setLevel(logging.WARNING)
+
+
+def _ensure_absl_flags_parsed() -> None:
+  """Grain reads absl flags before spawning workers; outside an absl app they are unparsed and it would fail."""
+  from absl import flags
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
+class _Finalize(grain.IterDataset):
+  """Top of the pipeline (main process): strips per-token source ids into counters, checks and adds the layout
+  metadata to the state."""
+
+  def __init__(self, parent: grain.IterDataset, meta: dict[str, Any], source_names: Sequence[str], bos_id: int):
+    super().__init__(parent)
+    self.meta, self.source_names, self.bos_id = meta, list(source_names), bos_id
+
+  def __iter__(self):
+    return DataIterator(self._parent.__iter__(), self.meta, self.source_names, self.bos_id)
+
+
+class DataIterator(grain.DatasetIterator):
+  """What `make_iterator` returns: a grain DatasetIterator of batch dicts with `stats()` and a checked state."""
+
+  def __init__(self, parent, meta, source_names, bos_id):
+    super().__init__(parent)
+    self.meta, self.source_names, self.bos_id = meta, source_names, bos_id
+    n = len(source_names)
+    self._counts = {"batches": 0, "tokens": 0, "slots": 0, "source_tokens": [0] * n, "source_docs": [0] * n}
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batch = next(self._parent)
+    source_ids = batch.pop("source_ids")
+    n = len(self.source_names)
+    real = source_ids >= 0
+    c = self._counts
+    c["batches"] += 1
+    c["tokens"] += int(real.sum())
+    c["slots"] += int(source_ids.size)
+    tok = np.bincount(source_ids[real], minlength=n)
+    docs = np.bincount(source_ids[real & (batch["inputs"] == self.bos_id)], minlength=n)
+    c["source_tokens"] = [a + int(b) for a, b in zip(c["source_tokens"], tok)]
+    c["source_docs"] = [a + int(b) for a, b in zip(c["source_docs"], docs)]
+    return batch
+
+  def get_state(self) -> dict[str, Any]:
+    return {"meta": dict(self.meta), "counts": copy.deepcopy(self._counts), "pipeline": self._parent.get_state()}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    saved = state.get("meta", {}) if isinstance(state, dict) else {}
+    if saved.get("process_count") != self.meta["process_count"]:
+      raise ValueError(
+          f"the data iterator state was saved by a run with {saved.get('process_count')} processes, but this run "
+          f"has {self.meta['process_count']}: each process owns fixed rows of the global batch, so restoring it "
+          f"would duplicate or skip documents. Resume with {saved.get('process_count')} processes, or start the "
+          "data order afresh (a new run directory, or restore the model only via config.train.init_from)")
+    for key, value in self.meta.items():
+      if saved.get(key) != value:
+        raise ValueError(f"the data iterator state was saved with {key}={saved.get(key)!r} but this run has "
+                         f"{key}={value!r}; resume with the same config.data/train settings (or start the data "
+                         "order afresh in a new run directory)")
+    self._parent.set_state(state["pipeline"])
+    self._counts = copy.deepcopy(state["counts"])
+
+  def stats(self) -> dict[str, float]:
+    """Realised mixture (token and document fractions per source) and packing efficiency (non-pad fraction) of
+    every batch this process has yielded since the run started (restored state included)."""
+    c = self._counts
+    out = {"data/batches": float(c["batches"]),
+           "data/packing_efficiency": c["tokens"] / c["slots"] if c["slots"] else 0.0}
+    docs = sum(c["source_docs"])
+    for name, tokens, n in zip(self.source_names, c["source_tokens"], c["source_docs"]):
+      out[f"data/mixture_tokens/{name}"] = tokens / c["tokens"] if c["tokens"] else 0.0
+      out[f"data/mixture_docs/{name}"] = n / docs if docs else 0.0
+    return out
+
+
+def stats(iterator: DataIterator) -> dict[str, float]:
+  """`iterator.stats()`: metric name -> value, ready to log (see DataIterator.stats)."""
+  return iterator.stats()
+
+
+def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "train",
+                 process_index: int | None = None, process_count: int | None = None) -> grain.IterDataset:
+  """The grain IterDataset behind `make_iterator` (same arguments)."""
+  if process_index is None or process_count is None:
+    import jax  # lazy: only to learn this process's place; data never needs jax otherwise
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+  d, batch_size, seq_len = config.data, config.train.batch_size, config.train.seq_len
+  if split not in ("train", "eval"):
+    raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+  if process_count < 1 or not 0 <= process_index < process_count:
+    raise ValueError(f"process_index {process_index} is not in [0, process_count={process_count})")
+  if batch_size % process_count:
+    raise ValueError(f"config.train.batch_size={batch_size} is not divisible by the {process_count} processes; "
+                     f"use a multiple of {process_count}")
+  if seq_len < 2:
+    raise ValueError(f"config.train.seq_len must be at least 2, got {seq_len}")
+  if d.worker_count < 0 or d.prefetch < 0 or d.packing_bins < 1:
+    raise ValueError("config.data.worker_count and config.data.prefetch must be >= 0 and packing_bins >= 1")
+  tokenizer_lib.check_vocab(tokenizer, config)
+  specs, srcs = sources_lib.open_sources(d)
+  seed = d.shuffle_seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
+  mixture = mixture_dataset(specs, srcs, split, d.eval_fraction, seed)
+  rows = batch_size // process_count
+  streams = [_row_stream(mixture, process_index * rows + r, batch_size, tokenizer, d, seq_len)
+             for r in range(rows)]
+  ds = grain.experimental.ZipIterDataset(streams).map(_stack_rows)
+  # Evaluation reads a few batches from a fresh iterator each time: worker start-up would dominate, so it uses
+  # the prefetch thread.
+  worker_count = d.worker_count if split == "train" else 0
+  if worker_count > 0:
+    _ensure_absl_flags_parsed()
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count,
+                                                     per_worker_buffer_size=max(1, d.prefetch)),
+                        worker_init_fn=_worker_init)
+  elif d.prefetch > 0:
+    ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=d.prefetch)
+  meta = {"split": split, "process_index": process_index, "process_count": process_count,
+          "batch_size": batch_size, "seq_len": seq_len, "worker_count": worker_count, "packing": d.packing,
+          "packing_bins": d.packing_bins, "shuffle_seed": d.shuffle_seed,
+          "sources": [f"{s.name}={s.kind}:{s.arg}@{s.weight:.6g}" for s in specs]}
+  return _Finalize(ds, meta, [s.name for s in specs], tokenizer.bos_id)
+
+
+def make_iterator(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "train",
+                  process_index: int | None = None, process_count: int | None = None) -> DataIterator:
+  """This process's batches: a grain DatasetIterator of dicts of numpy arrays, each
+  [config.train.batch_size // process_count, config.train.seq_len] (see the module docstring).
+
+  split="train" is infinite (every source reshuffled each epoch); split="eval" draws only held-out documents in
+  a fixed order (also infinite: take the number of batches you need), so re-creating it repeats its batches.
+  process_index/process_count default to jax's. With config.data.worker_count > 0 the work runs in grain worker
+  processes (spawned: guard the entry point with `if __name__ == "__main__":`); call `close()` when done.
+  """
+  return iter(make_dataset(config, tokenizer, split=split, process_index=process_index,
+                           process_count=process_count))

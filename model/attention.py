@@ -1,0 +1,219 @@
+"""Attention kernels behind one switch (`model.attention_impl`), numerically equal up to float rounding.
+
+All take q_BTHK, k_BSGK, v_BSGK (S == T: self-attention; G kv heads divide H query heads, query head h uses kv
+head h // (H // G) as in Hugging Face), segment_ids_BT (0 = padding, which attends only within padding) and a
+window (tokens; 0 = full causal, else a token sees itself and window-1 before it; may be a traced int32).
+They return the context o_BTHK in q's dtype; scores and softmax statistics are float32.
+
+- `xla_attention`: the reference, materialises [B, H, T, S] scores.
+- `dot_product_attention`: `jax.nn.dot_product_attention` (cuDNN flash attention on GPUs in half precision).
+- `blockwise_attention`: flash-style online softmax over blocks with a custom VJP that recomputes the scores, so
+  memory grows linearly with T in both passes; blocks that the mask hides entirely are skipped.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30  # finite "minus infinity": masked scores never produce NaN through (x - max)
+
+
+def mask_fn(q_pos_T, k_pos_S, seg_q_BT, seg_k_BS, window) -> jax.Array:
+  """bool [B, T, S]: causal (by index in the row), inside the window, and within the same segment."""
+  diff_TS = q_pos_T[:, None] - k_pos_S[None, :]
+  visible_TS = (diff_TS >= 0) & ((window == 0) | (diff_TS < window))
+  return visible_TS[None] & (seg_q_BT[:, :, None] == seg_k_BS[:, None, :])
+
+
+def _group(q_BTHK, num_kv_heads):
+  B, T, H, K = q_BTHK.shape
+  return q_BTHK.reshape(B, T, num_kv_heads, H // num_kv_heads, K)
+
+
+def xla_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0):
+  """Reference attention with an explicit [B, G, R, T, S] score tensor (R = H // G query heads per kv head)."""
+  B, T, H, K = q_BTHK.shape
+  S, G = k_BSGK.shape[1], k_BSGK.shape[2]
+  q_BTGRK = _group(q_BTHK, G)
+  s_BGRTS = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32) / jnp.sqrt(
+      jnp.float32(K))
+  mask_BTS = mask_fn(jnp.arange(T), jnp.arange(S), segment_ids_BT, segment_ids_BT, window)
+  s_BGRTS = jnp.where(mask_BTS[:, None, None], s_BGRTS, _NEG)
+  p_BGRTS = jax.nn.softmax(s_BGRTS, axis=-1)
+  o_BTGRK = jnp.einsum("bgrts,bsgk->btgrk", p_BGRTS.astype(v_BSGK.dtype), v_BSGK,
+                       preferred_element_type=jnp.float32)
+  return o_BTGRK.reshape(B, T, H, K).astype(q_BTHK.dtype)
+
+
+def dot_product_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0):
+  """`jax.nn.dot_product_attention` with the segment/causal/window mask; cuDNN on GPU for half precision."""
+  T, S = q_BTHK.shape[1], k_BSGK.shape[1]
+  mask_B1TS = mask_fn(jnp.arange(T), jnp.arange(S), segment_ids_BT, segment_ids_BT, window)[:, None]
+  call = functools.partial(jax.nn.dot_product_attention, q_BTHK, k_BSGK, v_BSGK, mask=mask_B1TS)
+  if jax.default_backend() == "gpu" and q_BTHK.dtype in (jnp.bfloat16, jnp.float16):
+    try:
+      return call(implementation="cudnn")
+    except Exception:  # cuDNN refuses this shape/mask: the XLA path computes the same function
+      pass
+  return call(implementation="xla")
+
+
+def _pad_to(x, length, axis, value=0):
+  pad = length - x.shape[axis]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _block_visible(i, j, bq, bk, window):
+  """Whether any (query, key) pair of block (i, j) can be visible under the causal + window mask."""
+  q_min, q_max = i * bq, i * bq + bq - 1
+  k_min, k_max = j * bk, j * bk + bk - 1
+  return (q_max >= k_min) & ((window == 0) | (q_min - k_max < window))
+
+
+def blockwise_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_size: int = 512):
+  """Flash-style attention: O(T * block) memory in forward and backward; same values as `xla_attention`."""
+  B, T, H, K = q_BTHK.shape
+  blk = min(block_size, T)
+  Tp = -(-T // blk) * blk
+  # Padded positions get segment -1: they match no real token (real segments are >= 0).
+  seg_BT = _pad_to(segment_ids_BT.astype(jnp.int32), Tp, 1, value=-1)
+  q, k, v = (_pad_to(a, Tp, 1) for a in (q_BTHK, k_BSGK, v_BSGK))
+  window = jnp.asarray(window, jnp.int32)
+  o = _flash(q, k, v, seg_BT, window, blk)
+  return o[:, :T]
+
+
+def _split_blocks(x, blk):
+  """[B, T, ...] -> [T // blk, B, blk, ...]."""
+  B, T = x.shape[:2]
+  return jnp.moveaxis(x.reshape(B, T // blk, blk, *x.shape[2:]), 1, 0)
+
+
+def _merge_blocks(x):
+  """[n, B, blk, ...] -> [B, n * blk, ...]."""
+  n, B, blk = x.shape[:3]
+  return jnp.moveaxis(x, 0, 1).reshape(B, n * blk, *x.shape[3:])
+
+
+def _scores(q_BQGRK, k_BSGK, scale):
+  return jnp.einsum("bqgrk,bsgk->bgrqs", q_BQGRK, k_BSGK, preferred_element_type=jnp.float32) * scale
+
+
+def _flash_forward(q, k, v, seg_BT, window, blk):
+  """Returns o_BTHK (q dtype) and the row logsumexp lse_BGRT (float32)."""
+  B, T, H, K = q.shape
+  G = k.shape[2]
+  R = H // G
+  scale = 1.0 / jnp.sqrt(jnp.float32(K))
+  qb = _split_blocks(_group(q, G), blk)  # [n, B, blk, G, R, K]
+  kb, vb, segb = _split_blocks(k, blk), _split_blocks(v, blk), _split_blocks(seg_BT, blk)
+  n = T // blk
+  pos = jnp.arange(blk)
+
+  def q_block(i, q_BQGRK, segq_BQ):
+    def k_step(carry, xs):
+      j, k_BSGK, v_BSGK, segk_BS = xs
+
+      def compute(carry):
+        m, l, acc = carry
+        s = _scores(q_BQGRK, k_BSGK, scale)
+        mask = mask_fn(i * blk + pos, j * blk + pos, segq_BQ, segk_BS, window)[:, None, None]
+        s = jnp.where(mask, s, _NEG)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        l = l * corr + p.sum(-1)
+        acc = acc * corr[..., None] + jnp.einsum("bgrqs,bsgk->bgrqk", p.astype(v_BSGK.dtype), v_BSGK,
+                                                 preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+      visible = _block_visible(i, j, blk, blk, window)
+      return jax.lax.cond(visible, compute, lambda c: c, carry), None
+
+    init = (jnp.full((B, G, R, blk), _NEG, jnp.float32), jnp.zeros((B, G, R, blk), jnp.float32),
+            jnp.zeros((B, G, R, blk, K), jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(k_step, init, (jnp.arange(n), kb, vb, segb))
+    o_BGRQK = acc / l[..., None]  # every real row sees at least itself, so l > 0
+    return jnp.einsum("bgrqk->bqgrk", o_BGRQK).reshape(B, blk, H, K), m + jnp.log(l)
+
+  o_n, lse_n = jax.lax.map(lambda xs: q_block(*xs), (jnp.arange(n), qb, segb))
+  o_BTHK = _merge_blocks(o_n).astype(q.dtype)
+  lse_BGRT = jnp.moveaxis(lse_n, 0, 3).reshape(B, G, R, T)
+  return o_BTHK, lse_BGRT
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, seg_BT, window, blk):
+  return _flash_forward(q, k, v, seg_BT, window, blk)[0]
+
+
+def _flash_fwd(q, k, v, seg_BT, window, blk):
+  o, lse = _flash_forward(q, k, v, seg_BT, window, blk)
+  return o, (q, k, v, seg_BT, window, o, lse)
+
+
+def _flash_bwd(blk, res, do_BTHK):
+  q, k, v, seg_BT, window, o, lse_BGRT = res
+  B, T, H, K = q.shape
+  G = k.shape[2]
+  R = H // G
+  n = T // blk
+  scale = 1.0 / jnp.sqrt(jnp.float32(K))
+  pos = jnp.arange(blk)
+  q5, do5 = _group(q, G), _group(do_BTHK, G)
+  # D_i = sum_k do_ik o_ik: the softmax-Jacobian term, one number per query row.
+  d_BGRT = jnp.einsum("btgrk,btgrk->bgrt", do5.astype(jnp.float32), _group(o, G).astype(jnp.float32))
+  qb, dob = _split_blocks(q5, blk), _split_blocks(do5, blk)
+  lseb = jnp.moveaxis(lse_BGRT.reshape(B, G, R, n, blk), 3, 0)  # [n, B, G, R, blk]
+  db = jnp.moveaxis(d_BGRT.reshape(B, G, R, n, blk), 3, 0)
+  kb, vb, segb = _split_blocks(k, blk), _split_blocks(v, blk), _split_blocks(seg_BT, blk)
+
+  def k_block(dq_acc, xs):
+    j, k_BSGK, v_BSGK, segk_BS = xs
+
+    def q_step(carry, xs):
+      i, q_BQGRK, do_BQGRK, lse_BGRQ, d_BGRQ, segq_BQ = xs
+
+      def compute(carry):
+        dk, dv = carry
+        s = _scores(q_BQGRK, k_BSGK, scale)
+        mask = mask_fn(i * blk + pos, j * blk + pos, segq_BQ, segk_BS, window)[:, None, None]
+        p = jnp.where(mask, jnp.exp(s - lse_BGRQ[..., None]), 0.0)
+        dv = dv + jnp.einsum("bgrqs,bqgrk->bsgk", p, do_BQGRK.astype(jnp.float32))
+        dp = jnp.einsum("bqgrk,bsgk->bgrqs", do_BQGRK, v_BSGK, preferred_element_type=jnp.float32)
+        ds = p * (dp - d_BGRQ[..., None]) * scale
+        dq = jnp.einsum("bgrqs,bsgk->bqgrk", ds, k_BSGK.astype(jnp.float32))
+        dk = dk + jnp.einsum("bgrqs,bqgrk->bsgk", ds, q_BQGRK.astype(jnp.float32))
+        return (dk, dv), dq
+
+      def skip(carry):
+        return carry, jnp.zeros((B, blk, G, R, K), jnp.float32)
+
+      return jax.lax.cond(_block_visible(i, j, blk, blk, window), compute, skip, carry)
+
+    init = (jnp.zeros((B, blk, G, K), jnp.float32), jnp.zeros((B, blk, G, K), jnp.float32))
+    (dk, dv), dq_n = jax.lax.scan(q_step, init, (jnp.arange(n), qb, dob, lseb, db, segb))
+    return dq_acc + dq_n, (dk, dv)
+
+  dq0 = jnp.zeros((n, B, blk, G, R, K), jnp.float32)
+  dq_n, (dk_n, dv_n) = jax.lax.scan(k_block, dq0, (jnp.arange(n), kb, vb, segb))
+  dq = _merge_blocks(dq_n).reshape(B, T, H, K).astype(q.dtype)
+  return dq, _merge_blocks(dk_n).astype(k.dtype), _merge_blocks(dv_n).astype(v.dtype), None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+IMPLEMENTATIONS = {"xla": xla_attention, "dot_product": dot_product_attention, "blockwise": blockwise_attention}
+
+
+def attend(impl: str, q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_size: int = 512):
+  """Dispatches to the implementation named by `model.attention_impl`."""
+  if impl == "blockwise":
+    return blockwise_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, block_size)
+  return IMPLEMENTATIONS[impl](q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window)

@@ -1,0 +1,53 @@
+"""Parameter counts (abstract evaluation, nothing allocated) and training FLOPs per token."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+from flax import nnx
+
+from model import config as config_lib
+
+
+def count_params(cfg_model: Mapping[str, Any]) -> dict[str, int]:
+  """{"total": all parameters, "non_embedding": total minus the embedding matrices}.
+
+  Embedding matrices (Kaplan et al. 2020) are the input table [V, D] and, when untied, the output projection
+  [D, V]. Shapes come from `nnx.eval_shape` of the real model, so nothing is allocated.
+  """
+  from model.transformer import Transformer  # local: transformer imports this package's siblings
+  cfg = config_lib.validate(cfg_model)
+  with nnx.use_eager_sharding(False):
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  total = sum(int(x.size) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+  embedding = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+  return {"total": total, "non_embedding": total - embedding}
+
+
+def mean_attended_length(window: int, seq_len: int) -> float:
+  """Mean number of keys a query attends to under a causal mask, in the continuous approximation.
+
+  Full causal (window 0 or >= seq_len): T/2. Window w < T: (1/T) * integral_0^T min(t, w) dt = w - w^2 / (2T).
+  """
+  T, w = float(seq_len), float(window)
+  if window == 0 or w >= T:
+    return T / 2
+  return w - w * w / (2 * T)
+
+
+def flops_per_token(cfg_model: Mapping[str, Any], seq_len: int) -> float:
+  """Training (forward + backward) FLOPs per token.
+
+    6 * (N_non_embedding + D * V)  +  12 * H * K * sum_layers mean_attended_length(window_l, T)
+
+  The first term is 2 FLOPs per multiply-add for every weight matmul, times 3 for forward + backward; it includes
+  the output projection (D * V, a real matmul, tied or not) but not the input embedding lookup (no FLOPs).
+  The second is QK^T and PV (2 matmuls * 2 FLOPs * H * K per attended key, times 3 for the backward); for full
+  causal attention it is 6 * num_layers * H * K * T, i.e. 12 * L * H * K * T halved for the mask.
+  """
+  cfg = config_lib.validate(cfg_model)
+  if seq_len < 1:
+    raise ValueError(f"seq_len={seq_len} must be >= 1")
+  n = count_params(cfg)["non_embedding"] + cfg.d_model * cfg.vocab_size
+  attended = sum(mean_attended_length(w, seq_len) for w in config_lib.layer_windows(cfg))
+  return 6.0 * n + 12.0 * cfg.num_heads * cfg.head_dim * attended

@@ -1,0 +1,120 @@
+"""The one table mapping the model's logical axis names to mesh axes, and the checks that a model fits a mesh.
+
+Default layout (DESIGN.md): batch over data+fsdp; embed over fsdp for parameters (FSDP / ZeRO-3: gradients and
+optimizer state follow the parameters, so ZeRO-1/2 savings come with it); heads, kv_heads, mlp, vocab over
+tensor (Megatron); length over sequence for activations, with kv_length unsharded so that under sequence
+parallelism attention gathers K/V while queries stay split. `config.mesh.rules` overrides entries.
+
+The table is ordered and read with flax `logical_to_mesh_axes` semantics (`model.axes.spec`): when two dimensions
+of one array map to the same mesh axis (an activation [batch, length, embed] would use fsdp twice), the earlier
+rule wins and the later dimension stays unsharded. Every logical name has an entry (None = replicated), because
+nnx keeps an unmapped parameter name as a literal mesh axis name.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import PartitionSpec
+
+from parallel import mesh as mesh_lib
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+LOGICAL_AXES = ("batch", "length", "kv_length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab",
+                "experts", "layers")
+
+DEFAULT_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("length", "sequence"),
+    ("kv_length", None),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("experts", "expert"),
+    ("layers", None),
+)
+
+
+def _as_axes(value: Any, where: str) -> MeshAxes:
+  if value is None or value == "" or value == "none" or value == "None":
+    return None
+  axes = (value,) if isinstance(value, str) else tuple(value)
+  for a in axes:
+    if a not in mesh_lib.AXES:
+      raise ValueError(f"{where}: unknown mesh axis {a!r}; mesh axes are {', '.join(mesh_lib.AXES)}")
+  return axes[0] if len(axes) == 1 else axes
+
+
+def logical_rules(mesh_cfg) -> Rules:
+  """The logical -> mesh axis table with `config.mesh.rules` overrides applied (same order as DEFAULT_RULES).
+
+  `config.mesh.rules` is a sequence of (logical_name, mesh_axis | (mesh_axes...) | None) pairs; an unknown
+  name on either side raises ValueError naming it.
+  """
+  table = dict(DEFAULT_RULES)
+  overrides = mesh_cfg.get("rules", ()) or ()
+  for i, entry in enumerate(overrides):
+    if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+      raise ValueError(f"config.mesh.rules[{i}]={entry!r}: each rule is a pair (logical_name, mesh_axes)")
+    name, value = entry
+    if name not in table:
+      raise ValueError(f"config.mesh.rules[{i}]: unknown logical axis {name!r}; known: {', '.join(LOGICAL_AXES)}")
+    table[name] = _as_axes(value, f"config.mesh.rules[{i}] ({name})")
+  return tuple(table.items())
+
+
+def _flat(axes: MeshAxes) -> tuple[str, ...]:
+  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def axis_size(mesh: jax.sharding.Mesh, axes: MeshAxes) -> int:
+  """Number of devices a dimension mapped to `axes` is split over."""
+  return math.prod(mesh.shape[a] for a in _flat(axes))
+
+
+def fit_rules(rules: Rules, model_cfg, mesh: jax.sharding.Mesh) -> Rules:
+  """Checks that the model's head counts fit the tensor axis; returns the rules to use for this model.
+
+  num_heads must be divisible by the size of the mesh axes `heads` maps to. num_kv_heads either divides by it
+  too, or (MQA / GQA with fewer kv heads than tensor shards, e.g. kv_heads=1) the tensor size must be a multiple
+  of num_kv_heads: then the K/V projections are replicated across the tensor axis (kv_heads -> None), costing
+  a little memory and duplicated K/V compute per shard. Raises ValueError naming the axis otherwise.
+  """
+  table = dict(rules)
+  heads_size = axis_size(mesh, table.get("heads"))
+  if model_cfg.num_heads % heads_size:
+    raise ValueError(
+        f"mesh axis {table['heads']!r} (size {heads_size}) does not divide config.model.num_heads="
+        f"{model_cfg.num_heads}; choose config.mesh.tensor among the divisors of num_heads")
+  kv_size = axis_size(mesh, table.get("kv_heads"))
+  if model_cfg.num_kv_heads % kv_size:
+    if kv_size % model_cfg.num_kv_heads:
+      raise ValueError(
+          f"mesh axis {table['kv_heads']!r} (size {kv_size}) and config.model.num_kv_heads="
+          f"{model_cfg.num_kv_heads} neither divide each other; choose config.mesh.tensor dividing num_kv_heads "
+          "or a multiple of it (then K/V heads are replicated)")
+    table["kv_heads"] = None
+  return tuple(table.items())
+
+
+def check_divisible(specs: Any, shapes: Any, mesh: jax.sharding.Mesh, what: str = "parameter") -> None:
+  """Raises ValueError naming the array, dimension and mesh axis where a sharded dimension does not divide.
+
+  `specs` and `shapes` are matching pytrees of PartitionSpec and objects with `.shape`.
+  """
+  flat_specs = jax.tree_util.tree_flatten_with_path(
+      specs, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
+  flat_shapes = jax.tree.leaves(shapes)
+  for (path, p), x in zip(flat_specs, flat_shapes):
+    for dim, (axes, size) in enumerate(zip(p, x.shape)):
+      n = axis_size(mesh, axes)
+      if size % n:
+        name = jax.tree_util.keystr(path)
+        raise ValueError(f"{what} {name} dimension {dim} (size {size}) is sharded over mesh axis {axes!r} of size "
+                         f"{n}, which does not divide it; change config.mesh (or config.mesh.rules) or the model size")

@@ -1,0 +1,59 @@
+"""`python -m train [--config=tiny] [--config.SECTION.KEY=VALUE ...] [--workdir=runs/<config name>]`.
+
+Trains, evaluates and checkpoints; the same command on the same workdir resumes from the latest checkpoint.
+Exit codes: 0 done (or stopped cleanly by SIGTERM/SIGINT, with a checkpoint), 1 training failed (non-finite
+halt, full disk), 2 bad command line, config or workdir (nothing was run).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+from typing import Sequence
+
+
+def _accelerator_present() -> bool:
+  """Whether this host looks like it has a TPU or GPU, judged without initialising JAX."""
+  if any(k.startswith(("TPU_", "CLOUD_TPU")) for k in os.environ):
+    return True
+  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or glob.glob("/dev/nvidia[0-9]*"))
+
+
+def _default_platform() -> None:
+  # With libtpu installed (the test extra), every JAX start on a CPU-only machine probes for a TPU and prints
+  # warnings. Pin JAX to the CPU only when the user chose no platform and the host has no accelerator device.
+  if "JAX_PLATFORMS" not in os.environ and not _accelerator_present():
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  _default_platform()  # before the first JAX import
+  from train import cli  # pylint: disable=g-import-not-at-top
+  from train import loop  # pylint: disable=g-import-not-at-top
+
+  parser = argparse.ArgumentParser(prog="python -m train", description="Train a meshlm model.")
+  parser.add_argument("--workdir", default=None,
+                      help="run directory: config, metrics, checkpoints, tokenizer (default: runs/<config name>)")
+  try:
+    config, args = cli.parse(sys.argv[1:] if argv is None else argv, parser)
+  except cli.ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
+  try:
+    loop.check_workdir(workdir)
+  except loop.WorkdirError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  try:
+    loop.run(config, workdir)
+  except loop.TrainingError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,332 @@
+"""The training run behind `python -m train`: set-up, resume, the step loop, evaluation, checkpoints, faults.
+
+Order of work: workdir check -> distributed start-up -> config.json -> mesh -> tokenizer -> Trainer -> restore
+the latest checkpoint (or init, or `train.init_from`) -> steps. Everything that affects a step lives in the
+checkpoint (state with step/RNG/optimizer, data-iterator position, non-finite counter), so a resumed run
+continues bit-identically. Metrics are fetched from the device one step late (and in full only every
+`log_every` steps) so the host never waits on the step it has just dispatched.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import ml_collections
+import numpy as np
+
+from train import checkpoint as ckpt_lib
+from train import logger as logger_lib
+
+TOKENIZER_KEY = "tokenizer"
+
+
+class WorkdirError(RuntimeError):
+  """The run directory cannot be created or written; the message names the path and the fix."""
+
+
+class TrainingError(RuntimeError):
+  """Training cannot go on (non-finite halt, full disk, a bad checkpoint); the message says why and what to do."""
+
+
+def check_workdir(workdir: str) -> None:
+  """Fails fast (before any device work) if `workdir` cannot be created or written."""
+  path = os.path.abspath(workdir)
+  fix = "choose another --workdir or fix the permissions"
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise WorkdirError(f"cannot create workdir {path}: {e.strerror or e}; {fix}") from None
+  if not os.access(path, os.W_OK | os.X_OK):
+    raise WorkdirError(f"workdir {path} is not writable; {fix}")
+  probe = os.path.join(path, f".write-test-{os.getpid()}")
+  try:
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+      raise WorkdirError(f"no space left in workdir {path}; free disk space or choose another --workdir") from None
+    raise WorkdirError(f"workdir {path} is not writable: {e.strerror or e}; {fix}") from None
+
+
+class _StopSignal:
+  """SIGTERM/SIGINT -> finish the current step, checkpoint, exit 0. A second SIGINT interrupts at once."""
+
+  def __init__(self):
+    self.received: str | None = None
+    self._previous: dict[int, Any] = {}
+
+  def __enter__(self):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      try:
+        self._previous[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread (e.g. run() called from a worker thread): no handler
+        pass
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.received = signal.Signals(signum).name
+    if signum == signal.SIGINT:
+      signal.signal(signal.SIGINT, signal.default_int_handler)
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+  def should_stop(self, step: int) -> bool:
+    """True on every process once any of them was signalled (multi-host: at an agreed step)."""
+    if jax.process_count() == 1:
+      return self.received is not None
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    try:
+      return multihost_utils.reached_preemption_sync_point(step)
+    except RuntimeError:  # no preemption service: fall back to the local flag, synced over all processes
+      flags = multihost_utils.process_allgather(np.array(self.received is not None))
+      return bool(np.any(flags))
+
+
+def _print0(*args) -> None:
+  if jax.process_index() == 0:
+    print(*args, flush=True)
+
+
+def _write_json(path: str, obj: Any) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def _config_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  return json.loads(config.to_json_best_effort())
+
+
+def run(config: ml_collections.ConfigDict, workdir: str, *, stop_at: int | None = None,
+        batch_hook: Callable[[int, dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
+  """Trains `config` in `workdir` (resuming from its latest checkpoint); returns a summary dict.
+
+  Args:
+    config: the resolved config (train.cli.parse / train.cli.load).
+    workdir: the run directory; created if needed.
+    stop_at: stop after this step as if preempted (checkpoint, return); for tests of resumption.
+    batch_hook: `(step, local_batch) -> local_batch` applied before the batch goes to the devices; for fault
+      injection in tests (e.g. a NaN in `loss_mask` to exercise the non-finite path).
+
+  Returns:
+    {"step": last step run, "loss": its training loss, "eval_loss": last eval loss or None, "stopped": what
+    stopped the run early (signal name) or None}. Raises TrainingError (non-finite halt, full disk, bad
+    init_from) and WorkdirError.
+  """
+  # The model and data stacks load here, not at import: `python -m train` checks its arguments first.
+  import parallel  # pylint: disable=g-import-not-at-top
+  from data import pipeline as pipeline_lib  # pylint: disable=g-import-not-at-top
+  from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from train import mfu as mfu_lib  # pylint: disable=g-import-not-at-top
+  from train import step as step_lib  # pylint: disable=g-import-not-at-top
+
+  check_workdir(workdir)
+  workdir = os.path.abspath(workdir)
+  parallel.distributed.initialize(config.distributed)
+  primary = jax.process_index() == 0
+  tc, ck = config.train, config.checkpoint
+  config_dict = _config_dict(config)
+  if primary:
+    print(config, flush=True)
+    _write_json(os.path.join(workdir, "config.json"), config_dict)
+
+  mesh = mesh_lib.make_mesh(config.mesh)
+  _print0(f"mesh {mesh_lib.describe(mesh)} on {jax.device_count()} {jax.devices()[0].platform} device(s), "
+          f"{jax.process_count()} process(es); workdir {workdir}")
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR), ck)
+  latest = checkpointer.latest_step()
+  if latest is not None and primary:
+    _restore_tokenizer_file(checkpointer, latest, workdir)
+  tokenizer_path = tokenizer_lib.prepare(config, workdir)
+  tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_path)
+  trainer = step_lib.Trainer(config, mesh)
+
+  def make_iterator(split):
+    return pipeline_lib.make_iterator(config, tokenizer, split=split, process_index=jax.process_index(),
+                                      process_count=jax.process_count())
+
+  train_iter = make_iterator("train")
+  nonfinite_run = 0  # consecutive non-finite steps so far (checkpointed, so the halt rule survives restarts)
+  if latest is not None:
+    try:
+      state, meta = checkpointer.restore(trainer.abstract_state(), train_iter, step=latest)
+    except ValueError as e:
+      raise TrainingError(f"cannot resume from {checkpointer.directory}/{latest}: {e}") from None
+    nonfinite_run = int(meta.get("nonfinite_run", 0))
+    _print0(f"resumed from {checkpointer.directory}/{latest}")
+  else:
+    state = trainer.init(tc.seed)
+    if tc.init_from:
+      state = dict(state, params=_init_from(trainer, tc.init_from))
+      _print0(f"initialised the parameters from {tc.init_from}")
+  start = latest or 0
+
+  tokenizer_entry = ckpt_lib.encode_file(tokenizer_path)
+  log = logger_lib.MetricLogger(workdir, config.log, total_steps=tc.steps, start_step=start, enabled=primary,
+                                run_config=config_dict)
+  tokens_per_step = tc.batch_size * tc.seq_len
+  flops_per_token = mfu_lib.flops_per_token(config.model, tc.seq_len)
+  peak = mfu_lib.peak_flops_per_device(jax.devices(), tc.peak_tflops)
+
+  def save(step: int) -> None:
+    if checkpointer.latest_step() == step:
+      return
+    meta = {"nonfinite_run": nonfinite_run, "config": config_dict, "mesh": dict(mesh.shape),
+            TOKENIZER_KEY: tokenizer_entry}
+    checkpointer.save(step, state, train_iter, meta)
+
+  def evaluate() -> dict[str, float]:
+    eval_iter = make_iterator("eval")
+    loss_sum = tokens = 0.0
+    for _ in range(tc.eval_steps):
+      out = jax.device_get(trainer.eval_fn(state, trainer.batch_to_device(next(eval_iter))))
+      loss_sum, tokens = loss_sum + float(out["loss_sum"]), tokens + float(out["tokens"])
+    _close(eval_iter)
+    if tokens == 0:
+      raise TrainingError("the eval batches hold no tokens; raise data.eval_fraction or set train.eval_every=0")
+    eval_loss = loss_sum / tokens
+    return {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 80.0))}
+
+  summary = {"step": start, "loss": None, "eval_loss": None, "stopped": None}
+  step = start
+  try:
+    with _StopSignal() as stop:
+      if start == 0 and tc.eval_every > 0:  # the starting point of the eval curve
+        summary["eval_loss"] = _log_eval(log, 0, evaluate())
+      pending = None  # (step, device metrics) of the step in flight, read one step late
+      window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
+      while step < tc.steps:
+        t0 = time.perf_counter()
+        local = next(train_iter)
+        window_wait += time.perf_counter() - t0
+        step += 1
+        if batch_hook is not None:
+          local = batch_hook(step, local)
+        state, metrics = trainer.step_fn(state, trainer.batch_to_device(local))
+        window_steps += 1
+        if pending is not None:
+          nonfinite_run = _count_nonfinite(*pending, nonfinite_run, tc.max_nonfinite, checkpointer)
+        pending = (step, metrics)
+        log.advance(step)
+
+        stopping = stop.should_stop(step) or step == stop_at
+        log_now = step % tc.log_every == 0 or step == tc.steps or stopping
+        eval_now = tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps)
+        save_now = (ck.every > 0 and step % ck.every == 0) or step == tc.steps or stopping
+        if not (log_now or eval_now or save_now):
+          continue
+        nonfinite_run = _count_nonfinite(*pending, nonfinite_run, tc.max_nonfinite, checkpointer)
+        pending = None
+        if log_now:
+          host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+          elapsed = time.perf_counter() - window_start
+          host["tokens_per_sec"] = window_steps * tokens_per_step / elapsed
+          host["data_wait_frac"] = window_wait / elapsed
+          util = mfu_lib.mfu(host["tokens_per_sec"], flops_per_token, jax.device_count(), peak)
+          if util is not None:
+            host["mfu"] = util
+          log.log(step, host)
+          summary["loss"] = host["loss"]
+        if eval_now:
+          summary["eval_loss"] = _log_eval(log, step, evaluate())
+        if save_now:
+          save(step)
+        summary["step"] = step
+        window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
+        if stopping:
+          summary["stopped"] = stop.received or f"stop_at={stop_at}"
+          checkpointer.wait()
+          log.message(f"{summary['stopped']}: stopped after step {step}; checkpoint saved to "
+                      f"{checkpointer.directory}/{step}. Run the same command to resume.")
+          break
+    checkpointer.wait()
+  except ckpt_lib.CheckpointError as e:
+    raise TrainingError(str(e)) from None
+  finally:
+    log.close()
+    _close(train_iter)
+    with contextlib.suppress(Exception):
+      checkpointer.close()
+  if summary["stopped"] is None:
+    _print0(f"done: step {summary['step']}, loss {summary['loss']:.4f}"
+            + (f", eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else "")
+            + f"; checkpoints in {checkpointer.directory}; plot: python -m train.plot {workdir}")
+  return summary
+
+
+def _log_eval(log: logger_lib.MetricLogger, step: int, ev: dict[str, float]) -> float:
+  log.log(step, ev)
+  log.message(f"step {step}: eval loss {ev['eval_loss']:.4f}, perplexity {ev['eval_perplexity']:.2f}")
+  return ev["eval_loss"]
+
+
+def _close(iterator) -> None:
+  close = getattr(iterator, "close", None)
+  if close is not None:
+    close()
+
+
+def _count_nonfinite(step: int, metrics: dict[str, Any], run: int, limit: int, checkpointer) -> int:
+  """Updates the consecutive non-finite count with `step`'s flag; raises TrainingError at `limit` in a row."""
+  if not bool(jax.device_get(metrics["nonfinite"])):
+    return 0
+  run += 1
+  latest = checkpointer.latest_step()
+  if run >= limit:
+    raise TrainingError(
+        f"halting at step {step}: the loss or gradient was non-finite for {run} consecutive steps "
+        f"(steps {step - run + 1}..{step}; updates were skipped). Latest checkpoint: "
+        f"{'step ' + str(latest) if latest is not None else 'none'}. Lower train.lr, raise train.warmup_steps or "
+        "check the data; train.max_nonfinite sets the limit.")
+  print(f"warning: step {step}: non-finite loss or gradient, update skipped ({run} in a row, halting at "
+        f"{limit})", file=sys.stderr, flush=True)
+  return run
+
+
+def _restore_tokenizer_file(checkpointer: ckpt_lib.Checkpointer, step: int, workdir: str) -> None:
+  """Puts the run's tokenizer file back into the workdir from the checkpoint if it went missing."""
+  entry = checkpointer.metadata(step).get(TOKENIZER_KEY)
+  if entry:
+    ckpt_lib.decode_file(entry, workdir)
+
+
+def _init_from(trainer, path: str) -> dict[str, Any]:
+  """Parameters (sharded like `trainer`'s) from a meshlm run/checkpoint directory or a Hugging Face directory."""
+  abstract = trainer.abstract_state()["params"]
+  if not os.path.isdir(path):
+    raise TrainingError(f"train.init_from={path!r} is not a directory; give a meshlm run directory, a "
+                        "checkpoints/<step> directory or a Hugging Face model directory")
+  is_hf = (os.path.isfile(os.path.join(path, "config.json"))
+           and any(f.endswith(".safetensors") for f in os.listdir(path)))
+  if not is_hf:
+    directory, step = ckpt_lib.find_checkpoint_dir(path)
+    try:
+      return ckpt_lib.Checkpointer(directory, read_only=True).restore_subtree({"params": abstract}, step)["params"]
+    except (ValueError, KeyError) as e:
+      raise TrainingError(f"train.init_from={path!r}: its parameters do not fit config.model ({e}); use the "
+                          "model config of the run it came from") from None
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from model import hf  # pylint: disable=g-import-not-at-top
+  m = trainer.config.model
+  loaded = hf.load(path, dtype=m.param_dtype, compute_dtype=m.dtype, scan_layers=m.scan_layers)
+  params = nnx.state(loaded, nnx.Param).to_pure_dict()
+  want = jax.tree.map(lambda a: (a.shape, a.dtype), abstract)
+  got = jax.tree.map(lambda a: (a.shape, a.dtype), params)
+  if want != got:
+    raise TrainingError(f"train.init_from={path!r}: the Hugging Face model's parameters do not match "
+                        "config.model; set the model keys from its config.json (model.hf.config_from_hf)")
+  return jax.device_put(params, trainer.param_shardings)

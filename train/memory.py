@@ -1,0 +1,159 @@
+"""Per-device memory of a training run, from the config alone: model state by precision and sharding, and
+activations by remat policy. Used by `python -m train.plan` and printed beside the compiled figures by
+`python -m train.compile`.
+
+Units: bytes unless a name says otherwise. "Per token" means per token held by one device.
+"""
+from __future__ import annotations
+
+import math
+
+import ml_collections
+
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Bytes per parameter of (weights, gradients, optimizer state) for AdamW, before any sharding.
+PRECISIONS = {
+    "fp32": (4, 4, 8),  # fp32 weights and gradients, Adam m and v in fp32
+    "bf16_mixed": (2, 2, 12),  # bf16 weights and gradients; fp32 master copy + Adam m, v (ZeRO's K = 12)
+    "bf16": (2, 2, 4),  # everything in bf16 (no master copy)
+}
+SEEDS_EXTRA_BYTES = 20  # the seeds' rule of thumb: training needs the weights plus ~20 bytes per parameter
+
+
+def state_bytes_per_param(precision: str, weight_dtype: str = "float32") -> dict:
+  """Bytes per parameter: {"weights", "gradients", "optimizer", "total"} for a precision name.
+
+  `precision`: "fp32", "bf16_mixed", or "seeds" (weights in `weight_dtype` + SEEDS_EXTRA_BYTES, all of which are
+  reported under "optimizer" since the rule does not split them).
+  """
+  if precision == "seeds":
+    w, g, o = BYTES[weight_dtype], 0, SEEDS_EXTRA_BYTES
+  elif precision in PRECISIONS:
+    w, g, o = PRECISIONS[precision]
+  else:
+    raise ValueError(f"unknown precision {precision!r}; use one of {', '.join([*PRECISIONS, 'seeds'])}")
+  return {"weights": w, "gradients": g, "optimizer": o, "total": w + g + o}
+
+
+def state_memory(params: float, precision: str = "fp32", *, zero_stage: int = 3, fsdp: int = 1,
+                 tensor: int = 1, weight_dtype: str = "float32") -> dict:
+  """Per-device bytes of weights, gradients and optimizer state for `params` parameters.
+
+  Tensor parallelism divides everything by `tensor`; data parallelism replicates; ZeRO stage k shards over the
+  `fsdp` ranks: 1 the optimizer state, 2 also the gradients, 3 also the weights (meshlm's fsdp axis is stage 3).
+  """
+  if zero_stage not in (0, 1, 2, 3):
+    raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+  per = state_bytes_per_param(precision, weight_dtype)
+  div = {"weights": fsdp if zero_stage >= 3 else 1, "gradients": fsdp if zero_stage >= 2 else 1,
+         "optimizer": fsdp if zero_stage >= 1 else 1}
+  out = {k: params * per[k] / (tensor * div[k]) for k in div}
+  out["total"] = sum(out.values())
+  return out
+
+
+def meshlm_state(config: ml_collections.ConfigDict, params: float, sizes: dict[str, int]) -> dict:
+  """Per-device state as meshlm's train step holds it: weights, gradients and AdamW m, v all in
+  model.param_dtype, sharded over fsdp (ZeRO-3) and tensor, replicated over data."""
+  precision = {"float32": "fp32"}.get(config.model.param_dtype, "bf16")
+  return state_memory(params, precision, zero_stage=3, fsdp=sizes["fsdp"], tensor=sizes["tensor"])
+
+
+def mesh_sizes(config: ml_collections.ConfigDict, num_devices: int | None = None) -> dict[str, int]:
+  """Axis sizes (ICI x DCN) of `config.mesh` on `num_devices` devices (default: -1 axes become 1)."""
+  from parallel import mesh as mesh_lib  # local: only config-based estimates need it
+  dcn = math.prod(int(config.mesh[f"dcn_{a}"]) for a in mesh_lib.DCN_AXES)
+  if num_devices is None:
+    fixed = math.prod(max(int(config.mesh[a]), 1) for a in mesh_lib.AXES)
+    num_devices = fixed * max(dcn, 1)
+  ici, dcn_sizes = mesh_lib.mesh_shape(config.mesh, num_devices, max(dcn, 1))
+  return {a: ici[a] * dcn_sizes[a] for a in mesh_lib.AXES}
+
+
+def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int) -> dict[str, float]:
+  """Bytes per token of what one layer (model/layers.py) keeps for its backward pass, as one device holds it
+  (head and mlp widths divided by `tensor`), grouped by what the remat policies can choose to save.
+
+  Counted from the residuals jax saves without remat (`jax.ad_checkpoint.saved_residuals` of a layer):
+  six D-wide tensors (layer input, the float32 normalisation intermediates and normalised inputs of both norms,
+  the residual after attention), q (grouped), k, v and the attention context, and six F-wide MLP tensors
+  (gate, up, the activation's intermediates, their product). The reference attention keeps three float32
+  [H, S] score tensors per query (masked scores, exponentials, probabilities) and the boolean mask.
+  """
+  c = BYTES[m.dtype]
+  h, g, k, f, d = m.num_heads / tensor, m.num_kv_heads / tensor, m.head_dim, m.mlp_dim / tensor, m.d_model
+  mlp_inputs = 2 if m.mlp_type in ("swiglu", "geglu") else 1
+  if m.attention_impl == "blockwise":
+    scores = 2 * h * 4  # flash-style custom VJP: only float32 running max and sum per query head are kept
+  else:
+    scores = h * kv_len * (3 * 4 + 1)
+  return {
+      "input": d * c,  # the layer input (the scan carry), kept by every policy
+      "norms": 5 * d * c,
+      "qkv": (h + 2 * g) * k * c,
+      "context": h * k * c,
+      "scores": scores,
+      "attn_out": d * c,  # only the dot-saving policies keep it; without remat it is folded into `norms`
+      "mlp_in": mlp_inputs * f * c,
+      "mlp_other": (6 - mlp_inputs) * f * c,
+      "mlp_out": d * c,
+  }
+
+
+# Which groups each policy keeps (model/remat.py); everything else is recomputed in the backward pass.
+_SAVED = {
+    "none": ("input", "norms", "qkv", "context", "scores", "mlp_in", "mlp_other"),
+    "full": ("input",),
+    "save_dots": ("input", "qkv", "scores", "context", "attn_out", "mlp_in", "mlp_out"),
+    "minimal": ("input", "qkv", "attn_out", "mlp_in", "mlp_out"),
+    "save_qkv_proj": ("input", "qkv"),
+    "save_attn": ("input", "qkv", "context"),
+    "save_out_proj": ("input", "attn_out", "mlp_out"),
+    "save_qkv_mlp_in": ("input", "qkv", "mlp_in"),
+}
+
+
+def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, remat: str | None = None,
+                      sizes: dict[str, int] | None = None) -> dict:
+  """Per-device activation bytes of one micro-batch of `micro_batch` sequences (global) of config.train.seq_len.
+
+  The peak comes either at the loss, with every layer's saved tensors live plus the float32 logits, or in a
+  layer's backward pass, with every layer's saved tensors live plus that layer's recomputed intermediates and
+  the float32 gradient of its attention scores; the estimate is the larger of the two.
+
+  Returns bytes: {"per_layer_saved", "layers" (= per_layer_saved * num_layers), "recompute_peak" (the layer
+  being differentiated: recomputed tensors + score gradient), "logits", "total", "tokens_per_device"}.
+  """
+  m, t = config.model, config.train
+  remat = t.remat if remat is None else remat
+  if remat not in _SAVED:
+    raise ValueError(f"remat={remat!r}: no activation model for it; known: {', '.join(_SAVED)}")
+  sizes = sizes or mesh_sizes(config)
+  batch_shards = sizes["data"] * sizes["fsdp"]
+  tokens = micro_batch * t.seq_len / (batch_shards * sizes["sequence"])
+  per_token = _layer_bytes(m, t.seq_len, sizes["tensor"])
+
+  def nbytes(names):
+    return sum(per_token[n] for n in names) * tokens
+
+  saved = nbytes(_SAVED[remat])
+  recomputed = nbytes(_SAVED["none"]) - saved
+  score_grad = per_token["scores"] * 4 / 13 * tokens if m.attention_impl != "blockwise" else 0.0
+  logits = 4 * m.vocab_size / sizes["tensor"] * tokens
+  layers = saved * m.num_layers
+  total = layers + max(logits, recomputed + score_grad)
+  return {"per_layer_saved": saved, "layers": layers, "recompute_peak": recomputed + score_grad,
+          "logits": logits, "total": total, "tokens_per_device": tokens}
+
+
+def max_micro_batch(config: ml_collections.ConfigDict, hbm_bytes: float, *, remat: str | None = None,
+                    sizes: dict[str, int] | None = None) -> int:
+  """The largest global micro-batch (sequences, a multiple of the data-parallel ranks) whose state plus
+  activations fit in `hbm_bytes` per device; 0 when not even one sequence per rank fits."""
+  import model  # local: parameter counts need the model package
+  sizes = sizes or mesh_sizes(config)
+  ranks = sizes["data"] * sizes["fsdp"]
+  state = meshlm_state(config, model.count_params(config.model)["total"], sizes)["total"]
+  per_step = activation_memory(config, ranks, remat=remat, sizes=sizes)["total"]  # one sequence per rank
+  return max(int((hbm_bytes - state) // per_step), 0) * ranks

@@ -1,0 +1,30 @@
+"""Model FLOPs utilisation (DESIGN.md): model FLOPs per second over the hardware peak; None where unknown."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import model as model_lib
+from train import hardware
+
+
+def flops_per_token(model_cfg, seq_len: int) -> float:
+  """Training FLOPs per token: 6 * N_non_embedding + the causal attention term (model.flops_per_token)."""
+  return float(model_lib.flops_per_token(model_cfg, seq_len))
+
+
+def flops_per_step(model_cfg, seq_len: int, batch_size: int) -> float:
+  """Training FLOPs of one optimizer step over `batch_size` sequences of `seq_len` tokens."""
+  return flops_per_token(model_cfg, seq_len) * seq_len * batch_size
+
+
+def peak_flops_per_device(devices: Sequence, override_tflops: float = 0.0) -> float | None:
+  """Peak FLOP/s of one device from train.hardware (override in TFLOP/s wins); None for unknown kinds (CPU)."""
+  return hardware.peak_flops_per_device(devices[0].device_kind, override_tflops)
+
+
+def mfu(tokens_per_sec: float, flops_per_token: float, num_devices: int,
+        peak_flops_per_device: float | None) -> float | None:
+  """Fraction of peak (0..1): tokens/s * FLOPs/token / (devices * peak FLOP/s); None when the peak is unknown."""
+  if not peak_flops_per_device:
+    return None
+  return tokens_per_sec * flops_per_token / (num_devices * peak_flops_per_device)

@@ -1,0 +1,85 @@
+"""AdamW with global-norm clipping, a weight-decay mask and the learning-rate schedules (optax).
+
+The transformation returned by `make` yields the update for a learning rate of 1: clip -> Adam -> + decoupled
+weight decay. The step multiplies it by -schedule(step), with `step` the train state's counter, so the learning
+rate is a function of the step (it keeps advancing over skipped non-finite steps) and the reported lr is
+exactly the one applied. With a constant schedule this is `optax.chain(clip, optax.adamw(lr, mask=...))`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+def schedule(train_cfg) -> Callable[[jax.Array], jax.Array]:
+  """Learning rate as a function of the 0-based step (float32), from config.train.
+
+  With peak = lr, W = warmup_steps, T = steps, m = min_lr_ratio and warm(t) = min(1, (t + 1) / W):
+    cosine:   peak * warm(t) for t < W, then peak * (m + (1 - m) * (1 + cos(pi * p)) / 2),
+              p = (t - W) / (T - W) clipped to [0, 1];
+    wsd:      peak * warm(t) until D = T - round(decay_fraction * T), then linear from peak to m * peak at T;
+    constant: peak * warm(t).
+  """
+  peak, warmup, total = float(train_cfg.lr), int(train_cfg.warmup_steps), int(train_cfg.steps)
+  kind, floor = train_cfg.schedule, float(train_cfg.min_lr_ratio)
+  if kind not in SCHEDULES:
+    raise ValueError(f"config.train.schedule={kind!r} is not one of {', '.join(SCHEDULES)}")
+  if warmup < 0 or total < 1:
+    raise ValueError(f"config.train.warmup_steps={warmup} must be >= 0 and config.train.steps={total} >= 1")
+  decay_start = total - int(round(float(train_cfg.decay_fraction) * total))
+  if kind == "wsd" and not 0 <= train_cfg.decay_fraction <= 1:
+    raise ValueError(f"config.train.decay_fraction={train_cfg.decay_fraction} must lie in [0, 1]")
+
+  def lr_fn(step):
+    t = jnp.asarray(step, jnp.float32)
+    warm = jnp.minimum(1.0, (t + 1.0) / warmup) if warmup > 0 else jnp.float32(1.0)
+    if kind == "constant":
+      return peak * warm
+    if kind == "cosine":
+      p = jnp.clip((t - warmup) / max(total - warmup, 1), 0.0, 1.0)
+      cosine = floor + (1.0 - floor) * 0.5 * (1.0 + jnp.cos(math.pi * p))
+      return peak * jnp.where(t < warmup, warm, cosine)
+    p = jnp.clip((t - decay_start) / max(total - decay_start, 1), 0.0, 1.0)
+    return peak * jnp.where(t < warmup, warm, 1.0 - (1.0 - floor) * p)
+
+  return lr_fn
+
+
+def path_name(path: Sequence[Any]) -> str:
+  """'layers/attn/q/kernel' for a jax key path."""
+  parts = []
+  for k in path:
+    parts.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
+  return "/".join(parts)
+
+
+def decay_mask(params: Any, exclude: Sequence[str]) -> Any:
+  """Pytree of bools like `params`: True where weight decay applies (no `exclude` substring in the path)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: not any(s in path_name(path) for s in exclude), params)
+
+
+def make(train_cfg) -> optax.GradientTransformation:
+  """clip_by_global_norm(clip_norm) -> scale_by_adam(b1, b2, eps) -> add_decayed_weights(weight_decay, mask).
+
+  The result is the unit-learning-rate AdamW update; multiply by -schedule(step) (train.step does).
+  """
+  parts = []
+  if train_cfg.clip_norm > 0:
+    parts.append(optax.clip_by_global_norm(float(train_cfg.clip_norm)))
+  parts.append(optax.scale_by_adam(b1=float(train_cfg.b1), b2=float(train_cfg.b2), eps=float(train_cfg.eps)))
+  if train_cfg.weight_decay > 0:
+    exclude = tuple(train_cfg.decay_exclude)
+    parts.append(optax.add_decayed_weights(float(train_cfg.weight_decay), mask=lambda p: decay_mask(p, exclude)))
+  return optax.chain(*parts)
+
+
+def apply_lr(params: Any, updates: Any, lr: jax.Array) -> Any:
+  """params - lr * updates, leaf by leaf, in the parameters' dtype."""
+  return jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
