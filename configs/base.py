@@ -76,6 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.eval_steps = 10  # batches per evaluation
   t.max_nonfinite = 5  # halt after this many consecutive steps with a non-finite loss or gradient
   t.init_from = ""  # start from weights only: a meshlm run directory / checkpoint, or a Hugging Face directory
+  t.debug_nan_steps = ()  # fault injection for tests: steps whose loss mask is NaN (the step must skip and count)
   t.peak_tflops = 0.0  # hardware peak per device for MFU; 0 = look up the device kind (CPU: MFU omitted)
 
   d = c.data = ml_collections.ConfigDict()
@@ -87,7 +88,7 @@ def get_config() -> ml_collections.ConfigDict:
   d.tokenizer_vocab_size = 0  # 0 = model.vocab_size
   d.tokenizer_character_coverage = 0.9995  # fraction of characters given their own piece (rest: byte fallback)
   d.tokenizer_byte_fallback = True  # unknown characters become UTF-8 byte pieces, so any text round-trips
-  d.tokenizer_max_sentences = 100_000  # cap on training lines (bounds tokenizer training time)
+  d.tokenizer_max_sentences = 30_000  # cap on training lines (bounds tokenizer training time)
   d.packing = "first_fit"  # first_fit | concat (concatenate-then-split)
   d.packing_bins = 8  # first_fit: bins open at once per batch row (more = less padding, more reordering)
   d.shuffle_seed = 0  # seed of the global document order

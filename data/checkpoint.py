@@ -1,18 +1,18 @@
-"""Orbax arguments for the data-iterator state: grain's handler plus a clear refusal of a changed process count.
+"""Orbax arguments for the data-iterator state: grain's handler, plus restoring into another process count.
 
 Use `IteratorSave(iterator)` / `IteratorRestore(iterator)` inside an `ocp.args.Composite` exactly like
-`grain.checkpoint.CheckpointSave/Restore` (same files: one `process_<i>-of-<n>.json` per process). Restoring a
-checkpoint written by a different number of processes raises ValueError naming both counts instead of grain's
-"file does not exist".
+`grain.checkpoint.CheckpointSave/Restore` (same files: one `process_<i>-of-<n>.json` per process). When the
+checkpoint was written by a different number of processes, restore reads every process's file and re-divides
+the global batch rows exactly (`DataIterator.set_global_state`); where that is impossible (worker processes, a
+changed batch size) it raises ValueError naming both values, never duplicating or skipping data.
 """
-from __future__ import annotations
-
 import dataclasses
+import json
 import re
 from typing import Any
 
-from grain._src.python.checkpoint import handler as grain_handler
-from grain._src.core import sharding
+from grain import checkpoint as grain_checkpoint
+import jax
 import orbax.checkpoint as ocp
 
 _FILE_RE = re.compile(r"^process_(\d+)-of-(\d+)\.json$")
@@ -23,19 +23,23 @@ def saved_process_counts(directory) -> set[int]:
   return {int(m[2]) for p in directory.iterdir() if (m := _FILE_RE.match(p.name))}
 
 
-class IteratorHandler(grain_handler.CheckpointHandler):
-  """grain's CheckpointHandler; restore first checks that the state was saved by this many processes."""
+class IteratorHandler(grain_checkpoint.CheckpointHandler):
+  """grain's CheckpointHandler; restore also accepts a state saved by another number of processes."""
 
   def restore(self, directory, item=None, args=None):
-    process_index, process_count = sharding.get_process_index_and_count()
+    item = item or args.item
+    process_count = jax.process_count()  # grain names the files by jax's process index and count
     counts = saved_process_counts(directory)
-    if counts and process_count not in counts:
-      raise ValueError(
-          f"the data iterator state in {directory} was saved by {sorted(counts)[0]} process(es), but this run has "
-          f"{process_count}: each process owns fixed rows of the global batch, so it cannot be re-divided "
-          f"without duplicating or skipping documents. Resume with {sorted(counts)[0]} process(es), or start the "
-          "data order afresh (a new run directory with config.train.init_from pointing at this one).")
-    return super().restore(directory, item=item, args=args)
+    if not counts or process_count in counts:
+      return super().restore(directory, item=item)
+    old = max(counts)
+    if not hasattr(item, "set_global_state"):
+      raise ValueError(f"the data iterator state in {directory} was saved by {old} process(es), but this run has "
+                       f"{process_count}; only data.pipeline iterators can be re-divided. Resume with {old}.")
+    states = [json.loads((directory / f"process_{i}-of-{old}.json").read_text()) for i in range(old)]
+    item.set_global_state(states)
+    item.start_prefetch()
+    return item
 
 
 @ocp.args.register_with_handler(IteratorHandler, for_save=True)

@@ -11,15 +11,15 @@ A document d_1..d_n becomes inputs BOS d_1..d_n and targets d_1..d_n EOS; docume
 into row-sized pieces (first_fit) or across rows (concat). segment_ids number the pieces in a row from 1
 (0 = padding), positions restart at 0 for every piece, and padding has loss_mask 0.
 
-Resume. `get_state()` records the process index/count, batch size, sequence length, worker count, packing and
-sources next to grain's own state; `set_state()` refuses a state from a different layout, naming both values
-(a changed process count would otherwise duplicate or skip documents). The realised mixture and packing
-efficiency (`stats(iterator)`) are part of the state, so they continue exactly after a restore.
+Resume. `get_state()` holds each batch row's packer state (keyed by global row) next to the layout: process
+index/count, batch size, sequence length, worker count, packing, sources. `set_state()` continues exactly and
+refuses a state from another layout, naming both values. A changed process count is handled exactly by
+`set_global_state(states of all old processes)` (what `data.checkpoint.IteratorRestore` does): every global row
+continues where it stopped. The realised mixture and packing efficiency (`stats(iterator)`) are part of the state.
 """
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Any, Sequence
 
 import grain
@@ -28,8 +28,6 @@ import numpy as np
 from data import mixture as mixture_lib
 from data import sources as sources_lib
 from data import tokenizer as tokenizer_lib
-
-log = logging.getLogger(__name__)
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 _EVAL_SEED_OFFSET = 104729  # the eval split's document order uses shuffle_seed + this
@@ -113,8 +111,37 @@ def positions_from_segments(segment_ids_L: np.ndarray) -> np.ndarray:
   return np.where(segment_ids_L > 0, pos, 0).astype(np.int32)
 
 
-def _stack_rows(rows) -> dict[str, np.ndarray]:
-  return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+class _Rows(grain.IterDataset):
+  """Batches stacked from one packed stream per batch row; the state is keyed by global row number, so states
+  saved by any process layout can be recombined (`DataIterator.set_global_state`)."""
+
+  def __init__(self, streams: Sequence[grain.IterDataset], rows: Sequence[int]):
+    super().__init__(list(streams))
+    self.rows = list(rows)
+
+  def __iter__(self):
+    return _RowsIterator([p.__iter__() for p in self._parents], self.rows)
+
+
+class _RowsIterator(grain.DatasetIterator):
+
+  def __init__(self, parents, rows):
+    super().__init__(parents)
+    self.rows = rows
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    rows = [next(p) for p in self._parents]
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+  def get_state(self) -> dict[str, Any]:
+    return {"rows": {str(r): p.get_state() for r, p in zip(self.rows, self._parents)}}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    missing = [r for r in self.rows if str(r) not in state["rows"]]
+    if missing:
+      raise ValueError(f"the data iterator state has no entry for batch rows {missing}")
+    for r, p in zip(self.rows, self._parents):
+      p.set_state(state["rows"][str(r)])
 
 
 def _row_stream(mixture: grain.MapDataset, row: int, global_rows: int, tokenizer, data_config,
@@ -132,11 +159,6 @@ def _row_stream(mixture: grain.MapDataset, row: int, global_rows: int, tokenizer
   else:
     raise ValueError(f"config.data.packing must be 'first_fit' or 'concat', got {data_config.packing!r}")
   return ds.map(_Row(tokenizer.pad_id))
-
-
-def _worker_init(worker_index: int, worker_count: int) -> None:
-  del worker_index, worker_count
-  logging.getLogger().setLevel(logging.WARNING)
 
 
 def _ensure_absl_flags_parsed() -> None:
@@ -190,16 +212,50 @@ class DataIterator(grain.DatasetIterator):
     if saved.get("process_count") != self.meta["process_count"]:
       raise ValueError(
           f"the data iterator state was saved by a run with {saved.get('process_count')} processes, but this run "
-          f"has {self.meta['process_count']}: each process owns fixed rows of the global batch, so restoring it "
-          f"would duplicate or skip documents. Resume with {saved.get('process_count')} processes, or start the "
-          "data order afresh (a new run directory, or restore the model only via config.train.init_from)")
+          f"has {self.meta['process_count']}: one process's state holds only its own batch rows. Restore through "
+          "data.checkpoint.IteratorRestore (it reads every process's state and re-divides the rows exactly), "
+          f"or resume with {saved.get('process_count')} processes")
+    self._check_layout(saved, ignore=("process_index",))
+    if saved.get("process_index") != self.meta["process_index"]:
+      raise ValueError(f"the data iterator state belongs to process {saved.get('process_index')}, not "
+                       f"{self.meta['process_index']}")
+    self._parent.set_state(state["pipeline"])
+    self._counts = copy.deepcopy(state["counts"])
+
+  def set_global_state(self, states: Sequence[dict[str, Any]]) -> None:
+    """Restores from the states of ALL processes of a run with any process count (same batch size and data
+    settings): each global batch row continues exactly where it stopped, so no document is repeated or skipped.
+
+    Needs thread prefetch (worker_count=0) in both runs; the statistics continue from the old processes' sums.
+    """
+    metas = [s.get("meta", {}) for s in states]
+    old_count = metas[0].get("process_count") if metas else None
+    if sorted(m.get("process_index") for m in metas) != list(range(old_count or 0)):
+      raise ValueError(f"set_global_state needs the states of all {old_count} processes; got process indices "
+                       f"{sorted(m.get('process_index') for m in metas)}")
+    for m in metas:
+      self._check_layout(m, ignore=("process_index", "process_count"))
+    if self.meta["worker_count"] != 0:
+      raise ValueError(
+          f"cannot re-divide a data iterator state between {old_count} and {self.meta['process_count']} processes "
+          "with worker processes (config.data.worker_count > 0): worker states are per process. Resume with "
+          f"{old_count} processes, or with config.data.worker_count=0 in both runs")
+    rows = {}
+    for s in states:
+      rows.update(s["pipeline"]["rows"])
+    self._parent.set_state({"rows": rows})
+    counts = [s["counts"] for s in states]
+    self._counts = {
+        "batches": max(c["batches"] for c in counts),
+        **{k: sum(c[k] for c in counts) for k in ("tokens", "slots")},
+        **{k: [sum(v) for v in zip(*(c[k] for c in counts))] for k in ("source_tokens", "source_docs")}}
+
+  def _check_layout(self, saved: dict[str, Any], ignore: Sequence[str]) -> None:
     for key, value in self.meta.items():
-      if saved.get(key) != value:
+      if key not in ignore and saved.get(key) != value:
         raise ValueError(f"the data iterator state was saved with {key}={saved.get(key)!r} but this run has "
                          f"{key}={value!r}; resume with the same config.data/train settings (or start the data "
                          "order afresh in a new run directory)")
-    self._parent.set_state(state["pipeline"])
-    self._counts = copy.deepcopy(state["counts"])
 
   def stats(self) -> dict[str, float]:
     """Realised mixture (token and document fractions per source) and packing efficiency (non-pad fraction) of
@@ -245,17 +301,16 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
   rows = batch_size // process_count
   streams = [_row_stream(mixture, process_index * rows + r, batch_size, tokenizer, d, seq_len)
              for r in range(rows)]
-  ds = grain.experimental.ZipIterDataset(streams).map(_stack_rows)
-  # Evaluation reads a few batches from a fresh iterator each time: worker start-up would dominate, so it uses
-  # the prefetch thread.
-  worker_count = d.worker_count if split == "train" else 0
+  ds = _Rows(streams, [process_index * rows + r for r in range(rows)])
+  # Evaluation reads a few batches from a fresh iterator each time: worker start-up would dominate, and a
+  # prefetch thread would outlive an iterator that is dropped without close(); it reads synchronously.
+  worker_count, prefetch = (d.worker_count, d.prefetch) if split == "train" else (0, 0)
   if worker_count > 0:
     _ensure_absl_flags_parsed()
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count,
-                                                     per_worker_buffer_size=max(1, d.prefetch)),
-                        worker_init_fn=_worker_init)
-  elif d.prefetch > 0:
-    ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=d.prefetch)
+                                                     per_worker_buffer_size=max(1, prefetch)))
+  elif prefetch > 0:
+    ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
   meta = {"split": split, "process_index": process_index, "process_count": process_count,
           "batch_size": batch_size, "seq_len": seq_len, "worker_count": worker_count, "packing": d.packing,
           "packing_bins": d.packing_bins, "shuffle_seed": d.shuffle_seed,

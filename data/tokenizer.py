@@ -35,7 +35,7 @@ _MAX_SENTENCE_BYTES = 4096
 
 
 def train(texts: Iterable[str], path: str, vocab_size: int, model_type: str = "bpe", *,
-          character_coverage: float = 0.9995, byte_fallback: bool = True, max_sentences: int = 100_000,
+          character_coverage: float = 0.9995, byte_fallback: bool = True, max_sentences: int = 30_000,
           num_threads: int | None = None) -> str:
   """Trains a SentencePiece model on `texts` (documents; split into lines here) and writes it to `path`.
 
@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--vocab_size", type=int, default=2048)
   parser.add_argument("--model_type", default="bpe", choices=("bpe", "unigram"))
   parser.add_argument("--character_coverage", type=float, default=0.9995)
-  parser.add_argument("--max_sentences", type=int, default=100_000)
+  parser.add_argument("--max_sentences", type=int, default=30_000)
   parser.add_argument("--no_byte_fallback", action="store_true")
   parser.add_argument("--model", help="an existing .model to inspect with --encode")
   parser.add_argument("--encode", help="text to encode and decode with --model (or the trained --output)")

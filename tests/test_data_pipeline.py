@@ -247,23 +247,42 @@ def test_eval_split_is_held_out_and_repeatable(corpus, tok):
   assert {i for i in eval_ids if i.startswith("alpha")} <= held_out
 
 
-def test_changed_process_count_on_resume_is_refused(corpus, tok, tmp_path):
+def test_changed_process_count_on_resume_continues_exactly(corpus, tok, tmp_path):
   c = _config(corpus)
-  it = _iterator(c, tok, 0, 2)
-  next(it)
-  state = it.get_state()
-  it.close()
-  one = _iterator(c, tok, 0, 1)
-  with pytest.raises(ValueError, match=r"saved by a run with 2 processes, but this run has 1"):
-    one.set_state(state)
-  # Through orbax: the checkpoint holds process_<i>-of-2 files; this (1-process) run refuses them by name.
+  single = _iterator(c, tok)
+  _take(single, 3)
+  single_state = single.get_state()
+  expected = _take(single, 2)  # the 1-process continuation after 3 batches
+  pair = [_iterator(c, tok, p, 2) for p in range(2)]
+  for it in pair:
+    _take(it, 3)
+  pair_states = [it.get_state() for it in pair]
+  # A lone process's state cannot be applied to another layout...
+  one = _iterator(c, tok)
+  with pytest.raises(ValueError, match=r"saved by a run with 2 processes, but this run has 1.*IteratorRestore"):
+    one.set_state(pair_states[0])
+  # ...but the checkpoint of all processes can: 2 -> 1 through orbax's handler (files process_<i>-of-2.json).
   from etils import epath
   from data import checkpoint as data_checkpoint
-  for p in range(2):
-    (tmp_path / f"process_{p}-of-2.json").write_text(json.dumps(state))
-  with pytest.raises(ValueError, match=r"saved by 2 process\(es\), but this run has 1"):
-    data_checkpoint.IteratorHandler().restore(epath.Path(tmp_path), item=one)
-  one.close()
+  for p, st in enumerate(pair_states):
+    (tmp_path / f"process_{p}-of-2.json").write_text(json.dumps(st))
+  data_checkpoint.IteratorHandler().restore(epath.Path(tmp_path), item=one)
+  _assert_same(_take(one, 2), expected)
+  # 1 -> 2: each new process takes its rows from the single state.
+  halves = [_iterator(c, tok, p, 2) for p in range(2)]
+  for h in halves:
+    h.set_global_state([json.loads(json.dumps(single_state))])
+  got = [_take(h, 2) for h in halves]
+  for step in range(2):
+    _assert_same([{k: np.concatenate([got[0][step][k], got[1][step][k]]) for k in expected[step]}],
+                 [expected[step]])
+  # A changed batch size cannot be re-divided: refused, naming both values.
+  c8 = _config(corpus)
+  c8.train.batch_size = 8
+  with pytest.raises(ValueError, match=r"batch_size=4 but this run has batch_size=8"):
+    _iterator(c8, tok).set_global_state([single_state])
+  for it in [single, one, *pair, *halves]:
+    it.close()
 
 
 def test_vocab_mismatch_is_refused(corpus, tok):

@@ -84,6 +84,7 @@ class MetricLogger:
     self._tb = None
     self._wandb = None
     self._bar = None
+    self._latest: dict[str, float] = {}  # last value of every metric, for the progress-bar suffix
     if not enabled:
       return
     _truncate_after(self._path, start_step)
@@ -118,7 +119,8 @@ class MetricLogger:
     if self._wandb is not None:
       self._wandb.log(values, step=int(step))
     if self._bar is not None:
-      self._bar.set_postfix_str(_postfix(values), refresh=False)
+      self._latest.update(values)
+      self._bar.set_postfix_str(_postfix(self._latest), refresh=False)
 
   def advance(self, step: int) -> None:
     """Moves the progress bar to `step` (called every step; cheap)."""

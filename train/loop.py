@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import ml_collections
@@ -110,16 +110,12 @@ def _config_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return json.loads(config.to_json_best_effort())
 
 
-def run(config: ml_collections.ConfigDict, workdir: str, *, stop_at: int | None = None,
-        batch_hook: Callable[[int, dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains `config` in `workdir` (resuming from its latest checkpoint); returns a summary dict.
 
   Args:
     config: the resolved config (train.cli.parse / train.cli.load).
     workdir: the run directory; created if needed.
-    stop_at: stop after this step as if preempted (checkpoint, return); for tests of resumption.
-    batch_hook: `(step, local_batch) -> local_batch` applied before the batch goes to the devices; for fault
-      injection in tests (e.g. a NaN in `loss_mask` to exercise the non-finite path).
 
   Returns:
     {"step": last step run, "loss": its training loss, "eval_loss": last eval loss or None, "stopped": what
@@ -214,8 +210,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_at: int | None 
         local = next(train_iter)
         window_wait += time.perf_counter() - t0
         step += 1
-        if batch_hook is not None:
-          local = batch_hook(step, local)
+        if step in tc.debug_nan_steps:  # fault injection: a NaN loss mask makes this step's loss and grads NaN
+          local = dict(local, loss_mask=np.full_like(local["loss_mask"], np.nan))
         state, metrics = trainer.step_fn(state, trainer.batch_to_device(local))
         window_steps += 1
         if pending is not None:
@@ -223,7 +219,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_at: int | None 
         pending = (step, metrics)
         log.advance(step)
 
-        stopping = stop.should_stop(step) or step == stop_at
+        stopping = stop.should_stop(step)
         log_now = step % tc.log_every == 0 or step == tc.steps or stopping
         eval_now = tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps)
         save_now = (ck.every > 0 and step % ck.every == 0) or step == tc.steps or stopping
@@ -248,7 +244,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_at: int | None 
         summary["step"] = step
         window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
         if stopping:
-          summary["stopped"] = stop.received or f"stop_at={stop_at}"
+          summary["stopped"] = stop.received
           checkpointer.wait()
           log.message(f"{summary['stopped']}: stopped after step {step}; checkpoint saved to "
                       f"{checkpointer.directory}/{step}. Run the same command to resume.")
@@ -262,9 +258,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_at: int | None 
     with contextlib.suppress(Exception):
       checkpointer.close()
   if summary["stopped"] is None:
-    _print0(f"done: step {summary['step']}, loss {summary['loss']:.4f}"
-            + (f", eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else "")
-            + f"; checkpoints in {checkpointer.directory}; plot: python -m train.plot {workdir}")
+    figures = "".join(f", {k.replace('_', ' ')} {summary[k]:.4f}" for k in ("loss", "eval_loss")
+                      if summary[k] is not None)
+    _print0(f"done: step {summary['step']}{figures}; checkpoints in {checkpointer.directory}; "
+            f"plot: python -m train.plot {workdir}")
   return summary
 
 

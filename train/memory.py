@@ -114,16 +114,22 @@ _SAVED = {
 }
 
 
+_ATTENTION = ("norms", "qkv", "context", "scores", "attn_out")  # live while attention is differentiated
+_MLP = ("mlp_in", "mlp_other", "mlp_out")
+
+
 def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, remat: str | None = None,
                       sizes: dict[str, int] | None = None) -> dict:
   """Per-device activation bytes of one micro-batch of `micro_batch` sequences (global) of config.train.seq_len.
 
-  The peak comes either at the loss, with every layer's saved tensors live plus the float32 logits, or in a
-  layer's backward pass, with every layer's saved tensors live plus that layer's recomputed intermediates and
-  the float32 gradient of its attention scores; the estimate is the larger of the two.
+  The peak has every layer's saved tensors live, plus the float32 logits phase (logits, softmax and their
+  gradient: three V-wide float32 tensors per token), plus the last layer's backward working set: the larger half
+  of its recomputed intermediates (the MLP's are freed before the attention's are differentiated) and the float32
+  gradient of its attention scores. The last two are added, not maxed: XLA may recompute the last layer before
+  the loss gradient is done, since the recomputation depends only on saved inputs.
 
-  Returns bytes: {"per_layer_saved", "layers" (= per_layer_saved * num_layers), "recompute_peak" (the layer
-  being differentiated: recomputed tensors + score gradient), "logits", "total", "tokens_per_device"}.
+  Returns bytes: {"per_layer_saved", "layers" (= per_layer_saved * num_layers), "recompute_peak", "logits",
+  "total", "tokens_per_device"}.
   """
   m, t = config.model, config.train
   remat = t.remat if remat is None else remat
@@ -137,14 +143,16 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
   def nbytes(names):
     return sum(per_token[n] for n in names) * tokens
 
-  saved = nbytes(_SAVED[remat])
-  recomputed = nbytes(_SAVED["none"]) - saved
-  score_grad = per_token["scores"] * 4 / 13 * tokens if m.attention_impl != "blockwise" else 0.0
-  logits = 4 * m.vocab_size / sizes["tensor"] * tokens
+  kept = set(_SAVED[remat])
+  saved = nbytes(kept)
+  score_grad = per_token["scores"] * 4 / 13 if m.attention_impl != "blockwise" else 0.0
+  attention = nbytes(set(_ATTENTION) - kept) + score_grad * tokens
+  mlp = nbytes(set(_MLP) - kept)
+  logits = 3 * 4 * m.vocab_size / sizes["tensor"] * tokens
   layers = saved * m.num_layers
-  total = layers + max(logits, recomputed + score_grad)
-  return {"per_layer_saved": saved, "layers": layers, "recompute_peak": recomputed + score_grad,
-          "logits": logits, "total": total, "tokens_per_device": tokens}
+  recompute = max(attention, mlp)
+  return {"per_layer_saved": saved, "layers": layers, "recompute_peak": recompute, "logits": logits,
+          "total": layers + logits + recompute, "tokens_per_device": tokens}
 
 
 def max_micro_batch(config: ml_collections.ConfigDict, hbm_bytes: float, *, remat: str | None = None,

@@ -7,18 +7,22 @@ estimate) is linked, and of each linked group only the earliest document in inpu
 """
 from __future__ import annotations
 
+import itertools
 import zlib
 
 import numpy as np
 
 from data.curate import text as textlib
 
-_PRIME = np.uint64(4294967311)  # smallest prime above 2**32: (a*x + b) mod p is a universal hash of 32-bit x
 _MIX = np.uint64(0x9E3779B97F4A7C15)
+_CHUNK_DOCS = 16  # documents per [shingles, permutations] block: small enough to stay in the CPU cache
 
 
 class MinHasher:
-  """Signatures with `bands * rows` permutations drawn from `seed`, over `shingle_size`-word shingles."""
+  """Signatures with `bands * rows` permutations drawn from `seed`, over `shingle_size`-word shingles.
+
+  Permutation i of a 64-bit shingle hash x is the multiply-shift hash (a_i * x + b_i) >> 32 (mod 2**64, a_i odd),
+  a 2-universal family that needs no modulo."""
 
   def __init__(self, shingle_size: int = 5, bands: int = 16, rows: int = 8, seed: int = 0):
     if shingle_size < 1 or bands < 1 or rows < 1:
@@ -26,29 +30,63 @@ class MinHasher:
     self.shingle_size, self.bands, self.rows = shingle_size, bands, rows
     rng = np.random.default_rng(seed)
     n = bands * rows
-    self._a = rng.integers(1, 2**32, size=n, dtype=np.uint64)
-    self._b = rng.integers(0, 2**32, size=n, dtype=np.uint64)
+    self._a = rng.integers(0, 2**63, size=n, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    self._b = rng.integers(0, 2**63, size=n, dtype=np.uint64)
     self._band_mix = rng.integers(1, 2**63, size=rows, dtype=np.uint64) | np.uint64(1)
 
-  def signature(self, text: str) -> np.ndarray:
-    """uint32 [bands * rows]: the minhash signature of the document's shingles (all 0xFFFFFFFF if it has no words)."""
-    tokens = textlib.words(textlib.normalize_for_hash(text))
-    if not tokens:
-      return np.full(self.bands * self.rows, 0xFFFFFFFF, dtype=np.uint32)
-    word_hashes = np.fromiter((zlib.crc32(t.encode("utf-8")) for t in tokens), dtype=np.uint64, count=len(tokens))
-    k = min(self.shingle_size, len(tokens))
-    n = len(tokens) - k + 1
-    shingles = np.zeros(n, dtype=np.uint64)
-    for j in range(k):  # polynomial hash of the k word hashes, wrapping mod 2**64
-      shingles = shingles * _MIX + word_hashes[j:j + n]
-    shingles = np.unique(shingles >> np.uint64(32))  # 32-bit shingle ids
-    values = (shingles[:, None] * self._a[None, :] + self._b[None, :]) % _PRIME
-    return values.min(axis=0).astype(np.uint32)
+  def _shingles(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(uint64 shingle hashes of all texts, concatenated; int64 [len(texts)] shingles per text). A text shorter
+    than a shingle gets one shingle of all its words, a text without words none. Vectorised over the batch."""
+    token_lists = [textlib.words(textlib.normalize_for_hash(t)) for t in texts]
+    lengths = np.array([len(t) for t in token_lists], dtype=np.int64)
+    words = np.fromiter(map(zlib.crc32, map(str.encode, itertools.chain.from_iterable(token_lists))),
+                        dtype=np.uint64, count=int(lengths.sum()))
+    word_start = np.cumsum(lengths) - lengths
+    k = self.shingle_size
+    # Shingle j hashes words j .. j+k-1 (a polynomial mod 2**64, then one more mix).
+    full = max(0, words.size - k + 1)
+    rolling = words[:full].copy()
+    for m in range(1, k):
+      rolling *= _MIX
+      rolling += words[m:m + full]
+    counts = np.where(lengths >= k, lengths - k + 1, np.minimum(lengths, 1))
+    shingle_start = np.cumsum(counts) - counts
+    starts = np.repeat(word_start, counts) + (np.arange(counts.sum()) - np.repeat(shingle_start, counts))
+    shingles = np.empty(int(counts.sum()), np.uint64)
+    long_docs = np.repeat(lengths >= k, counts)
+    shingles[long_docs] = rolling[starts[long_docs]]
+    for i in np.flatnonzero((lengths > 0) & (lengths < k)):  # shorter than one shingle: hash all its words
+      h = words[word_start[i]:word_start[i] + 1].copy()
+      for m in range(1, lengths[i]):
+        h *= _MIX
+        h += words[word_start[i] + m]
+      shingles[shingle_start[i]] = h[0]
+    shingles *= _MIX
+    return shingles, counts
 
-  def band_hashes(self, signature: np.ndarray) -> np.ndarray:
-    """uint64 [bands]: one hash per band of `rows` signature values."""
-    rows = signature.reshape(self.bands, self.rows).astype(np.uint64)
-    return (rows * self._band_mix[None, :]).sum(axis=1) ^ np.arange(self.bands, dtype=np.uint64)
+  def signatures(self, texts: list[str]) -> np.ndarray:
+    """uint32 [len(texts), bands * rows]: minhash signatures (all 0xFFFFFFFF for a text without words)."""
+    out = np.full((len(texts), self.bands * self.rows), 0xFFFFFFFF, dtype=np.uint32)
+    shingles, counts = self._shingles(texts)
+    starts = np.cumsum(counts) - counts
+    nonempty = np.flatnonzero(counts)
+    for c in range(0, nonempty.size, _CHUNK_DOCS):
+      docs = nonempty[c:c + _CHUNK_DOCS]
+      first, last = starts[docs[0]], starts[docs[-1]] + counts[docs[-1]]
+      values = np.multiply(shingles[first:last, None], self._a[None, :])
+      values += self._b
+      # x >> 32 is monotone, so the minimum can be taken before the shift (on far fewer values).
+      out[docs] = (np.minimum.reduceat(values, starts[docs] - first, axis=0) >> np.uint64(32)).astype(np.uint32)
+    return out
+
+  def signature(self, text: str) -> np.ndarray:
+    """uint32 [bands * rows]: the signature of one text."""
+    return self.signatures([text])[0]
+
+  def band_hashes(self, signatures: np.ndarray) -> np.ndarray:
+    """uint64 [..., bands]: one hash per band of `rows` signature values."""
+    rows = signatures.reshape(signatures.shape[:-1] + (self.bands, self.rows)).astype(np.uint64)
+    return (rows * self._band_mix).sum(axis=-1) ^ np.arange(self.bands, dtype=np.uint64)
 
 
 def _find(parent: np.ndarray, i: int) -> int:
@@ -58,11 +96,12 @@ def _find(parent: np.ndarray, i: int) -> int:
   return i
 
 
-def resolve(band_hashes: np.ndarray, signatures: np.ndarray, threshold: float) -> np.ndarray:
+def resolve(band_hashes: np.ndarray, signatures, threshold: float) -> np.ndarray:
   """bool [num_docs]: True for documents to drop as near duplicates of an earlier document.
 
-  `band_hashes` uint64 [num_docs, bands] and `signatures` uint32 [num_docs, bands*rows], rows in global input
-  order. Each document is compared with the first document of each of its buckets (one per band)."""
+  `band_hashes` uint64 [num_docs, bands], rows in global input order; `signatures` the matching uint32
+  [num_docs, bands*rows] array, or a function from global row indices to those rows (so that only candidates'
+  signatures need to be in memory). Each document is compared with the first document of each of its buckets (one per band)."""
   num_docs = band_hashes.shape[0]
   pairs = []
   for b in range(band_hashes.shape[1]):
@@ -74,7 +113,8 @@ def resolve(band_hashes: np.ndarray, signatures: np.ndarray, threshold: float) -
   if not pairs:
     return np.zeros(num_docs, dtype=bool)
   pairs = np.unique(np.concatenate(pairs), axis=0)
-  similarity = (signatures[pairs[:, 0]] == signatures[pairs[:, 1]]).mean(axis=1)
+  rows = signatures if callable(signatures) else signatures.__getitem__
+  similarity = (rows(pairs[:, 0]) == rows(pairs[:, 1])).mean(axis=1)
   pairs = pairs[similarity >= threshold]
   parent = np.arange(num_docs)
   for a, b in pairs:  # union-find whose root is always the earliest document of the group

@@ -11,6 +11,7 @@ hash mod 2**64 of its token ids (collisions are negligible at corpus sizes).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Callable, Sequence
 
@@ -28,15 +29,12 @@ def _powers(order: int) -> list[np.uint64]:
 
 def flatten(sentences: Sequence[Sequence[int]], bos: int, eos: int) -> tuple[np.ndarray, np.ndarray]:
   """(tokens int64 [T], positions int64 [T]): each sentence as `bos ids eos`, positions restarting at 0 on bos."""
-  lengths = np.array([len(s) + 2 for s in sentences], dtype=np.int64)
-  if lengths.size == 0:
-    return np.zeros(0, np.int64), np.zeros(0, np.int64)
-  parts = []
-  for s in sentences:
-    parts.extend(([bos], s, [eos]))
-  tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+  lengths = np.fromiter(map(len, sentences), dtype=np.int64, count=len(sentences)) + 2
+  total = int(lengths.sum())
+  tokens = np.fromiter(itertools.chain.from_iterable(itertools.chain((bos,), s, (eos,)) for s in sentences),
+                       dtype=np.int64, count=total)
   starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-  return tokens, np.arange(tokens.size, dtype=np.int64) - starts
+  return tokens, np.arange(total, dtype=np.int64) - starts
 
 
 def ngram_hashes(tokens: np.ndarray, order: int) -> list[np.ndarray]:
@@ -69,22 +67,31 @@ class NgramLM:
     self.unk_logprob, self.missing_backoff, self.bos, self.eos = unk_logprob, missing_backoff, bos, eos
 
   def token_logprobs(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """float64 [T]: log10 P(token | history) for every token; 0 where positions == 0 (the `<s>` tokens)."""
+    """float64 [T]: log10 P(token | history) for every token; 0 where positions == 0 (the `<s>` tokens).
+
+    Like KenLM, the match is extended leftwards one token at a time and stops at the first n-gram (or context)
+    not in the model, so only tokens still matching are looked up at the next order."""
     hashes = ngram_hashes(tokens, self.order)
     logp = np.full(tokens.shape, self.unk_logprob)
     best = np.zeros(tokens.shape, np.int64)
+    active = np.flatnonzero(positions >= 1)
     for n in range(1, self.order + 1):
-      found, values = _lookup(*self.probs[n - 1], hashes[n - 1])
-      found &= positions >= max(n - 1, 1)
-      logp = np.where(found, values, logp)
-      best = np.where(found, n, best)
+      active = active[positions[active] >= n - 1]
+      found, values = _lookup(*self.probs[n - 1], hashes[n - 1][active])
+      active = active[found]
+      logp[active] = values[found]
+      best[active] = n
+    backoff = np.zeros(tokens.shape)
+    active = np.flatnonzero(positions >= 1)
     for k in range(1, self.order):
-      context = np.zeros_like(hashes[k - 1])
-      context[1:] = hashes[k - 1][:-1]
-      found, values = _lookup(*self.backoffs[k - 1], context)
-      weight = np.where(found, values, self.missing_backoff)
-      logp += np.where((positions >= k) & (best <= k), weight, 0.0)
-    return np.where(positions > 0, logp, 0.0)
+      active = active[positions[active] >= k]
+      found, values = _lookup(*self.backoffs[k - 1], hashes[k - 1][active - 1])
+      if self.missing_backoff:  # stupid backoff: a constant per order backed off, whether the context exists or not
+        backoff += np.where((positions >= k) & (best <= k), self.missing_backoff, 0.0)
+        continue
+      active = active[found]
+      backoff[active] += np.where(best[active] <= k, values[found], 0.0)
+    return np.where(positions > 0, logp + backoff, 0.0)
 
   def save(self, path: str) -> None:
     arrays = {"meta": np.array([self.order, self.unk_logprob, self.missing_backoff, self.bos, self.eos])}

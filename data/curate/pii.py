@@ -11,21 +11,27 @@ IPV6_RE = re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{1,4}:){7}[0-9A-Fa-f]{1,4}(?![\w:
 # A leading + or a separated group structure: plain long numbers (years, ids, prices) are left alone.
 PHONE_RE = re.compile(r"(?<![\w+])(?:\+\d{1,3}[ .-]?)?(?:\(\d{1,4}\)[ .-]?)?\d{2,4}(?:[ .-]\d{2,4}){1,4}(?!\w)"
                       r"|(?<![\w+])\+\d{7,14}(?!\w)")
+_DIGIT_RE = re.compile(r"\d")
+_IPV4_HINT_RE = re.compile(r"\d\.\d")
+_PHONE_HINT_RE = re.compile(r"(?:\d\D{0,3}){6}\d")  # seven digits close together: every phone match has them
 _DATE_RE = re.compile(r"\d{4}[-./]\d{1,2}[-./]\d{1,2}|\d{1,2}[-./]\d{1,2}[-./]\d{4}")
 
 
 def mask(text: str, cfg) -> tuple[str, int]:
   """(text with the enabled kinds replaced by their masks, number of replacements). `cfg` is the `pii` section."""
   count = 0
-  if cfg.email:
+  # Cheap tests first: most documents have no '@', few digits, and no run of seven digits.
+  if cfg.email and "@" in text:
     text, n = EMAIL_RE.subn(cfg.email_mask, text)
     count += n
-  if cfg.ip:
+  if cfg.ip and text.count(":") >= 2:
     text, n = IPV6_RE.subn(cfg.ip_mask, text)
     count += n
+  has_digit = _DIGIT_RE.search(text) is not None
+  if cfg.ip and has_digit and _IPV4_HINT_RE.search(text):
     text, n = IPV4_RE.subn(cfg.ip_mask, text)
     count += n
-  if cfg.phone:
+  if cfg.phone and has_digit and _PHONE_HINT_RE.search(text):
     text, n = _mask_phones(text, cfg.phone_mask)
     count += n
   return text, count

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+import types
 
 import ml_collections
 import numpy as np
@@ -104,7 +105,12 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
   scorer = ppl.Scorer(models) if cfg.perplexity.enabled else None
   keep = np.load(os.path.join(work, "keep", f"{shard:05d}.npy")) if cfg.dedup.enabled else None
   counter = statslib.StageCounter()
-  bands, sigs, meta = [], [], {"language": [], "language_ok": [], "quality_ok": [], "perplexity": []}
+  meta = {"language": [], "language_ok": [], "quality_ok": [], "perplexity": [], "bands": [], "signatures": []}
+  # Plain attribute objects: ConfigDict look-ups in the per-document loops cost more than the rules themselves.
+  quality_cfg = types.SimpleNamespace(**cfg.quality.to_dict()) if cfg.quality.enabled else None
+  pii_cfg = types.SimpleNamespace(**cfg.pii.to_dict()) if cfg.pii.enabled else None
+  min_length = cfg.dedup.min_length if cfg.dedup.enabled else 0
+  threshold, languages = cfg.langid.threshold, frozenset(cfg.langid.languages)
   out_path = os.path.join(work, "scored", f"{shard:05d}.jsonl")
   os.makedirs(os.path.dirname(out_path), exist_ok=True)
   tmp = f"{out_path}.tmp-{os.getpid()}"
@@ -128,40 +134,36 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
       counter.add("paragraph_dedup", lang, len(text), len(stripped) if stripped.strip() else None)
       if not stripped.strip():
         continue
-      long_enough = not cfg.dedup.enabled or len(stripped) >= cfg.dedup.min_length
+      long_enough = len(stripped) >= min_length
       counter.add("min_length", lang, len(stripped), len(stripped) if long_enough else None)
       if not long_enough:
         continue
       doc["text"] = stripped
       doc["language"], doc["language_score"] = lang, round(score, 4)
-      lang_ok = identifier is None or (score >= cfg.langid.threshold and
-                                       (not cfg.langid.languages or lang in cfg.langid.languages))
-      reason = quality.check(stripped, lang, cfg.quality) if cfg.quality.enabled else None
-      if hasher is not None:
-        sig = hasher.signature(stripped)
-        sigs.append(sig)
-        bands.append(hasher.band_hashes(sig))
+      lang_ok = identifier is None or (score >= threshold and (not languages or lang in languages))
+      reason = quality.check(stripped, lang, quality_cfg) if quality_cfg is not None else None
       meta["language"].append(lang)
       meta["language_ok"].append(lang_ok)
       meta["quality_ok"].append(reason is None)
       batch.append({"doc": doc, "quality": reason, "language_ok": lang_ok})
       if len(batch) >= _BATCH:
-        _flush(batch, scorer, cfg, out, meta)
+        _flush(batch, scorer, hasher, pii_cfg, out, meta)
         batch = []
-    _flush(batch, scorer, cfg, out, meta)
+    _flush(batch, scorer, hasher, pii_cfg, out, meta)
   if keep is not None and offset != keep.size:
     raise ValueError(f"{path}: {offset} paragraphs read but pass 1 hashed {keep.size}; the input changed during "
                      "the run: delete the output directory and start again")
   os.replace(tmp, out_path)
   num_perm = cfg.minhash.bands * cfg.minhash.rows
   arrays = {
-      "bands": np.array(bands, np.uint64).reshape(-1, cfg.minhash.bands),
-      "signatures": np.array(sigs, np.uint32).reshape(-1, num_perm),
+      "bands": np.concatenate(meta["bands"] or [np.zeros((0, cfg.minhash.bands), np.uint64)]),
       "language": np.array(meta["language"], dtype=str),
       "language_ok": np.array(meta["language_ok"], bool),
       "quality_ok": np.array(meta["quality_ok"], bool),
       "perplexity": np.array(meta["perplexity"], np.float64),
   }
+  _atomic_save(os.path.join(work, "scored", f"{shard:05d}.signatures.npy"),
+               np.concatenate(meta["signatures"] or [np.zeros((0, num_perm), np.uint32)]))
   npz = os.path.join(work, "scored", f"{shard:05d}.npz")
   with open(f"{npz}.tmp-{os.getpid()}", "wb") as f:
     np.savez(f, **arrays)
@@ -169,8 +171,15 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
   return _mark(work, "score", shard, {"stages": counter.to_dict()})
 
 
-def _flush(batch: list[dict], scorer, cfg, out, meta: dict) -> None:
-  """Perplexity for a batch (grouped by language), PII masking, then one JSON line per document."""
+def _flush(batch: list[dict], scorer, hasher, pii_cfg, out, meta: dict) -> None:
+  """MinHash signatures and perplexity for a batch (grouped by language), PII masking, then one JSON line per
+  document."""
+  if not batch:
+    return
+  if hasher is not None:
+    signatures = hasher.signatures([item["doc"]["text"] for item in batch])
+    meta["signatures"].append(signatures)
+    meta["bands"].append(hasher.band_hashes(signatures))
   values = np.full(len(batch), np.nan)
   if scorer is not None:
     by_lang: dict[str, list[int]] = {}
@@ -184,8 +193,8 @@ def _flush(batch: list[dict], scorer, cfg, out, meta: dict) -> None:
     meta["perplexity"].append(np.nan if doc["perplexity"] is None else doc["perplexity"])
     record = {"doc": doc, "language_ok": item["language_ok"], "quality": item["quality"],
               "chars_before_pii": len(doc["text"])}
-    if cfg.pii.enabled:
-      doc["text"], _ = pii.mask(doc["text"], cfg.pii)
+    if pii_cfg is not None:
+      doc["text"], _ = pii.mask(doc["text"], pii_cfg)
     out.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
@@ -249,11 +258,26 @@ def write_shard(cfg_dict: dict, shard: int, work: str, output: str, cutoffs: dic
 # ---------------------------------------------------------------------------------------------- global steps
 def _resolve_near_duplicates(cfg, work: str, num_shards: int) -> dict:
   """Global MinHash step: writes _work/neardup/NNNNN.npy (bool per scored document) and returns counts."""
-  loaded = [np.load(os.path.join(work, "scored", f"{s:05d}.npz")) for s in range(num_shards)]
-  sizes = [z["bands"].shape[0] for z in loaded]
-  band_hashes = np.concatenate([z["bands"] for z in loaded]) if loaded else np.zeros((0, cfg.minhash.bands), np.uint64)
-  signatures = np.concatenate([z["signatures"] for z in loaded]) if loaded else np.zeros((0, 1), np.uint32)
-  drop = minhash.resolve(band_hashes, signatures, cfg.minhash.threshold)
+  bands = []
+  for s in range(num_shards):
+    with np.load(os.path.join(work, "scored", f"{s:05d}.npz")) as z:
+      bands.append(z["bands"])
+  sizes = [b.shape[0] for b in bands]
+  band_hashes = np.concatenate(bands) if bands else np.zeros((0, cfg.minhash.bands), np.uint64)
+  # Signatures stay on disk (memory-mapped): only candidate pairs' rows are read.
+  signatures = [np.load(os.path.join(work, "scored", f"{s:05d}.signatures.npy"), mmap_mode="r")
+                for s in range(num_shards)]
+  offsets = np.cumsum([0] + sizes)
+
+  def rows(index: np.ndarray) -> np.ndarray:
+    shard = np.searchsorted(offsets, index, side="right") - 1
+    out = np.empty((index.size, cfg.minhash.bands * cfg.minhash.rows), np.uint32)
+    for s in np.unique(shard):
+      mask = shard == s
+      out[mask] = signatures[s][index[mask] - offsets[s]]
+    return out
+
+  drop = minhash.resolve(band_hashes, rows, cfg.minhash.threshold)
   start = 0
   for s, size in enumerate(sizes):
     _atomic_save(os.path.join(work, "neardup", f"{s:05d}.npy"), drop[start:start + size])

@@ -6,6 +6,7 @@ those languages are not thrown away. The stop-word rule applies only to the lang
 """
 from __future__ import annotations
 
+import operator
 import re
 from collections import Counter
 
@@ -16,6 +17,7 @@ _BULLETS = ("•", "●", "○", "■", "□", "▪", "▫", "*", "-", "–", "�
 _TERMINAL = (".", "!", "?", '"', "'", "”", "’", "。", "！", "？", "…", "」", "»")
 _POLICY = ("javascript", "cookie policy", "uses cookies", "use of cookies", "use cookies", "terms of use",
            "privacy policy", "all rights reserved")
+_POLICY_RE = re.compile("|".join(map(re.escape, _POLICY)))
 STOP_WORDS = {"en": frozenset(("the", "be", "to", "of", "and", "that", "have", "with"))}
 
 
@@ -33,15 +35,32 @@ def _duplicate_stats(items: list[str]) -> tuple[float, float]:
   return dup_items / max(1, len(items)), dup_chars / max(1, total_chars)
 
 
-def _top_ngram_fraction(words: list[str], n: int, total_chars: int) -> float:
-  """Characters in the most frequent word n-gram (all its occurrences) over all word characters."""
-  if len(words) < n:
-    return 0.0
-  grams = Counter(zip(*(words[i:] for i in range(n))))
-  gram, count = grams.most_common(1)[0]
-  if count < 2:
-    return 0.0
-  return count * sum(len(w) for w in gram) / max(1, total_chars)
+def _top_ngram_fractions(words: list[str], sizes: list[int], total_chars: int) -> dict[int, float]:
+  """{n: characters in the most frequent word n-gram (all its occurrences, if it repeats) over all word
+  characters}.
+
+  An n-gram can repeat only where its leading (n-1)-gram repeats, so each size above 2 is counted only at the
+  positions where the size below repeated (few, in natural text)."""
+  out = {n: 0.0 for n in sizes}
+  if len(words) < 2 or not sizes:
+    return out
+  grams = list(zip(words, words[1:]))
+  positions = range(len(grams))
+  n = 2
+  while True:
+    counts = Counter(grams)
+    gram, count = max(counts.items(), key=operator.itemgetter(1))
+    if count < 2:
+      return out
+    if n in out:
+      out[n] = count * sum(map(len, gram)) / max(1, total_chars)
+    n += 1
+    if n > max(sizes):
+      return out
+    positions = [i for i, g in zip(positions, grams) if counts[g] > 1 and i + n <= len(words)]
+    grams = [tuple(words[i:i + n]) for i in positions]
+    if not grams:
+      return out
 
 
 def _duplicate_ngram_fraction(words: list[str], n: int, total_chars: int) -> float:
@@ -68,8 +87,8 @@ def check(text: str, language: str, cfg) -> str | None:
     return "min_words"
   if cfg.max_words and n > cfg.max_words:
     return "max_words"
-  total_chars = sum(len(w) for w in words)
-  if textlib.spaceless_fraction(words) < 0.5:
+  total_chars = sum(map(len, words))
+  if text.isascii() or textlib.spaceless_fraction(words) < 0.5:
     mean = total_chars / n
     if mean < cfg.min_mean_word_length or mean > cfg.max_mean_word_length:
       return "mean_word_length"
@@ -81,10 +100,11 @@ def check(text: str, language: str, cfg) -> str | None:
       return "bullet_lines"
     if sum(line.endswith(("...", "…")) for line in lines) / len(lines) > cfg.max_ellipsis_lines_fraction:
       return "ellipsis_lines"
-  if sum(1 for w in words if _ALPHA_RE.search(w)) / n < cfg.min_alpha_words_fraction:
+  if len(list(filter(None, map(_ALPHA_RE.search, words)))) / n < cfg.min_alpha_words_fraction:
     return "alpha_words"
+  lowered = list(map(str.lower, words))
   stop = STOP_WORDS.get(language)
-  if stop is not None and cfg.min_stop_words and sum(1 for w in words if w.lower() in stop) < cfg.min_stop_words:
+  if stop is not None and cfg.min_stop_words and sum(map(stop.__contains__, lowered)) < cfg.min_stop_words:
     return "stop_words"
   line_frac, line_char_frac = _duplicate_stats(lines)
   if line_frac > cfg.max_duplicate_line_fraction or line_char_frac > cfg.max_duplicate_line_char_fraction:
@@ -93,9 +113,9 @@ def check(text: str, language: str, cfg) -> str | None:
   para_frac, para_char_frac = _duplicate_stats(paras)
   if para_frac > cfg.max_duplicate_paragraph_fraction or para_char_frac > cfg.max_duplicate_paragraph_char_fraction:
     return "duplicate_paragraphs"
-  lowered = [w.lower() for w in words]
+  top = _top_ngram_fractions(lowered, [int(size) for size, _ in cfg.max_top_ngram_fraction], total_chars)
   for size, limit in cfg.max_top_ngram_fraction:
-    if _top_ngram_fraction(lowered, int(size), total_chars) > limit:
+    if top[int(size)] > limit:
       return f"top_{int(size)}gram"
   dup_sizes = [(int(size), limit) for size, limit in cfg.max_duplicate_ngram_fraction]
   # A repeated n-gram contains a repeated shorter one: if no smallest-size n-gram repeats, none repeats.
@@ -113,8 +133,8 @@ def check(text: str, language: str, cfg) -> str | None:
   if cfg.c4_curly_bracket and "{" in text:
     return "curly_bracket"
   if lines:
-    lower_lines = [line.lower() for line in lines]
-    if sum(any(p in line for p in _POLICY) for line in lower_lines) / len(lines) > cfg.c4_max_policy_line_fraction:
+    if _POLICY_RE.search(lower_text) and (sum(1 for line in lines if _POLICY_RE.search(line.lower())) / len(lines)
+                                          > cfg.c4_max_policy_line_fraction):
       return "policy_lines"
     if sum(line.endswith(_TERMINAL) for line in lines) / len(lines) < cfg.c4_min_terminal_line_fraction:
       return "terminal_punctuation"

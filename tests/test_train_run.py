@@ -1,0 +1,186 @@
+"""`python -m train` end to end, as real processes: resume after SIGTERM and SIGKILL is bit-exact against an
+uninterrupted run, a checkpoint restores onto another mesh, NaN steps are skipped, counted and halt the run.
+
+All runs use one very small config on 8 simulated CPU devices; they share a persistent XLA compilation cache so
+that only the first run of each mesh pays for compilation.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from data import tokenizer as tokenizer_lib
+from train import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 24
+MESH_222 = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
+MESH_8 = ["--config.mesh.data=8", "--config.mesh.fsdp=1", "--config.mesh.tensor=1"]
+SMALL = {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 2,
+         "model.head_dim": 16, "model.mlp_dim": 128, "model.vocab_size": 512, "model.max_seq_len": 64,
+         "train.seq_len": 64, "train.batch_size": 8, "train.steps": STEPS, "train.warmup_steps": 2,
+         "train.log_every": 1, "train.eval_every": 8, "train.eval_steps": 1, "checkpoint.every": 4,
+         "checkpoint.keep": 10, "log.progress": False}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  """Environment and shared files: the tokenizer (trained once) and the compilation cache."""
+  root = tmp_path_factory.mktemp("train_run")
+  tok = tokenizer_lib.prepare(cli.load("tiny", **SMALL, **{"data.tokenizer_max_sentences": 3000}), str(root))
+  environ = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(root / "xla"),
+                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  return {"root": root, "environ": environ, "tokenizer": tok}
+
+
+def _args(env, workdir, *extra):
+  flags = [f"--config.{k}={v}" for k, v in SMALL.items()]
+  return [sys.executable, "-m", "train", f"--workdir={workdir}", f"--config.data.tokenizer={env['tokenizer']}",
+          *flags, *extra]
+
+
+def _run(env, workdir, *extra, timeout=300):
+  return subprocess.run(_args(env, workdir, *extra), cwd=REPO, env=env["environ"], capture_output=True, text=True,
+                        timeout=timeout)
+
+
+def _start(env, workdir, *extra):
+  return subprocess.Popen(_args(env, workdir, *extra), cwd=REPO, env=env["environ"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def _metrics(workdir):
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def _train_lines(workdir):
+  return {r["step"]: r for r in _metrics(workdir) if "loss" in r}
+
+
+def _wait_for(predicate, proc, timeout=240):
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if predicate():
+      return
+    if proc.poll() is not None:
+      raise AssertionError(f"run ended (rc {proc.returncode}) before the condition: {proc.stderr.read()[-3000:]}")
+    time.sleep(0.02)
+  proc.kill()
+  raise AssertionError("timed out waiting for the run")
+
+
+def _params(workdir, step):
+  """The saved parameters as numpy arrays, read with orbax directly (independent of the loop's restore)."""
+  path = os.path.join(workdir, "checkpoints", str(step), "state")
+  checkpointer = ocp.PyTreeCheckpointer()
+  meta = checkpointer.metadata(path).tree
+  restore_args = ocp.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+  return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))["params"]
+
+
+def _iterator_state(workdir, step):
+  with open(os.path.join(workdir, "checkpoints", str(step), "data", "process_0-of-1.json")) as f:
+    return json.load(f)
+
+
+def _assert_same_run(workdir, reference):
+  got, want = _train_lines(workdir), _train_lines(reference)
+  assert sorted(got) == list(range(1, STEPS + 1))
+  for step in want:  # bit-identical per-step losses and the same number of loss tokens (same batches)
+    assert (got[step]["loss"], got[step]["tokens"]) == (want[step]["loss"], want[step]["tokens"]), step
+  a, b = _params(workdir, STEPS), _params(reference, STEPS)
+  flat_a, flat_b = ocp.tree.to_flat_dict(a), ocp.tree.to_flat_dict(b)
+  assert flat_a.keys() == flat_b.keys()
+  for k in flat_a:
+    assert np.array_equal(flat_a[k], flat_b[k]), k
+  assert _iterator_state(workdir, STEPS) == _iterator_state(reference, STEPS)  # same data position
+
+
+@pytest.fixture(scope="module")
+def reference(env):
+  """The uninterrupted run on mesh data=2, fsdp=2, tensor=2."""
+  workdir = env["root"] / "reference"
+  proc = _run(env, workdir, *MESH_222)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = _train_lines(workdir)
+  assert sorted(lines) == list(range(1, STEPS + 1))
+  evals = [r["eval_loss"] for r in _metrics(workdir) if "eval_loss" in r]
+  assert len(evals) == 1 + STEPS // 8 and evals[-1] < evals[0]
+  return workdir
+
+
+def test_sigterm_saves_exits_0_and_resume_is_bit_exact(env, reference):
+  workdir = env["root"] / "sigterm"
+  proc = _start(env, workdir, *MESH_222)
+  _wait_for(lambda: max(_train_lines(workdir), default=0) >= 3, proc)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0, err[-3000:]
+  stopped = [line for line in out.splitlines() if line.startswith("SIGTERM: stopped after step")]
+  assert stopped, out[-2000:]
+  step = int(stopped[0].split("step ")[1].split(";")[0])
+  assert 3 <= step < STEPS
+  assert os.path.isdir(workdir / "checkpoints" / str(step))
+
+  proc = _run(env, workdir, *MESH_222)  # N steps + restart + the rest
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f"resumed from {workdir}/checkpoints/{step}" in proc.stdout
+  _assert_same_run(workdir, reference)
+
+
+def test_sigkill_mid_training_resumes_to_the_same_result(env, reference):
+  workdir = env["root"] / "sigkill"
+  proc = _start(env, workdir, *MESH_222)
+  _wait_for(lambda: os.path.isdir(workdir / "checkpoints" / "4"), proc)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+  assert proc.returncode == -signal.SIGKILL
+  killed_at = max(_train_lines(workdir), default=0)
+  assert killed_at < STEPS
+
+  proc = _run(env, workdir, *MESH_222)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "resumed from" in proc.stdout
+  assert _train_lines(workdir)[STEPS]["loss"] == _train_lines(reference)[STEPS]["loss"]
+  _assert_same_run(workdir, reference)
+
+
+def test_checkpoint_from_mesh_222_restores_on_mesh_8(env, reference):
+  workdir = env["root"] / "remesh"
+  (workdir / "checkpoints").mkdir(parents=True)
+  shutil.copytree(reference / "checkpoints" / "4", workdir / "checkpoints" / "4")
+  proc = _run(env, workdir, *MESH_8, "--config.train.eval_every=0")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "resumed from" in proc.stdout and "data=8 fsdp=1 tensor=1" in proc.stdout
+  got, want = _train_lines(workdir), _train_lines(reference)
+  assert min(got) == 5  # it continued from the checkpoint, not from scratch
+  # Another mesh sums in another order: equal up to float32 rounding, not bit for bit.
+  np.testing.assert_allclose(got[5]["loss"], want[5]["loss"], rtol=1e-6, atol=0)
+  np.testing.assert_allclose(got[5]["param_norm"], want[5]["param_norm"], rtol=1e-6, atol=0)
+
+
+def test_nan_steps_are_skipped_counted_and_halt(env, reference):
+  workdir = env["root"] / "nan"
+  proc = _run(env, workdir, *MESH_222, "--config.train.debug_nan_steps=(2,5,6)", "--config.train.max_nonfinite=2")
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert "halting at step 6" in proc.stderr and "2 consecutive steps" in proc.stderr
+  assert "step 2: non-finite loss or gradient, update skipped (1 in a row" in proc.stderr
+  lines, ref = _train_lines(workdir), _train_lines(reference)
+  assert lines[1]["loss"] == ref[1]["loss"]
+  assert lines[2]["nonfinite"] == 1.0 and lines[2]["loss"] is None
+  assert lines[2]["param_norm"] == lines[1]["param_norm"]  # the update was skipped
+  assert lines[3]["nonfinite"] == 0.0 and np.isfinite(lines[3]["loss"])
+  assert lines[3]["param_norm"] != lines[2]["param_norm"]  # and training went on
+  assert lines[5]["nonfinite"] == 1.0 and 6 not in lines  # halted at step 6, before logging it
