@@ -30,7 +30,8 @@ from data import sources as sources_lib
 from data import tokenizer as tokenizer_lib
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
-_EVAL_SEED_OFFSET = 104729  # the eval split's document order uses shuffle_seed + this
+# The eval split's order is fixed (not shuffle_seed), so runs with different seeds evaluate on the same batches.
+_EVAL_ORDER_SEED = 104729
 
 
 def mixture_dataset(specs, srcs, split: str, eval_fraction: float, seed: int) -> grain.MapDataset:
@@ -259,7 +260,8 @@ class DataIterator(grain.DatasetIterator):
 
   def stats(self) -> dict[str, float]:
     """Realised mixture (token and document fractions per source) and packing efficiency (non-pad fraction) of
-    every batch this process has yielded since the run started (restored state included)."""
+    every batch this process has yielded since the run started (restored state included), plus the counts of
+    invalid UTF-8 and skipped records read in this process."""
     c = self._counts
     out = {"data/batches": float(c["batches"]),
            "data/packing_efficiency": c["tokens"] / c["slots"] if c["slots"] else 0.0}
@@ -267,6 +269,8 @@ class DataIterator(grain.DatasetIterator):
     for name, tokens, n in zip(self.source_names, c["source_tokens"], c["source_docs"]):
       out[f"data/mixture_tokens/{name}"] = tokens / c["tokens"] if c["tokens"] else 0.0
       out[f"data/mixture_docs/{name}"] = n / docs if docs else 0.0
+    # Input problems met in this process (with worker processes, theirs appear only as log warnings).
+    out.update({f"data/{k}": float(v) for k, v in sorted(sources_lib.COUNTERS.items())})
     return out
 
 
@@ -296,7 +300,7 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
     raise ValueError("config.data.worker_count and config.data.prefetch must be >= 0 and packing_bins >= 1")
   tokenizer_lib.check_vocab(tokenizer, config)
   specs, srcs = sources_lib.open_sources(d)
-  seed = d.shuffle_seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
+  seed = d.shuffle_seed if split == "train" else _EVAL_ORDER_SEED
   mixture = mixture_dataset(specs, srcs, split, d.eval_fraction, seed)
   rows = batch_size // process_count
   streams = [_row_stream(mixture, process_index * rows + r, batch_size, tokenizer, d, seq_len)
@@ -314,7 +318,8 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
   meta = {"split": split, "process_index": process_index, "process_count": process_count,
           "batch_size": batch_size, "seq_len": seq_len, "worker_count": worker_count, "packing": d.packing,
           "packing_bins": d.packing_bins, "shuffle_seed": d.shuffle_seed,
-          "sources": [f"{s.name}={s.kind}:{s.arg}@{s.weight:.6g}" for s in specs]}
+          # Names, weights and document counts fix the order; paths may move (local -> gs://) between runs.
+          "sources": [f"{s.name}={s.kind}@{s.weight:.6g}:{len(src)} documents" for s, src in zip(specs, srcs)]}
   return _Finalize(ds, meta, [s.name for s in specs], tokenizer.bos_id)
 
 

@@ -161,3 +161,16 @@ def test_save_load_roundtrip(tmp_path):
   loaded = ngram_lm.NgramLM.load(str(tmp_path / "lm.npz"))
   tokens, positions = ngram_lm.flatten(_corpus(5, 10), model.bos, model.eos)
   np.testing.assert_array_equal(loaded.token_logprobs(tokens, positions), model.token_logprobs(tokens, positions))
+
+
+def test_reference_groups_and_buckets():
+  from data.curate import perplexity
+  assert perplexity.reference_groups(("wiki/*.txt", "de=wiki_de/*.txt", "fr=a.jsonl")) == {
+      "*": ["wiki/*.txt"], "de": ["wiki_de/*.txt"], "fr": ["a.jsonl"]}
+  values = np.arange(1.0, 11.0)  # 1..10: 30th percentile 3.7, 60th 6.4 (linear interpolation)
+  cut = perplexity.cutoffs(np.concatenate([values, [np.nan]]), 30, 60)
+  assert cut == pytest.approx((3.7, 6.4))
+  assert [perplexity.bucket(v, cut) for v in (1.0, 3.7, 6.0, 6.4, 10.0)] == ["head", "middle", "middle", "tail", "tail"]
+  assert perplexity.bucket(float("nan"), cut) == "all"
+  with pytest.raises(ValueError, match="head_percentile"):
+    perplexity.cutoffs(values, 70, 60)

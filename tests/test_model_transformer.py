@@ -196,13 +196,15 @@ def test_remat_policies_leave_gradients_unchanged(scan, batch):
   m = model.Transformer(make_cfg(scan_layers=scan, num_layers=2), rngs=nnx.Rngs(0))
   loss = lambda m: jnp.mean(jax.nn.logsumexp(m(tokens, segments), -1) ** 2)
   grad_fn = nnx.jit(nnx.grad(loss))
-  policies = ["none", "full", "save_dots", "save_qkv_proj", "minimal"] if scan else ["none", "full"]
+  # Named (save_qkv_proj) and dot-based (save_dots) policies; each compiles a gradient, so a few suffice.
+  policies = ["none", "full", "save_qkv_proj"] if scan else ["none", "save_dots"]
   grads = {}
   for policy in policies:
     m.remat = policy  # a static attribute: each policy retraces
     grads[policy] = nnx.state(grad_fn(m))
   # The policy really wraps the layer body in a checkpoint (else this test would compare identical programs).
-  assert "checkpoint" in str(jax.make_jaxpr(lambda s: loss(nnx.merge(nnx.graphdef(m), s)))(nnx.state(m)))
+  jaxpr = str(jax.make_jaxpr(lambda s: loss(nnx.merge(nnx.graphdef(m), s)))(nnx.state(m)))
+  assert "remat" in jaxpr or "checkpoint" in jaxpr
   for policy, g in grads.items():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, err_msg=policy), g, grads["none"])
 

@@ -10,14 +10,13 @@ by compiling them and exits 1 with the lightest candidate that fits. See docs/pl
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
 import json
 import math
 import re
 import sys
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import ml_collections
 
@@ -92,40 +91,34 @@ def _collective_kind(opcode: str, rest: str) -> str | None:
   return None
 
 
-def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
-  """Collectives of a compiled program by kind: {kind: {"ops", "per_step", "bytes_per_step"}}.
+def collective_ops(hlo_text: str) -> list[dict]:
+  """Every collective of a compiled program: [{"kind", "name", "shapes", "bytes", "per_step"}].
 
-  `ops` counts instructions in the program; `per_step` counts executions, multiplying ops inside while loops
-  (scan over layers, gradient accumulation) by their trip counts; bytes are the per-device result sizes (the
-  gathered array for all-gather, the shard for reduce-scatter). Cross-slice (DCN) collectives, which libtpu
-  lowers to megascale host transfers, are reported as `dcn-<kind>`.
+  `per_step` counts executions: ops inside while loops (scan over layers, gradient accumulation) are multiplied
+  by the loops' trip counts. `bytes` is the per-device result size (the gathered array for all-gather, the
+  shard for reduce-scatter). Cross-slice (DCN) collectives, which libtpu lowers to megascale host transfers,
+  have kind `dcn-<kind>`.
   """
   comps, entry = _parse_hlo(hlo_text)
-  stats: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"ops": 0, "per_step": 0,
-                                                                        "bytes_per_step": 0})
-  seen_static: set[tuple[str, str]] = set()
+  ops: dict[tuple[str, str], dict] = {}
 
   def visit(name: str, mult: int, depth: int = 0):
     if depth > 64 or name not in comps:
       return
     for instr, shape, opcode, rest in comps[name]:
       kind = _collective_kind(opcode, rest)
-      nbytes = _shape_bytes(shape)
+      sizes = _shape_bytes(shape)
       if kind is None and opcode == "send" and "xla_megascale_runtime" in rest:
         m = re.search(r'_xla_host_transfer_rendezvous="([a-z\-]+)', rest)
         kind = "dcn-" + (m.group(1).rstrip("-.") if m else "transfer")
-        nbytes = nbytes[:1]
+        sizes = sizes[:1]
       if kind is not None:
-        if kind in ("all-gather",) and opcode.endswith("-start") and len(nbytes) > 1:
-          nbytes = nbytes[len(nbytes) // 2:]  # (operands..., results...)
-        elif kind == "collective-permute" and opcode.endswith("-start") and len(nbytes) > 1:
-          nbytes = nbytes[1:2]  # (operand, result, context...)
-        s = stats[kind]
-        if (name, instr) not in seen_static:
-          seen_static.add((name, instr))
-          s["ops"] += 1
-        s["per_step"] += mult
-        s["bytes_per_step"] += mult * sum(nbytes)
+        if opcode.endswith("-start") and len(sizes) > 1:
+          # async forms return (operands..., results...) or, for permutes, (operand, result, context...)
+          sizes = sizes[1:2] if kind == "collective-permute" else sizes[len(sizes) // 2:]
+        op = ops.setdefault((name, instr), {"kind": kind, "name": instr, "shapes": shape, "bytes": sum(sizes),
+                                            "per_step": 0})
+        op["per_step"] += mult
         if opcode == "fusion":
           continue  # the all-reduce inside a reduce-scatter fusion is the same collective
       called = [c for _, c in _CALLED.findall(rest)]
@@ -140,44 +133,86 @@ def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
 
   if entry is not None:
     visit(entry, 1)
-  return {k: dict(stats[k]) for k in sorted(stats)}
+  return list(ops.values())
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+  """Collectives by kind: {kind: {"ops": instructions in the program, "per_step": executions per step,
+  "bytes_per_step": per-device bytes moved per step}} (see collective_ops)."""
+  out: dict[str, dict[str, int]] = {}
+  for op in collective_ops(hlo_text):
+    s = out.setdefault(op["kind"], {"ops": 0, "per_step": 0, "bytes_per_step": 0})
+    s["ops"] += 1
+    s["per_step"] += op["per_step"]
+    s["bytes_per_step"] += op["per_step"] * op["bytes"]
+  return dict(sorted(out.items()))
 
 
 # ---- compiling -----------------------------------------------------------------------------------------
-def compile_step(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, devices: list | None = None) -> dict:
-  """Compiles the train step of `config` for `tpu` and returns the report (a JSON-ready dict).
-
-  The compiled program is `Trainer(config, mesh).compiled()`, i.e. `step_fn.lower(abstract_state(),
-  abstract_batch()).compile()`: the same jitted function training runs. Memory figures are bytes per chip.
-  """
-  import model
+def compile_trainer(config: ml_collections.ConfigDict, devices: list):
+  """(trainer, compiled): `Trainer(config, mesh).compiled()`, i.e. `step_fn.lower(abstract_state(),
+  abstract_batch()).compile()` on a mesh of `devices` -- the same jitted function that training runs."""
   from parallel import mesh as mesh_lib
   from train import step
 
+  trainer = step.Trainer(config, mesh_lib.make_mesh(config.mesh, devices=devices))
+  return trainer, trainer.compiled()
+
+
+_GIGS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _oom_bytes(message: str) -> tuple[float, float]:
+  """(required, available) bytes from libtpu's "...required for HLO temporaries (39.96G) exceeds available HBM
+  (30.75G)" message; NaN where absent."""
+  found = [float(v) * _GIGS[u] for v, u in re.findall(r"\((\d+(?:\.\d+)?)([KMGT])\)", message)]
+  return (found[0], found[1]) if len(found) >= 2 else (float("nan"), float("nan"))
+
+
+def compile_step(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, devices: list | None = None) -> dict:
+  """Compiles the train step of `config` for `tpu` and returns the report (a JSON-ready dict; bytes per chip).
+
+  A program that the TPU compiler rejects for lack of HBM is reported with "fits": False and the compiler's
+  figures ("memory": {"error", "temp_bytes" = total_bytes = required, "available_bytes"}).
+  """
+  import jax
+
   devices = abstract_devices(tpu) if devices is None else devices
-  mesh = mesh_lib.make_mesh(config.mesh, devices=devices)
   start = time.perf_counter()
-  trainer = step.Trainer(config, mesh)
-  compiled = trainer.compiled()
+  try:
+    trainer, compiled = compile_trainer(config, devices)
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    required, available = _oom_bytes(str(e))
+    sizes = memory.mesh_sizes(config, len(devices))
+    return _report(config, tpu, sizes, len(devices), time.perf_counter() - start, fits=False, memory_={
+        "error": str(e).strip().splitlines()[0], "temp_bytes": required, "total_bytes": required,
+        "available_bytes": available}, flops=float("nan"), hlo="")
   seconds = time.perf_counter() - start
   mem = trainer.memory_analysis()
   mem["generated_code_bytes"] = int(compiled.memory_analysis().generated_code_size_in_bytes)
   mem["total_bytes"] += mem["generated_code_bytes"]
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return _report(config, tpu, dict(trainer.mesh.shape), len(devices), seconds,
+                 fits=mem["total_bytes"] <= tpu.chip.hbm_gib * 2**30, memory_=mem,
+                 flops=float(cost.get("flops", float("nan"))), hlo=compiled.as_text())
+
+
+def _report(config, tpu, sizes, devices, seconds, *, fits, memory_, flops, hlo) -> dict:
+  import model
+
   t = config.train
-  model_flops = model.flops_per_token(config.model, t.seq_len) * t.batch_size * t.seq_len / len(devices)
-  sizes = dict(mesh.shape)
-  estimate = _estimate(config, sizes)
-  hbm = tpu.chip.hbm_gib * 2**30
+  model_flops = model.flops_per_token(config.model, t.seq_len) * t.batch_size * t.seq_len / devices
   return {
-      "topology": tpu.topology, "num_slices": tpu.num_slices, "chip": tpu.chip.name, "num_devices": len(devices),
+      "topology": tpu.topology, "num_slices": tpu.num_slices, "chip": tpu.chip.name, "num_devices": devices,
       "mesh": sizes, "remat": t.remat, "grad_accum": t.grad_accum, "batch_size": t.batch_size,
       "micro_batch": t.batch_size // t.grad_accum, "seq_len": t.seq_len,
-      "memory": mem, "hbm_bytes": hbm, "fits": mem["total_bytes"] <= hbm,
-      "estimate": estimate,
-      "flops": {"model_per_chip": model_flops, "compiled_per_chip": float(cost.get("flops", float("nan")))},
-      "collectives": collectives(compiled.as_text()),
+      "memory": memory_, "hbm_bytes": tpu.chip.hbm_gib * 2**30, "fits": fits,
+      "estimate": _estimate(config, sizes),
+      "flops": {"model_per_chip": model_flops, "compiled_per_chip": flops},
+      "collectives": collectives(hlo),
       "compile_seconds": seconds,
   }
 
@@ -220,41 +255,45 @@ def _grad_accum_candidates(config: ml_collections.ConfigDict, rows: int) -> list
 
 def suggest(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, *, max_compiles: int = 12,
             devices: list | None = None) -> dict:
-  """Finds, by compiling, the lightest remat policy and smallest grad_accum that fit (MaxText-style search).
+  """Finds, by compiling, the lightest remat policy and smallest grad_accum that fit (as MaxText's estimator).
 
-  For each grad_accum (configured, then doubled while the micro-batch still splits over data x fsdp): compile
-  with `full` remat; if that fits, walk the policies from lightest to heaviest and return the first that fits.
-  Returns {"found": bool, "remat", "grad_accum", "micro_batch", "report", "tried": [{remat, grad_accum,
-  total_bytes, fits}]}.
+  For each grad_accum (the configured one, then doubled while the micro-batch still splits over data x fsdp),
+  compile with `full` remat; once that fits, binary-search the policies ordered light to heavy (by the planner's
+  activation estimate) for the lightest that fits. Returns {"found", "remat", "grad_accum", "micro_batch",
+  "report" (of the suggestion), "tried": [{"remat", "grad_accum", "total_bytes", "fits"}]}.
   """
   devices = abstract_devices(tpu) if devices is None else devices
   sizes = memory.mesh_sizes(config, len(devices))
   policies = _policies_light_to_heavy(config, sizes)
   tried: list[dict] = []
+  reports: dict[tuple[str, int], dict] = {}
 
-  def attempt(remat: str, ga: int) -> dict | None:
-    if len(tried) >= max_compiles:
-      return None
-    report = compile_step(_with(config, remat=remat, grad_accum=ga), tpu, devices)
-    tried.append({"remat": remat, "grad_accum": ga, "total_bytes": report["memory"]["total_bytes"],
-                  "fits": report["fits"]})
-    return report
+  def fits(remat: str, ga: int) -> bool | None:
+    if (remat, ga) not in reports:
+      if len(tried) >= max_compiles:
+        return None
+      r = compile_step(_with(config, remat=remat, grad_accum=ga), tpu, devices)
+      reports[(remat, ga)] = r
+      tried.append({"remat": remat, "grad_accum": ga, "total_bytes": r["memory"]["total_bytes"],
+                    "fits": r["fits"]})
+    return reports[(remat, ga)]["fits"]
 
   for ga in _grad_accum_candidates(config, sizes["data"] * sizes["fsdp"]):
-    heaviest = attempt("full", ga)
-    if heaviest is None:
+    ok = fits("full", ga)
+    if ok is None:
       break
-    if not heaviest["fits"]:
+    if not ok:
       continue
-    for remat in policies[:-1]:
-      report = attempt(remat, ga)
-      if report is None:
+    lo, hi = 0, len(policies) - 1  # policies[hi] fits; find the smallest index that fits
+    while lo < hi:
+      mid = (lo + hi) // 2
+      ok = fits(policies[mid], ga)
+      if ok is None:
         break
-      if report["fits"]:
-        return {"found": True, "remat": remat, "grad_accum": ga, "micro_batch": config.train.batch_size // ga,
-                "report": report, "tried": tried}
-    return {"found": True, "remat": "full", "grad_accum": ga, "micro_batch": config.train.batch_size // ga,
-            "report": heaviest, "tried": tried}
+      lo, hi = (lo, mid) if ok else (mid + 1, hi)
+    best = policies[hi]
+    return {"found": True, "remat": best, "grad_accum": ga, "micro_batch": config.train.batch_size // ga,
+            "report": reports[(best, ga)], "tried": tried}
   return {"found": False, "tried": tried}
 
 
@@ -289,6 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def format_report(r: dict) -> str:
+  """The human-readable form of a compile report (see compile_step)."""
   gib = 2**30
   m, e = r["memory"], r["estimate"]
   mesh = " ".join(f"{a}={n}" for a, n in r["mesh"].items() if n > 1) or "1 device"
@@ -297,22 +337,29 @@ def format_report(r: dict) -> str:
       f" GiB each); mesh {mesh}; remat {r['remat']}, grad_accum {r['grad_accum']} (micro-batch "
       f"{r['micro_batch']} x {r['seq_len']} tokens)",
       f"compiled in {r['compile_seconds']:.1f} s",
-      "per-chip memory (GiB)    compiled   planner",
-      f"  arguments           {m['argument_bytes'] / gib:10.3f}",
-      f"  outputs             {m['output_bytes'] / gib:10.3f}  (aliased with donated arguments: "
-      f"{m['alias_bytes'] / gib:.3f})",
-      f"  temporaries         {m['temp_bytes'] / gib:10.3f}{e['activation_bytes'] / gib:10.3f}  (activations)",
-      f"  generated code      {m['generated_code_bytes'] / gib:10.3f}",
-      f"  total               {m['total_bytes'] / gib:10.3f}{e['total_bytes'] / gib:10.3f}  of "
-      f"{r['hbm_bytes'] / gib:.0f}: {'FITS' if r['fits'] else 'DOES NOT FIT'}",
-      f"FLOPs per chip per step: model {r['flops']['model_per_chip']:.4g}, compiled "
-      f"{r['flops']['compiled_per_chip']:.4g} (XLA's count; loop bodies once)",
-      "collectives              ops  per step  MiB per step",
   ]
-  for kind, s in r["collectives"].items():
-    lines.append(f"  {kind:20}{s['ops']:7d}{s['per_step']:10d}{s['bytes_per_step'] / 2**20:14.2f}")
-  if not r["collectives"]:
-    lines.append("  (none)")
+  if "error" in m:
+    lines.append(f"the TPU compiler refused the program: {m['error']}")
+    lines.append(f"  planner estimate: {e['total_bytes'] / gib:.3f} GiB per chip "
+                 f"(state {e['state_bytes'] / gib:.3f}, activations {e['activation_bytes'] / gib:.3f})")
+  else:
+    lines += [
+        "per-chip memory (GiB)    compiled   planner",
+        f"  arguments           {m['argument_bytes'] / gib:10.3f}{e['state_bytes'] / gib:10.3f}  (state)",
+        f"  outputs             {m['output_bytes'] / gib:10.3f}  (aliased with donated arguments: "
+        f"{m['alias_bytes'] / gib:.3f})",
+        f"  temporaries         {m['temp_bytes'] / gib:10.3f}{e['activation_bytes'] / gib:10.3f}  (activations)",
+        f"  generated code      {m['generated_code_bytes'] / gib:10.3f}",
+        f"  total               {m['total_bytes'] / gib:10.3f}{e['total_bytes'] / gib:10.3f}  of "
+        f"{r['hbm_bytes'] / gib:.0f}: {'FITS' if r['fits'] else 'DOES NOT FIT'}",
+        f"FLOPs per chip per step: model {r['flops']['model_per_chip']:.4g}, compiled (XLA cost analysis) "
+        f"{r['flops']['compiled_per_chip']:.4g}",
+        "collectives              ops  per step  MiB per step",
+    ]
+    for kind, c in r["collectives"].items():
+      lines.append(f"  {kind:20}{c['ops']:7d}{c['per_step']:10d}{c['bytes_per_step'] / 2**20:14.2f}")
+    if not r["collectives"]:
+      lines.append("  (none)")
   sug = r.get("suggestion")
   if sug is not None:
     for t in sug["tried"]:
@@ -323,8 +370,8 @@ def format_report(r: dict) -> str:
                    f" (micro-batch {sug['micro_batch']}; compiled: {sug['report']['memory']['total_bytes'] / gib:.3f}"
                    " GiB per chip)")
     else:
-      lines.append("no remat policy / grad_accum tried fits: the model state alone is too large; shard it over "
-                   "more chips (a larger --topology, config.mesh.fsdp) or add tensor parallelism")
+      lines.append("nothing tried fits: shard the state over more chips (a larger --topology, config.mesh.fsdp), "
+                   "add tensor parallelism, or raise --max_compiles")
   return "\n".join(lines)
 
 

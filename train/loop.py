@@ -320,7 +320,7 @@ def _init_from(trainer, path: str) -> dict[str, Any]:
   from model import hf  # pylint: disable=g-import-not-at-top
   m = trainer.config.model
   loaded = hf.load(path, dtype=m.param_dtype, compute_dtype=m.dtype, scan_layers=m.scan_layers)
-  params = nnx.state(loaded, nnx.Param).to_pure_dict()
+  params = nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
   want = jax.tree.map(lambda a: (a.shape, a.dtype), abstract)
   got = jax.tree.map(lambda a: (a.shape, a.dtype), params)
   if want != got:

@@ -279,14 +279,15 @@ def main(argv=None) -> int:
   from parallel import mesh as mesh_lib
   from train import cli
   parser = argparse.ArgumentParser(prog="python -m train.step", description=__doc__.split("\n")[0])
+  parser.add_argument("--fast_compile", action="store_true", help="XLA options that compile faster, run slower")
   try:
-    config, _ = cli.parse(sys.argv[1:] if argv is None else argv, parser)
+    config, args = cli.parse(sys.argv[1:] if argv is None else argv, parser)
   except cli.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   parallel.distributed.initialize(config.distributed)
   mesh = mesh_lib.make_mesh(config.mesh)
-  trainer = Trainer(config, mesh)
+  trainer = Trainer(config, mesh, FAST_COMPILE if args.fast_compile else None)
   leader = jax.process_index() == 0
   if leader:
     print(json.dumps({"mesh": mesh_lib.describe(mesh), "processes": jax.process_count(),

@@ -12,17 +12,25 @@ from typing import Any, Callable, Sequence
 
 
 class LocalExecutor:
-  """Runs shards in `num_workers` processes (spawned, so no state leaks in from the parent); 0 = CPU count."""
+  """Runs shards in `num_workers` processes (spawned, so no state leaks in from the parent); 0 = CPU count.
+  The pool starts on the first `map` and serves every pass until `close()`."""
 
   def __init__(self, num_workers: int = 0):
     self.num_workers = num_workers or os.cpu_count() or 1
+    self._pool = None
 
   def map(self, fn: Callable, args: Sequence[tuple]) -> list[Any]:
     if self.num_workers == 1 or len(args) <= 1:
       return [fn(*a) for a in args]
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(min(self.num_workers, len(args))) as pool:
-      return pool.starmap(fn, args, chunksize=1)
+    if self._pool is None:
+      self._pool = multiprocessing.get_context("spawn").Pool(self.num_workers)
+    return self._pool.starmap(fn, args, chunksize=1)
+
+  def close(self) -> None:
+    if self._pool is not None:
+      self._pool.close()
+      self._pool.join()
+      self._pool = None
 
 
 class RayExecutor:
@@ -42,6 +50,9 @@ class RayExecutor:
   def map(self, fn: Callable, args: Sequence[tuple]) -> list[Any]:
     remote = self._ray.remote(num_cpus=1, max_retries=3)(fn)
     return self._ray.get([remote.remote(*a) for a in args])
+
+  def close(self) -> None:
+    """Leaves the Ray runtime up: it may serve other work in this process."""
 
 
 def make_executor(cfg) -> LocalExecutor | RayExecutor:

@@ -143,7 +143,7 @@ class Scorer:
           owner.append(i)
     if not lines:
       return np.full(len(texts), np.nan)
-    ids = sp.encode(lines)
+    ids = sp.encode(lines, num_threads=1)  # one core per worker: the executor provides the parallelism
     tokens, positions = ngram_lm.flatten(ids, lm.bos, lm.eos)
     logp = lm.token_logprobs(tokens, positions)
     lengths = np.array([len(x) + 2 for x in ids])

@@ -327,6 +327,15 @@ def validate(cfg) -> None:
   """Clear errors for settings that cannot work, before anything runs."""
   if not cfg.output:
     raise ValueError("no output directory: pass --output DIR")
+  choices = {"input_format": ("auto",) + readers.FORMATS, "text_mode": ("blank_line", "line", "file"),
+             "executor": ("local", "ray"), "dedup.hash_set": ("exact", "bloom"),
+             "perplexity.smoothing": ("kneser_ney", "stupid_backoff")}
+  for key, allowed in choices.items():
+    value = cfg
+    for part in key.split("."):
+      value = value[part]
+    if value not in allowed:
+      raise ValueError(f"{key}={value!r} is not one of {', '.join(allowed)}")
   if cfg.minhash.enabled and not 0 < cfg.minhash.threshold <= 1:
     raise ValueError(f"minhash.threshold must be in (0, 1]; got {cfg.minhash.threshold}")
   if cfg.langid.enabled and not 0 <= cfg.langid.threshold <= 1:
@@ -344,14 +353,26 @@ def _run_pass(executor, work: str, step: str, num_shards: int, fn, make_args) ->
 
 
 def run(cfg: ml_collections.ConfigDict, executor=None) -> dict:
-  """Runs (or resumes) the whole pipeline; returns the stats also written to DIR/stats.json and DIR/stats.md."""
+  """Runs (or resumes) the whole pipeline; returns the stats also written to DIR/stats.json and DIR/stats.md.
+
+  `executor`: anything with `map(fn, args)` and `close()` (`executors.LocalExecutor`, `RayExecutor`); by default
+  one made from the config and closed at the end."""
   validate(cfg)
   files = readers.expand_inputs(cfg.input)
   output = os.path.abspath(cfg.output)
   work = os.path.join(output, WORK)
   os.makedirs(work, exist_ok=True)
   _check_manifest(work, _fingerprint(cfg, files))
+  own_executor = executor is None
   executor = executor or executors.make_executor(cfg)
+  try:
+    return _run(cfg, executor, files, output, work)
+  finally:
+    if own_executor:
+      executor.close()
+
+
+def _run(cfg, executor, files: list[str], output: str, work: str) -> dict:
   cfg_dict = cfg.to_dict()
   n = len(files)
   extra: dict = {"input_files": n}
@@ -391,7 +412,14 @@ def run(cfg: ml_collections.ConfigDict, executor=None) -> dict:
   extra.update(info)
 
   _run_pass(executor, work, "write", n, write_shard, lambda s: (cfg_dict, s, work, output, info["cutoffs"]))
+  summary = _summarise(work, n, extra)
+  _atomic_write(os.path.join(output, "stats.json"), json.dumps(summary, indent=1, ensure_ascii=False))
+  _atomic_write(os.path.join(output, "stats.md"), statslib.table(summary))
+  return summary
 
+
+def _summarise(work: str, n: int, extra: dict) -> dict:
+  """Adds up the shards' markers (in shard order) into the stats.json object."""
   counter = statslib.StageCounter()
   output_counts: dict = {}
   reasons: dict = {}
@@ -407,7 +435,4 @@ def run(cfg: ml_collections.ConfigDict, executor=None) -> dict:
         cell["docs"] += docs
         cell["chars"] += chars
   extra["quality_reasons"] = dict(sorted(reasons.items()))
-  summary = statslib.summarise(counter, {k: output_counts[k] for k in sorted(output_counts)}, extra)
-  _atomic_write(os.path.join(output, "stats.json"), json.dumps(summary, indent=1, ensure_ascii=False))
-  _atomic_write(os.path.join(output, "stats.md"), statslib.table(summary))
-  return summary
+  return statslib.summarise(counter, {k: output_counts[k] for k in sorted(output_counts)}, extra)

@@ -13,6 +13,7 @@ from collections import Counter
 from data.curate import text as textlib
 
 _ALPHA_RE = re.compile(r"[^\W\d_]")
+_NO_ALPHA_TOKEN_RE = re.compile(r"(?<!\S)(?:[^\s\w]|[\d_])+(?!\S)")
 _BULLETS = ("•", "●", "○", "■", "□", "▪", "▫", "*", "-", "–", "—", "·", "‣", "⁃")
 _TERMINAL = (".", "!", "?", '"', "'", "”", "’", "。", "！", "？", "…", "」", "»")
 _POLICY = ("javascript", "cookie policy", "uses cookies", "use of cookies", "use cookies", "terms of use",
@@ -88,7 +89,8 @@ def check(text: str, language: str, cfg) -> str | None:
   if cfg.max_words and n > cfg.max_words:
     return "max_words"
   total_chars = sum(map(len, words))
-  if text.isascii() or textlib.spaceless_fraction(words) < 0.5:
+  spaced = text.isascii() or not textlib.has_spaceless(text)  # then `words` is text.split()
+  if spaced or textlib.spaceless_fraction(words) < 0.5:
     mean = total_chars / n
     if mean < cfg.min_mean_word_length or mean > cfg.max_mean_word_length:
       return "mean_word_length"
@@ -100,7 +102,11 @@ def check(text: str, language: str, cfg) -> str | None:
       return "bullet_lines"
     if sum(line.endswith(("...", "…")) for line in lines) / len(lines) > cfg.max_ellipsis_lines_fraction:
       return "ellipsis_lines"
-  if len(list(filter(None, map(_ALPHA_RE.search, words)))) / n < cfg.min_alpha_words_fraction:
+  if spaced:  # one regex pass over the text counts its whitespace-separated tokens without a letter
+    with_alpha = n - len(_NO_ALPHA_TOKEN_RE.findall(text))
+  else:
+    with_alpha = len(list(filter(None, map(_ALPHA_RE.search, words))))
+  if with_alpha / n < cfg.min_alpha_words_fraction:
     return "alpha_words"
   lowered = list(map(str.lower, words))
   stop = STOP_WORDS.get(language)

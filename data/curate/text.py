@@ -74,10 +74,15 @@ _SPACELESS_RE = re.compile(f"[{_SPACELESS}]")
 _SPACELESS_WORD_RE = re.compile(f"[{_SPACELESS}]|[^\\s{_SPACELESS}]+")
 
 
+def has_spaceless(text: str) -> bool:
+  """Whether `text` holds any character of a script written without spaces (see `words`)."""
+  return _SPACELESS_RE.search(text) is not None
+
+
 def words(text: str) -> list[str]:
   """Whitespace-separated words; runs of Chinese, Japanese, Thai, Lao, Khmer, Burmese or Tibetan script are split
   into single characters, so word-count rules work for languages written without spaces."""
-  if text.isascii() or not _SPACELESS_RE.search(text):
+  if text.isascii() or not has_spaceless(text):
     return text.split()
   return _SPACELESS_WORD_RE.findall(text)
 

@@ -1,0 +1,143 @@
+"""Ahead-of-time compilation of the real train step for TPU v4 slices (libtpu's compiler, no TPU attached)."""
+import json
+import math
+
+import jax
+import pytest
+from flax import nnx
+
+import model
+from train import cli, hardware
+from train import compile as aot
+
+# A small Llama-style model whose dimensions divide every mesh below; compile time does not depend on depth.
+SMALL = {"model.num_layers": 3, "train.seq_len": 64, "model.max_seq_len": 64, "train.batch_size": 16,
+         "model.vocab_size": 512, "model.d_model": 128, "model.mlp_dim": 256}
+V4_16 = hardware.tpu_slice("v4-16")  # 16 TensorCores = 8 chips, "v4:2x2x2"
+# DESIGN.md's logical -> mesh table (written out here, independently of parallel/rules.py).
+DESIGN_RULES = {"embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
+                "layers": None, "head_dim": None}
+
+
+@pytest.fixture(scope="module")
+def devices():
+  return aot.abstract_devices(V4_16)
+
+
+@pytest.fixture(scope="module")
+def compiled_meshes(devices):
+  """(config, trainer, compiled) for pure data parallelism and for two tensor-parallel meshes."""
+  out = {}
+  for name, mesh in {"dp8": {}, "fsdp4_tp2": {"fsdp": 4, "tensor": 2}, "fsdp2_tp4": {"fsdp": 2, "tensor": 4}}.items():
+    axes = {"mesh.data": 1, **{f"mesh.{k}": v for k, v in mesh.items()}} if mesh else {"mesh.data": 8}
+    config = cli.load("tiny", **SMALL, **axes)
+    trainer, compiled = aot.compile_trainer(config, devices)
+    out[name] = (config, trainer, compiled)
+  return out
+
+
+def test_topology_names_follow_cloud_tpu_naming():
+  # v4-N counts TensorCores (2 per chip), v5e-N counts chips (Cloud TPU documentation's slice tables).
+  assert (hardware.tpu_slice("v4-8").topology, hardware.tpu_slice("v4-8").num_chips) == ("v4:2x2x1", 4)
+  assert hardware.tpu_slice("v4-32").topology == "v4:2x2x4"
+  assert hardware.tpu_slice("v4-128").topology == "v4:4x4x4"
+  assert hardware.tpu_slice("v4-4096").topology == "v4:8x16x16"
+  assert hardware.tpu_slice("v5p-16").topology == "v5p:2x2x2"
+  assert hardware.tpu_slice("v5e-16").topology == "v5e:4x4"
+  assert hardware.tpu_slice("v5litepod-256").topology == "v5e:16x16"
+  assert hardware.tpu_slice("v4:4x4x12").num_chips == 192
+  with pytest.raises(ValueError, match="TensorCores"):
+    hardware.tpu_slice("v4-12")
+
+
+def test_abstract_devices_are_one_per_chip(devices):
+  assert len(devices) == 8 and {d.device_kind for d in devices} == {"TPU v4"}
+  two = aot.abstract_devices(hardware.tpu_slice("v4-8", num_slices=2))
+  assert len(two) == 8 and {d.slice_index for d in two} == {0, 1}
+
+
+def test_compiled_parameters_are_sharded_as_the_rules_say(compiled_meshes):
+  config, trainer, compiled = compiled_meshes["fsdp4_tp2"]
+  abstract = nnx.eval_shape(lambda: model.Transformer(config.model, rngs=nnx.Rngs(0)))
+  params = nnx.state(abstract, nnx.Param)
+  leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+  compiled_params = compiled.input_shardings[0][0]["params"]
+  hlo = compiled.as_text().split("ENTRY", 1)[1]
+  mesh = {"fsdp": 4, "tensor": 2}
+  checked = 0
+  for path, var in leaves:
+    names = var.get_metadata()["out_sharding"]
+    expected = tuple(DESIGN_RULES[n] for n in names)
+    sharding = compiled_params
+    for key in path:
+      sharding = sharding[key.key]
+    got = tuple(sharding.spec) + (None,) * (len(names) - len(sharding.spec))
+    assert got == expected, (path, names, got)
+    # The compiled program's entry parameters have the per-chip shard shape.
+    shard = [d // (mesh[a] if a else 1) for d, a in zip(var.shape, expected)]
+    assert f"f32[{','.join(map(str, shard))}]" in hlo, (path, shard)
+    checked += 1
+  assert checked >= 10
+
+
+def _activation_all_reduces(config, compiled, rows_per_device):
+  """All-reduces of a [rows, seq_len, d_model] float32 activation, executions per step."""
+  shape = f"f32[{rows_per_device},{config.train.seq_len},{config.model.d_model}]"
+  ops = aot.collective_ops(compiled.as_text())
+  return [op for op in ops if op["kind"] == "all-reduce" and shape in op["shapes"]]
+
+
+def test_tensor_parallelism_brings_megatron_all_reduces(compiled_meshes):
+  # Pure data parallelism: one all-reduce of the full gradient (4 bytes per parameter) and no activation
+  # collectives.
+  config, _, compiled = compiled_meshes["dp8"]
+  stats = aot.collectives(compiled.as_text())
+  assert set(stats) == {"all-reduce"}
+  grad_bytes = 4 * model.count_params(config.model)["total"]
+  assert grad_bytes <= stats["all-reduce"]["bytes_per_step"] <= grad_bytes * 1.001
+  assert _activation_all_reduces(config, compiled, 2) == []
+  # Tensor parallelism (Megatron): in every layer the attention and MLP outputs are all-reduced in the forward
+  # pass and their input gradients in the backward pass: 4 all-reduces per layer (ops inside the scan over
+  # layers, executed num_layers times), each of one [rows per device, seq_len, d_model] float32 activation, so
+  # their size follows the data-parallel split of the batch (16 rows over fsdp=4, then over fsdp=2).
+  L = config.model.num_layers
+  for name, rows in (("fsdp4_tp2", 4), ("fsdp2_tp4", 8)):
+    config, _, compiled = compiled_meshes[name]
+    per_layer = [op for op in _activation_all_reduces(config, compiled, rows) if op["per_step"] == L]
+    assert len(per_layer) == 4, (name, per_layer)
+    assert {op["bytes"] for op in per_layer} == {rows * config.train.seq_len * config.model.d_model * 4}
+    stats = aot.collectives(compiled.as_text())
+    assert "all-gather" in stats  # FSDP gathers the sharded weights before use
+
+
+def test_report_fits_and_counts_flops(devices):
+  config = cli.load("tiny", **SMALL, **{"mesh.data": 8})
+  r = aot.compile_step(config, V4_16, devices)
+  assert r["fits"] and r["num_devices"] == 8 and r["chip"] == "tpu_v4"
+  per_chip = model.flops_per_token(config.model, 64) * 16 * 64 / 8
+  assert r["flops"]["model_per_chip"] == pytest.approx(per_chip)
+  assert r["flops"]["compiled_per_chip"] > 0
+  m = r["memory"]
+  assert m["total_bytes"] == (m["argument_bytes"] + m["output_bytes"] + m["temp_bytes"] - m["alias_bytes"]
+                              + m["generated_code_bytes"])
+  # Arguments hold the state (params + 2 Adam moments, fp32, replicated) and the batch.
+  state = 3 * 4 * model.count_params(config.model)["total"]
+  assert state <= m["argument_bytes"] <= state * 1.05
+  json.dumps(r)
+
+
+def test_too_large_is_reported_with_a_suggestion_that_fits(devices, capsys):
+  # Long sequences and a big batch: the [H, S] attention scores of every layer exceed 32 GiB per chip without
+  # remat; recomputation and/or gradient accumulation bring it under.
+  big = {**SMALL, "train.seq_len": 2048, "model.max_seq_len": 2048, "train.batch_size": 640, "mesh.data": 8}
+  argv = ["--config=tiny", "--topology=v4-16", "--json", "--max_compiles=6",
+          *[f"--config.{k}={v}" for k, v in big.items()]]
+  assert aot.main(argv) == 1
+  r = json.loads(capsys.readouterr().out)
+  assert not r["fits"] and r["memory"]["total_bytes"] > 32 * 2**30
+  s = r["suggestion"]
+  assert s["found"] and s["report"]["fits"]
+  assert s["report"]["memory"]["total_bytes"] <= 32 * 2**30
+  assert (s["remat"], s["grad_accum"]) != ("none", 1)
+  assert s["tried"][-1]["fits"] or any(t["fits"] for t in s["tried"])
+  assert math.isclose(s["micro_batch"] * s["grad_accum"], 640)
