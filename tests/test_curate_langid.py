@@ -92,3 +92,31 @@ def test_threshold_and_language_allow_list(tmp_path):
   assert set(stats["output"]) == {"de", "zh"}
   langid_stage = next(s for s in stats["stages"] if s["stage"] == "langid")
   assert langid_stage["docs_in"] == len(TEXTS) + 1 and langid_stage["docs_out"] == 2
+
+
+def test_per_language_perplexity_model(tmp_path):
+  with open(tmp_path / "docs.jsonl", "w") as f:
+    for lang, text in TEXTS.items():
+      f.write(json.dumps({"id": lang, "text": text}, ensure_ascii=False) + "\n")
+  (tmp_path / "en.txt").write_text("\n".join(TEXTS["en"].split(". ")) + "\n")
+  cfg = curate_config.get_config()
+  cfg.input, cfg.output, cfg.num_workers = str(tmp_path / "docs.jsonl"), str(tmp_path / "out"), 1
+  cfg.dedup.min_length = 0
+  cfg.minhash.enabled = cfg.quality.enabled = False
+  cfg.perplexity.reference = ("en=" + str(tmp_path / "en.txt"),)  # a model for English only
+  cfg.perplexity.vocab_size = 400
+  pipeline.run(cfg)
+  records = {}
+  for root, _, files in os.walk(tmp_path / "out"):
+    for name in files:
+      if name.endswith(".jsonl") and "_work" not in root:
+        with open(os.path.join(root, name)) as f:
+          records.update((r["id"], r) for r in map(json.loads, f))
+  assert records["en"]["perplexity"] > 1 and records["en"]["bucket"] in ("head", "middle", "tail")
+  assert all(records[lang]["perplexity"] is None and records[lang]["bucket"] == "all" for lang in TEXTS if lang != "en")
+
+  def no_nan(name):
+    raise AssertionError(f"stats.json holds {name}")
+
+  stats = json.loads((tmp_path / "out" / "stats.json").read_text(), parse_constant=no_nan)
+  assert list(stats["cutoffs"]) == ["en"]

@@ -168,4 +168,23 @@ def test_memory_analysis_counts_the_sharded_state(reference):
   assert mem["alias_bytes"] > 0.9 * (mem["argument_bytes"] - 5 * 8 * 32 * 4 // 4)  # state is donated
   assert mem["total_bytes"] == (mem["argument_bytes"] + mem["output_bytes"] + mem["temp_bytes"]
                                 - mem["alias_bytes"])
-  assert trainer.model(trainer.abstract_state()).remat == "none"
+
+
+def test_bf16_compute_keeps_float32_master_weights(reference):
+  c = _config()
+  c.model.dtype = "bfloat16"
+  trainer = step_lib.Trainer(c, mesh_lib.make_mesh(c.mesh, jax.devices()[:1]), step_lib.FAST_COMPILE)
+  state = jax.device_put(reference["init"], trainer.state_shardings)  # same float32 start as the reference
+  state, metrics = trainer.step_fn(state, trainer.batch_to_device(step_lib.synthetic_batch(c, 0)))
+  assert {x.dtype for x in jax.tree.leaves(state["params"])} == {jnp.dtype(jnp.float32)}
+  assert float(metrics["loss"]) == pytest.approx(reference["losses"][0], rel=1e-2)  # bf16 rounding only
+  assert float(metrics["loss"]) != reference["losses"][0]  # ... which is there: the compute really is bf16
+
+
+def test_remat_policy_comes_from_config():
+  c = _config(remat="full")
+  trainer = step_lib.Trainer(c, mesh_lib.make_mesh(c.mesh, jax.devices()[:1]))
+  assert trainer.model(trainer.abstract_state()).remat == "full"
+  c.train.remat = "sometimes"
+  with pytest.raises(ValueError, match="sometimes"):
+    step_lib.Trainer(c, mesh_lib.make_mesh(c.mesh, jax.devices()[:1]))

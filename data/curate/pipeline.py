@@ -297,8 +297,12 @@ def _perplexity_cutoffs(cfg, work: str, num_shards: int) -> dict:
         survive &= ~np.load(os.path.join(work, "neardup", f"{s:05d}.npy"))
       for lang in np.unique(z["language"][survive]):
         by_lang.setdefault(str(lang), []).append(z["perplexity"][survive & (z["language"] == lang)])
-  return {lang: ppl.cutoffs(np.concatenate(v), cfg.perplexity.head_percentile, cfg.perplexity.tail_percentile)
-          for lang, v in sorted(by_lang.items())}
+  out = {}
+  for lang, values in sorted(by_lang.items()):
+    cut = ppl.cutoffs(np.concatenate(values), cfg.perplexity.head_percentile, cfg.perplexity.tail_percentile)
+    if cut[0] == cut[0]:  # languages without a model (NaN perplexities) get no cutoffs: bucket "all"
+      out[lang] = cut
+  return out
 
 
 # ---------------------------------------------------------------------------------------------- driver
