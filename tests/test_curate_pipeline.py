@@ -81,7 +81,8 @@ def test_reference_run_is_sane(reference):
          for line in data.decode().splitlines()]
   assert len(ids) == len(set(ids)) and "copy" not in ids and "near" not in ids
   assert {p.split(os.sep)[0] for p in tree if p.endswith(".jsonl")} == {"en", "de"}
-  records = [json.loads(line) for p, data in tree.items() if p.endswith(".jsonl") for line in data.decode().splitlines()]
+  records = [json.loads(line) for p, data in tree.items() if p.endswith(".jsonl")
+             for line in data.decode().splitlines()]
   assert all({"id", "text", "language", "language_score", "perplexity", "bucket", "meta"} <= r.keys() for r in records)
   assert any("<EMAIL>" in r["text"] and "<PHONE>" in r["text"] for r in records)
   assert sum(len(b) for b in stats["output"].values()) >= 4  # head/middle/tail present

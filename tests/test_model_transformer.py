@@ -104,17 +104,29 @@ def numpy_forward(cfg, p, tokens, segments):
   return np.stack(out)
 
 
+LENGTHS = (5, 4, 3)  # three documents packed into row 0 of the test batch
+
+
 @pytest.fixture(scope="module")
 def batch():
+  """Row 0 packs three documents; rows 1-3 hold one of them each, followed by padding (segment 0)."""
   rng = np.random.default_rng(0)
-  tokens = rng.integers(0, TINY["vocab_size"], size=(2, L)).astype(np.int32)
-  segments = np.array([[1] * L, [1] * 5 + [2] * 4 + [0] * 3], np.int32)
+  docs = [rng.integers(0, TINY["vocab_size"], size=(n,)).astype(np.int32) for n in LENGTHS]
+  tokens, segments = np.zeros((4, L), np.int32), np.zeros((4, L), np.int32)
+  tokens[0] = np.concatenate(docs)
+  segments[0] = np.concatenate([np.full(n, i + 1) for i, n in enumerate(LENGTHS)])
+  for i, d in enumerate(docs):
+    tokens[i + 1, :len(d)], segments[i + 1, :len(d)] = d, 1
   return tokens, segments
 
 
+# One jitted forward for every test: models with the same config share one compilation.
+FORWARD = nnx.jit(lambda m, t, s: m(t, s))
+WINDOWED = dict(sliding_window=3, global_every=2)  # layers 0 and 2 windowed, layer 1 global
+
 OPTION_SETS = {
     "llama": dict(),
-    "window_every_2nd_global_unrolled": dict(sliding_window=3, global_every=2, scan_layers=False),
+    "window_every_2nd_global_unrolled": dict(WINDOWED, scan_layers=False),
     "layernorm_gelu_bias_tied": dict(norm_type="layernorm", mlp_type="gelu", use_bias=True, tie_embeddings=True),
     "parallel_geglu_mqa": dict(block_type="parallel", mlp_type="geglu", num_kv_heads=1),
     "blockwise_window": dict(attention_impl="blockwise", attention_block_size=4, sliding_window=4,
@@ -130,51 +142,45 @@ def test_logits_match_numpy_reference(name, batch):
     for path, var in nnx.to_flat_state(nnx.state(m, nnx.Param)):
       if "bias" in str(path[-1]):
         var.set_value(0.1 * jax.random.normal(jax.random.key(len(path)), var.shape))
-  tokens, segments = batch
-  got = np.asarray(nnx.jit(lambda m, t, s: m(t, s))(m, tokens, segments))
+  got = np.asarray(FORWARD(m, *batch))
   assert got.dtype == np.float32
-  want = numpy_forward(cfg, params_of(m), tokens, segments)
+  want = numpy_forward(cfg, params_of(m), *batch)
   np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
 def scanned():
-  return model.Transformer(make_cfg(sliding_window=3, global_every=2), rngs=nnx.Rngs(0))
+  return model.Transformer(make_cfg(**WINDOWED), rngs=nnx.Rngs(0))
 
 
-def test_scan_and_unrolled_agree(scanned, batch):
-  unrolled = model.Transformer(make_cfg(sliding_window=3, global_every=2, scan_layers=False), rngs=nnx.Rngs(5))
+def _unrolled_copy(scanned):
+  """An unrolled model holding the scanned model's parameters (layer i = slice i of the stack)."""
+  unrolled = model.Transformer(dict(scanned.cfg, scan_layers=False), rngs=nnx.Rngs(5))
   stacked = nnx.state(scanned.layers, nnx.Param)
   for i, block in enumerate(unrolled.layers):
     nnx.update(block, jax.tree.map(lambda a: a[i], stacked))
   for attr in ("embed", "final_norm"):
     nnx.update(getattr(unrolled, attr), nnx.state(getattr(scanned, attr)))
   unrolled.unembed.set_value(scanned.unembed.get_value())
+  return unrolled
+
+
+def test_scan_and_unrolled_agree(scanned, batch):
+  np.testing.assert_allclose(np.asarray(FORWARD(_unrolled_copy(scanned), *batch)),
+                             np.asarray(FORWARD(scanned, *batch)), atol=1e-5)
+
+
+def test_packed_row_equals_documents_run_separately(scanned, batch):
   tokens, segments = batch
-  np.testing.assert_allclose(np.asarray(unrolled(tokens, segments)), np.asarray(scanned(tokens, segments)),
-                             atol=1e-5)
-
-
-def test_packed_row_equals_documents_run_separately(scanned):
-  rng = np.random.default_rng(3)
-  lengths = (5, 4, 3)
-  docs = [rng.integers(0, 64, size=(n,)).astype(np.int32) for n in lengths]
-  # Row 0 packs the three documents; rows 1-3 hold one document each, followed by padding (segment 0).
-  tokens = np.zeros((4, L), np.int32)
-  segments = np.zeros((4, L), np.int32)
-  tokens[0] = np.concatenate(docs)
-  segments[0] = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)])
-  for i, d in enumerate(docs):
-    tokens[i + 1, :len(d)], segments[i + 1, :len(d)] = d, 1
-  logits = np.asarray(nnx.jit(lambda m, t, s: m(t, s))(scanned, tokens, segments))
+  logits = np.asarray(FORWARD(scanned, tokens, segments))
   start = 0
-  for i, n in enumerate(lengths):
+  for i, n in enumerate(LENGTHS):
     np.testing.assert_allclose(logits[0, start:start + n], logits[i + 1, :n], atol=1e-5)
     start += n
   # Explicit per-document positions give the same logits as the default (derived from the segments).
-  positions = np.concatenate([np.arange(n) for n in lengths])[None].astype(np.int32)
-  explicit = nnx.jit(lambda m, t, s, p: m(t, s, p))(scanned, tokens[:1], segments[:1], positions)
-  np.testing.assert_allclose(np.asarray(explicit), logits[:1], atol=1e-6)
+  positions = np.concatenate([np.arange(n) for n in LENGTHS])[None].astype(np.int32)
+  explicit = scanned(tokens[:1], segments[:1], positions)
+  np.testing.assert_allclose(np.asarray(explicit), logits[:1], atol=1e-5)
 
 
 def test_gqa_equals_mha_with_repeated_kv_heads(batch):
@@ -186,27 +192,31 @@ def test_gqa_equals_mha_with_repeated_kv_heads(batch):
     if path[-1] in ("k", "v"):  # [layers, D, G, K]: query head h reads kv head h // 2
       src = jnp.repeat(src, 2, axis=2)
     var.set_value(src)
-  tokens, segments = batch
-  np.testing.assert_allclose(np.asarray(mha(tokens, segments)), np.asarray(gqa(tokens, segments)), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(FORWARD(mha, *batch)), np.asarray(FORWARD(gqa, *batch)), atol=1e-5)
 
 
-@pytest.mark.parametrize("scan", [True, False])
-def test_remat_policies_leave_gradients_unchanged(scan, batch):
+def test_remat_policies_leave_gradients_unchanged(scanned, batch):
   tokens, segments = batch
-  m = model.Transformer(make_cfg(scan_layers=scan, num_layers=2), rngs=nnx.Rngs(0))
   loss = lambda m: jnp.mean(jax.nn.logsumexp(m(tokens, segments), -1) ** 2)
   grad_fn = nnx.jit(nnx.grad(loss))
-  # Named (save_qkv_proj) and dot-based (save_dots) policies; each compiles a gradient, so a few suffice.
-  policies = ["none", "full", "save_qkv_proj"] if scan else ["none", "save_dots"]
-  grads = {}
-  for policy in policies:
-    m.remat = policy  # a static attribute: each policy retraces
-    grads[policy] = nnx.state(grad_fn(m))
-  # The policy really wraps the layer body in a checkpoint (else this test would compare identical programs).
-  jaxpr = str(jax.make_jaxpr(lambda s: loss(nnx.merge(nnx.graphdef(m), s)))(nnx.state(m)))
-  assert "remat" in jaxpr or "checkpoint" in jaxpr
-  for policy, g in grads.items():
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, err_msg=policy), g, grads["none"])
+  reference = nnx.state(grad_fn(scanned))  # remat="none": no checkpointing at all
+  # Named (save_qkv_proj) and built-in (full) policies on the scanned stack; each compiles a gradient.
+  for policy in ("full", "save_qkv_proj"):
+    m = model.Transformer(scanned.cfg, rngs=nnx.Rngs(0), remat=policy)
+    nnx.update(m, nnx.state(scanned))
+    jaxpr = str(jax.make_jaxpr(lambda s: loss(nnx.merge(nnx.graphdef(m), s)))(nnx.state(m)))
+    assert "remat" in jaxpr or "checkpoint" in jaxpr  # the policy really wraps the layer body
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, err_msg=policy),
+                 nnx.state(grad_fn(m)), reference)
+  # Unrolled layers with a dot-based policy: gradients equal the scanned model's, slice by slice.
+  unrolled = _unrolled_copy(scanned)
+  unrolled.remat = "save_dots"
+  grads = nnx.state(grad_fn(unrolled), nnx.Param)
+  for i in range(scanned.cfg.num_layers):
+    for a, b in zip(jax.tree.leaves(grads["layers"][i]), jax.tree.leaves(reference["layers"]), strict=True):
+      np.testing.assert_allclose(a, b[i], atol=1e-6)
+  np.testing.assert_allclose(grads["embed"]["embedding"].get_value(),
+                             reference["embed"]["embedding"].get_value(), atol=1e-6)
 
 
 def test_parallel_block_trains():
@@ -235,8 +245,7 @@ def test_parallel_block_trains():
 def test_bfloat16_compute_keeps_float32_logits(batch):
   m32 = model.Transformer(make_cfg(), rngs=nnx.Rngs(4))
   m16 = model.Transformer(make_cfg(dtype="bfloat16"), rngs=nnx.Rngs(4))
-  tokens, segments = batch
-  out = m16(tokens, segments)
+  out = FORWARD(m16, *batch)
   assert out.dtype == jnp.float32
   assert m16.embed.embedding.get_value().dtype == jnp.float32  # param_dtype stays float32
-  np.testing.assert_allclose(np.asarray(out), np.asarray(m32(tokens, segments)), atol=0.1)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(FORWARD(m32, *batch)), atol=0.1)

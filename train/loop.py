@@ -122,6 +122,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     stopped the run early (signal name) or None}. Raises TrainingError (non-finite halt, full disk, bad
     init_from) and WorkdirError.
   """
+  check_workdir(workdir)
+  with _StopSignal() as stop:  # installed first: a SIGTERM during start-up stops after the first step
+    return _run(config, os.path.abspath(workdir), stop)
+
+
+def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> dict[str, Any]:
+  """`run` once the workdir is known to be writable and the signal handlers are in place."""
   # The model and data stacks load here, not at import: `python -m train` checks its arguments first.
   import parallel  # pylint: disable=g-import-not-at-top
   from data import pipeline as pipeline_lib  # pylint: disable=g-import-not-at-top
@@ -130,8 +137,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   from train import mfu as mfu_lib  # pylint: disable=g-import-not-at-top
   from train import step as step_lib  # pylint: disable=g-import-not-at-top
 
-  check_workdir(workdir)
-  workdir = os.path.abspath(workdir)
   parallel.distributed.initialize(config.distributed)
   primary = jax.process_index() == 0
   tc, ck = config.train, config.checkpoint
@@ -200,55 +205,54 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   summary = {"step": start, "loss": None, "eval_loss": None, "stopped": None}
   step = start
   try:
-    with _StopSignal() as stop:
-      if start == 0 and tc.eval_every > 0:  # the starting point of the eval curve
-        summary["eval_loss"] = _log_eval(log, 0, evaluate())
-      pending = None  # (step, device metrics) of the step in flight, read one step late
-      window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
-      while step < tc.steps:
-        t0 = time.perf_counter()
-        local = next(train_iter)
-        window_wait += time.perf_counter() - t0
-        step += 1
-        if step in tc.debug_nan_steps:  # fault injection: a NaN loss mask makes this step's loss and grads NaN
-          local = dict(local, loss_mask=np.full_like(local["loss_mask"], np.nan))
-        state, metrics = trainer.step_fn(state, trainer.batch_to_device(local))
-        window_steps += 1
-        if pending is not None:
-          nonfinite_run = _count_nonfinite(*pending, nonfinite_run, tc.max_nonfinite, checkpointer)
-        pending = (step, metrics)
-        log.advance(step)
-
-        stopping = stop.should_stop(step)
-        log_now = step % tc.log_every == 0 or step == tc.steps or stopping
-        eval_now = tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps)
-        save_now = (ck.every > 0 and step % ck.every == 0) or step == tc.steps or stopping
-        if not (log_now or eval_now or save_now):
-          continue
+    if start == 0 and tc.eval_every > 0:  # the starting point of the eval curve
+      summary["eval_loss"] = _log_eval(log, 0, evaluate())
+    pending = None  # (step, device metrics) of the step in flight, read one step late
+    window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
+    while step < tc.steps:
+      t0 = time.perf_counter()
+      local = next(train_iter)
+      window_wait += time.perf_counter() - t0
+      step += 1
+      if step in tc.debug_nan_steps:  # fault injection: a NaN loss mask makes this step's loss and grads NaN
+        local = dict(local, loss_mask=np.full_like(local["loss_mask"], np.nan))
+      state, metrics = trainer.step_fn(state, trainer.batch_to_device(local))
+      window_steps += 1
+      if pending is not None:
         nonfinite_run = _count_nonfinite(*pending, nonfinite_run, tc.max_nonfinite, checkpointer)
-        pending = None
-        if log_now:
-          host = {k: float(v) for k, v in jax.device_get(metrics).items()}
-          elapsed = time.perf_counter() - window_start
-          host["tokens_per_sec"] = window_steps * tokens_per_step / elapsed
-          host["data_wait_frac"] = window_wait / elapsed
-          util = mfu_lib.mfu(host["tokens_per_sec"], flops_per_token, jax.device_count(), peak)
-          if util is not None:
-            host["mfu"] = util
-          log.log(step, host)
-          summary["loss"] = host["loss"]
-        if eval_now:
-          summary["eval_loss"] = _log_eval(log, step, evaluate())
-        if save_now:
-          save(step)
-        summary["step"] = step
-        window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
-        if stopping:
-          summary["stopped"] = stop.received
-          checkpointer.wait()
-          log.message(f"{summary['stopped']}: stopped after step {step}; checkpoint saved to "
-                      f"{checkpointer.directory}/{step}. Run the same command to resume.")
-          break
+      pending = (step, metrics)
+      log.advance(step)
+
+      stopping = stop.should_stop(step)
+      log_now = step % tc.log_every == 0 or step == tc.steps or stopping
+      eval_now = tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps)
+      save_now = (ck.every > 0 and step % ck.every == 0) or step == tc.steps or stopping
+      if not (log_now or eval_now or save_now):
+        continue
+      nonfinite_run = _count_nonfinite(*pending, nonfinite_run, tc.max_nonfinite, checkpointer)
+      pending = None
+      if log_now:
+        host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        elapsed = time.perf_counter() - window_start
+        host["tokens_per_sec"] = window_steps * tokens_per_step / elapsed
+        host["data_wait_frac"] = window_wait / elapsed
+        util = mfu_lib.mfu(host["tokens_per_sec"], flops_per_token, jax.device_count(), peak)
+        if util is not None:
+          host["mfu"] = util
+        log.log(step, host)
+        summary["loss"] = host["loss"]
+      if eval_now:
+        summary["eval_loss"] = _log_eval(log, step, evaluate())
+      if save_now:
+        save(step)
+      summary["step"] = step
+      window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
+      if stopping:
+        summary["stopped"] = stop.received
+        checkpointer.wait()
+        log.message(f"{summary['stopped']}: stopped after step {step}; checkpoint saved to "
+                    f"{checkpointer.directory}/{step}. Run the same command to resume.")
+        break
     checkpointer.wait()
   except ckpt_lib.CheckpointError as e:
     raise TrainingError(str(e)) from None
@@ -289,8 +293,9 @@ def _count_nonfinite(step: int, metrics: dict[str, Any], run: int, limit: int, c
         f"(steps {step - run + 1}..{step}; updates were skipped). Latest checkpoint: "
         f"{'step ' + str(latest) if latest is not None else 'none'}. Lower train.lr, raise train.warmup_steps or "
         "check the data; train.max_nonfinite sets the limit.")
-  print(f"warning: step {step}: non-finite loss or gradient, update skipped ({run} in a row, halting at "
-        f"{limit})", file=sys.stderr, flush=True)
+  if jax.process_index() == 0:
+    print(f"warning: step {step}: non-finite loss or gradient, update skipped ({run} in a row, halting at "
+          f"{limit})", file=sys.stderr, flush=True)
   return run
 
 

@@ -61,7 +61,8 @@ class Trainer:
     self._replicated = NamedSharding(mesh, PartitionSpec())
 
     with parallel.activate(mesh, self.rules):
-      abstract_model = nnx.eval_shape(self._new_model, jax.ShapeDtypeStruct((2,), jnp.uint32))  # AOT: no eager op
+      key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # abstract: no eager op, so AOT on any backend works
+      abstract_model = nnx.eval_shape(self._new_model, key)
       self._graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
       param_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
     if jax.tree.leaves(rest):
@@ -70,7 +71,7 @@ class Trainer:
     rules_lib.check_divisible(param_specs, nnx.to_pure_dict(abstract_params), mesh)
     self.param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), param_specs,
                                         is_leaf=lambda x: isinstance(x, PartitionSpec))
-    abstract = jax.eval_shape(self._init_state, jax.random.PRNGKey(0))
+    abstract = jax.eval_shape(self._init_state, key)
     opt_shardings = optax.tree_map_params(
         self.tx, lambda _, s: s, abstract["opt_state"], self.param_shardings,
         transform_non_params=lambda _: self._replicated)

@@ -101,7 +101,8 @@ def resolve(band_hashes: np.ndarray, signatures, threshold: float) -> np.ndarray
 
   `band_hashes` uint64 [num_docs, bands], rows in global input order; `signatures` the matching uint32
   [num_docs, bands*rows] array, or a function from global row indices to those rows (so that only candidates'
-  signatures need to be in memory). Each document is compared with the first document of each of its buckets (one per band)."""
+  signatures need to be in memory). Each document is compared with the first document of each of its buckets
+  (one per band)."""
   num_docs = band_hashes.shape[0]
   pairs = []
   for b in range(band_hashes.shape[1]):

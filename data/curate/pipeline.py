@@ -141,7 +141,8 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
       doc["text"] = stripped
       doc["language"], doc["language_score"] = lang, round(score, 4)
       lang_ok = identifier is None or (score >= threshold and (not languages or lang in languages))
-      reason = quality.check(stripped, lang, quality_cfg) if quality_cfg is not None else None
+      # Later stages see only what passed the earlier ones (applied in pass 3), so skip work on the rest.
+      reason = quality.check(stripped, lang, quality_cfg) if quality_cfg is not None and lang_ok else None
       meta["language"].append(lang)
       meta["language_ok"].append(lang_ok)
       meta["quality_ok"].append(reason is None)
@@ -184,7 +185,8 @@ def _flush(batch: list[dict], scorer, hasher, pii_cfg, out, meta: dict) -> None:
   if scorer is not None:
     by_lang: dict[str, list[int]] = {}
     for i, item in enumerate(batch):
-      by_lang.setdefault(item["doc"]["language"], []).append(i)
+      if item["language_ok"] and item["quality"] is None:
+        by_lang.setdefault(item["doc"]["language"], []).append(i)
     for lang, idx in by_lang.items():
       values[idx] = scorer.perplexities([batch[i]["doc"]["text"] for i in idx], lang)
   for item, value in zip(batch, values):
@@ -204,8 +206,9 @@ def write_shard(cfg_dict: dict, shard: int, work: str, output: str, cutoffs: dic
   output files DIR/<lang>/<bucket>/part-NNNNN.jsonl (all renamed into place only when complete)."""
   cfg = _config(cfg_dict)
   name = f"part-{shard:05d}.jsonl"
-  for stale in glob.glob(os.path.join(output, "*", "*", name)) + glob.glob(os.path.join(output, "*", "*", name + ".tmp-*")):
-    os.remove(stale)  # left by an attempt that crashed between renames
+  for pattern in (name, name + ".tmp-*"):
+    for stale in glob.glob(os.path.join(output, "*", "*", pattern)):
+      os.remove(stale)  # left by an attempt that crashed between renames
   near = (np.load(os.path.join(work, "neardup", f"{shard:05d}.npy")) if cfg.minhash.enabled else None)
   counter = statslib.StageCounter()
   files: dict[tuple[str, str], object] = {}
