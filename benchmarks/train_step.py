@@ -6,7 +6,7 @@ Prints one JSON object. For each config: tokens/s and MFU (against a float32 mat
 run) of `train.step.Trainer.step_fn` and of a hand-written step of the same model (same parameters, same AdamW,
 no framework); their ratio; per-device compiled memory with remat none vs full for both; and the first-step
 losses of both (they compute the same function, so these agree). Steps of the two are interleaved so machine
-load affects both alike; the median step time is used.
+load affects both alike; tokens/s use the fastest step (on a shared machine load only adds time).
 """
 from __future__ import annotations
 
@@ -164,8 +164,9 @@ def bench(name: str, overrides: dict, steps: int, peak: float) -> dict:
   flops_per_token = mfu_lib.flops_per_token(config.model, t.seq_len)
   tokens = t.batch_size * t.seq_len
   for who, mem in (("meshlm", meshlm_mem), ("hand_written", hand_mem)):
-    seconds = statistics.median(times[who])
-    out[who] = {"step_time_s": seconds, "tokens_per_sec": tokens / seconds,
+    seconds = min(times[who])  # the least-disturbed step: other processes only ever add time
+    out[who] = {"step_time_s": seconds, "step_time_median_s": statistics.median(times[who]),
+                "tokens_per_sec": tokens / seconds,
                 "mfu_vs_measured_peak": mfu_lib.mfu(tokens / seconds, flops_per_token, 1, peak),
                 "memory_remat_none": mem["none"], "memory_remat_full": mem["full"],
                 "remat_full_temp_reduction": 1.0 - mem["full"]["temp_bytes"] / max(mem["none"]["temp_bytes"], 1)}
@@ -178,7 +179,7 @@ def bench(name: str, overrides: dict, steps: int, peak: float) -> dict:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--configs", default="tiny,50m", help="comma-separated subset of " + ",".join(CONFIGS))
-  parser.add_argument("--steps", type=int, default=3, help="timed steps per implementation (after a warm-up)")
+  parser.add_argument("--steps", type=int, default=4, help="timed steps per implementation (after a warm-up)")
   args = parser.parse_args()
   peak = matmul_peak_flops()
   result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "matmul_peak_gflops": peak / 1e9,

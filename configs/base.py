@@ -40,7 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.init_std = 0.02  # standard deviation of the normal initialiser for weights
 
   mesh = c.mesh = ml_collections.ConfigDict()
-  # Devices per axis inside a slice/host (ICI); -1 = all remaining devices. Product must equal the device count.
+  # Devices per axis inside a slice/host (ICI); -1 = all remaining. ICI x DCN products must equal the device count.
   mesh.data = -1  # pure data parallelism (parameters replicated)
   mesh.fsdp = 1  # data parallelism with parameters, gradients and optimizer state sharded (ZeRO-3)
   mesh.tensor = 1  # tensor (Megatron) parallelism over heads / mlp / vocab
@@ -49,7 +49,7 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.stage = 1  # reserved: pipeline parallelism
   # Across slices/hosts (DCN); the product of dcn_* is the number of slices (or hosts). Tensor/sequence stay in ICI.
   mesh.dcn_data = -1  # data parallelism across slices/hosts; -1 = all slices (or hosts) not used by dcn_fsdp
-  mesh.dcn_fsdp = 1  # fsdp across slices
+  mesh.dcn_fsdp = 1  # fsdp across slices/hosts (parameters sharded over the slow network too)
   mesh.rules = ()  # overrides of the logical-axis rules: ((logical_name, mesh_axis or (axes...) or None), ...)
 
   t = c.train = ml_collections.ConfigDict()

@@ -3,5 +3,6 @@ from model import axes
 from model import remat
 from model.counting import count_params, flops_per_token
 from model.transformer import Transformer
+from model import hf  # after Transformer: hf builds models
 
-__all__ = ["Transformer", "axes", "count_params", "flops_per_token", "remat"]
+__all__ = ["Transformer", "axes", "count_params", "flops_per_token", "hf", "remat"]

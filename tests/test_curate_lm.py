@@ -77,7 +77,7 @@ def test_kneser_ney_matches_reference(order):
   train = _corpus(0)
   model = ngram_lm.train_kneser_ney(train, V, order)
   reference = ReferenceKN(train, order)
-  tests = _corpus(1, 20) + [[8, 8, 8, 8, 8], [0, 1, 2, 3, 4, 5, 6, 7, 8]]
+  tests = _corpus(1, 80) + [[8, 8, 8, 8, 8], [0, 1, 2, 3, 4, 5, 6, 7, 8]]  # > 256 tokens: sorted look-ups
   tokens, positions = ngram_lm.flatten(tests, model.bos, model.eos)
   got = model.token_logprobs(tokens, positions)[positions > 0]
   want = [lp for s in tests for lp in reference.sentence_logprobs(s)]

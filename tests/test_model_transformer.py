@@ -9,7 +9,7 @@ from flax import nnx
 import model
 from configs import base
 
-TINY = dict(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=48,
+TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=48,
             max_seq_len=64, init_std=0.1)
 L = 12
 
@@ -122,7 +122,7 @@ def batch():
 
 # One jitted forward for every test: models with the same config share one compilation.
 FORWARD = nnx.jit(lambda m, t, s: m(t, s))
-WINDOWED = dict(sliding_window=3, global_every=2)  # layers 0 and 2 windowed, layer 1 global
+WINDOWED = dict(sliding_window=3, global_every=2)  # layer 0 windowed, layer 1 global
 
 OPTION_SETS = {
     "llama": dict(),

@@ -4,6 +4,8 @@ uninterrupted run, a checkpoint restores onto another mesh, NaN steps are skippe
 All runs use one very small config on 8 simulated CPU devices; they share a persistent XLA compilation cache so
 that only the first run of each mesh pays for compilation.
 """
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -35,12 +37,31 @@ SMALL = {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4, "mode
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
   """Environment and shared files: the tokenizer (trained once) and the compilation cache."""
-  root = tmp_path_factory.mktemp("train_run")
-  tok = tokenizer_lib.prepare(cli.load("tiny", **SMALL, **{"data.tokenizer_max_sentences": 3000}), str(root))
+  root = _shared_dir(tmp_path_factory)
   environ = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(root / "xla"),
                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-  return {"root": root, "environ": environ, "tokenizer": tok}
+  return {"root": root, "environ": environ, "tokenizer": str(root / "tokenizer.model")}
+
+
+def _shared_dir(tmp_path_factory):
+  """One directory for the whole session: under pytest-xdist, shared by the workers (their basetemps' parent)."""
+  base = tmp_path_factory.getbasetemp()
+  root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "train_run_shared"
+  root.mkdir(exist_ok=True)
+  return root
+
+
+@contextlib.contextmanager
+def _once(root, name):
+  """Yields True to the first caller across xdist workers (which must create `name`), False to later ones."""
+  with open(root / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # a second worker waits here while the first one builds `name`
+    try:
+      yield not (root / f"{name}.done").exists()
+      (root / f"{name}.done").touch()
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _args(env, workdir, *extra):
@@ -112,10 +133,14 @@ def _assert_same_run(workdir, reference):
 
 @pytest.fixture(scope="module")
 def reference(env):
-  """The uninterrupted run on mesh data=2, fsdp=2, tensor=2."""
+  """The uninterrupted run on mesh data=2, fsdp=2, tensor=2 (run once per session, shared by xdist workers)."""
   workdir = env["root"] / "reference"
-  proc = _run(env, workdir, *MESH_222)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  with _once(env["root"], "reference") as first:
+    if first:
+      tokenizer_lib.prepare(cli.load("tiny", **SMALL, **{"data.tokenizer_max_sentences": 3000}), str(env["root"]))
+      shutil.rmtree(workdir, ignore_errors=True)
+      proc = _run(env, workdir, *MESH_222)
+      assert proc.returncode == 0, proc.stderr[-3000:]
   lines = _train_lines(workdir)
   assert sorted(lines) == list(range(1, STEPS + 1))
   evals = [r["eval_loss"] for r in _metrics(workdir) if "eval_loss" in r]

@@ -108,8 +108,7 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def all_steps(self) -> list[int]:
-    """Steps of the complete checkpoints on disk, ascending (temporary, half-written ones excluded)."""
-    self._manager.reload()
+    """Steps of the checkpoints in this directory, ascending (half-written ones left by a killed run excluded)."""
     return sorted(self._manager.all_steps())
 
   def latest_step(self) -> int | None:

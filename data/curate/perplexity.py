@@ -2,7 +2,7 @@
 
 Models are trained by `train_models` on reference corpora (a Wikipedia dump in the user's language is what CCNet
 used), or read from a user's ARPA file. A document's perplexity is CCNet's: 10 ** (-sum of log10 probabilities of
-all its lines' pieces and `</s>` / number of those tokens), each line normalised by `text.normalize_for_lm`.
+all its lines' pieces and `</s>` / number of those tokens), each line normalised by `text.lines_for_lm`.
 """
 from __future__ import annotations
 
@@ -40,12 +40,9 @@ def _reference_lines(patterns: list[str], fmt: str, max_lines: int) -> list[str]
   lines: list[str] = []
   for path in readers.expand_inputs(patterns):
     for record in readers.read_shard(path, fmt, text_mode="line"):
-      for line in record["text"].split("\n"):
-        line = textlib.normalize_for_lm(line)
-        if line:
-          lines.append(line)
-          if len(lines) >= max_lines:
-            return lines
+      lines += textlib.lines_for_lm(record["text"])
+      if len(lines) >= max_lines:
+        return lines[:max_lines]
   return lines
 
 
@@ -136,11 +133,9 @@ class Scorer:
     sp, lm = _load(directory)
     lines, owner = [], []
     for i, text in enumerate(texts):
-      for line in text.split("\n"):
-        line = textlib.normalize_for_lm(line)
-        if line:
-          lines.append(line)
-          owner.append(i)
+      normalised = textlib.lines_for_lm(text)
+      lines += normalised
+      owner += [i] * len(normalised)
     if not lines:
       return np.full(len(texts), np.nan)
     ids = sp.encode(lines, num_threads=1)  # one core per worker: the executor provides the parallelism

@@ -38,10 +38,15 @@ def normalize_for_hash(text: str) -> str:
   return " ".join(text.translate(_HASH_TABLE).split())
 
 
-def normalize_for_lm(text: str) -> str:
-  """Normalisation before the perplexity model (as CCNet does for its KenLM models): lowercase, digits -> 0,
-  whitespace collapsed; punctuation and accents kept."""
-  return " ".join(_DIGIT_RE.sub("0", text.lower()).split())
+def lines_for_lm(text: str) -> list[str]:
+  """The non-empty lines of `text` normalised for the perplexity model (as CCNet does for its KenLM models):
+  lowercase, digits -> 0, whitespace collapsed; punctuation and accents kept."""
+  out = []
+  for line in _DIGIT_RE.sub("0", text.lower()).split("\n"):
+    line = " ".join(line.split())
+    if line:
+      out.append(line)
+  return out
 
 
 _DIGIT_RE = re.compile(r"\d")
