@@ -33,7 +33,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   from train import cli  # pylint: disable=g-import-not-at-top
   from train import loop  # pylint: disable=g-import-not-at-top
 
-  parser = argparse.ArgumentParser(prog="python -m train", description="Train a meshlm model.")
+  parser = argparse.ArgumentParser(
+      prog="python -m train", description="Train a meshlm model; the same command on the same workdir resumes.",
+      epilog="Override any config key with --config.SECTION.KEY=VALUE (every key: configs/base.py), e.g. "
+             "--config.train.steps=500. Exit codes: 0 done or stopped by SIGTERM/SIGINT with a checkpoint, "
+             "1 training failed, 2 bad arguments/config/workdir.")
   parser.add_argument("--workdir", default=None,
                       help="run directory: config, metrics, checkpoints, tokenizer (default: runs/<config name>)")
   try:
@@ -49,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   try:
     loop.run(config, workdir)
+  except loop.SetupError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   except loop.TrainingError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1

@@ -13,6 +13,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -30,6 +31,8 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16":
 def abstract_devices(tpu: hardware.TpuSlice) -> list:
   """The slice's compile-only TPU devices (libtpu must be installed; no TPU needs to be attached)."""
   from jax.experimental import topologies
+  # Compile-only use never owns TPU chips, so several processes (pytest workers, a search) may load libtpu.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   try:
     return list(topologies.get_topology_desc(platform="tpu", topology_name=tpu.topology,
                                              **tpu.topology_kwargs()).devices)
@@ -162,11 +165,11 @@ def compile_trainer(config: ml_collections.ConfigDict, devices: list):
 _GIGS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def _oom_bytes(message: str) -> tuple[float, float]:
+def _oom_bytes(message: str) -> tuple[float | None, float | None]:
   """(required, available) bytes from libtpu's "...required for HLO temporaries (39.96G) exceeds available HBM
-  (30.75G)" message; NaN where absent."""
+  (30.75G)" message; None where absent."""
   found = [float(v) * _GIGS[u] for v, u in re.findall(r"\((\d+(?:\.\d+)?)([KMGT])\)", message)]
-  return (found[0], found[1]) if len(found) >= 2 else (float("nan"), float("nan"))
+  return (found[0], found[1]) if len(found) >= 2 else (None, None)
 
 
 def compile_step(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, devices: list | None = None) -> dict:
@@ -188,7 +191,7 @@ def compile_step(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, devi
     sizes = memory.mesh_sizes(config, len(devices))
     return _report(config, tpu, sizes, len(devices), time.perf_counter() - start, fits=False, memory_={
         "error": str(e).strip().splitlines()[0], "temp_bytes": required, "total_bytes": required,
-        "available_bytes": available}, flops=float("nan"), hlo="")
+        "available_bytes": available}, flops=None, hlo="")
   seconds = time.perf_counter() - start
   mem = trainer.memory_analysis()
   mem["generated_code_bytes"] = int(compiled.memory_analysis().generated_code_size_in_bytes)
@@ -197,7 +200,7 @@ def compile_step(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, devi
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return _report(config, tpu, dict(trainer.mesh.shape), len(devices), seconds,
                  fits=mem["total_bytes"] <= tpu.chip.hbm_gib * 2**30, memory_=mem,
-                 flops=float(cost.get("flops", float("nan"))), hlo=compiled.as_text())
+                 flops=cost.get("flops"), hlo=compiled.as_text())
 
 
 def _report(config, tpu, sizes, devices, seconds, *, fits, memory_, flops, hlo) -> dict:
@@ -218,12 +221,14 @@ def _report(config, tpu, sizes, devices, seconds, *, fits, memory_, flops, hlo) 
 
 
 def _estimate(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> dict:
-  """The planner's per-device figures for the same config and mesh (train/memory.py)."""
+  """The planner's per-device figures for the same config and mesh (train/memory.py), split as the compiler
+  splits them: arguments = weights + optimizer state; temporaries = gradients + activations."""
   import model
   state = memory.meshlm_state(config, model.count_params(config.model)["total"], sizes)
   t = config.train
   acts = memory.activation_memory(config, t.batch_size // t.grad_accum, sizes=sizes)
-  return {"state_bytes": state["total"], "activation_bytes": acts["total"],
+  return {"argument_bytes": state["weights"] + state["optimizer"],
+          "temp_bytes": state["gradients"] + acts["total"], "activation_bytes": acts["total"],
           "total_bytes": state["total"] + acts["total"]}
 
 
@@ -340,15 +345,17 @@ def format_report(r: dict) -> str:
   ]
   if "error" in m:
     lines.append(f"the TPU compiler refused the program: {m['error']}")
-    lines.append(f"  planner estimate: {e['total_bytes'] / gib:.3f} GiB per chip "
-                 f"(state {e['state_bytes'] / gib:.3f}, activations {e['activation_bytes'] / gib:.3f})")
+    lines.append(f"  planner estimate: {e['total_bytes'] / gib:.3f} GiB per chip (weights + optimizer "
+                 f"{e['argument_bytes'] / gib:.3f}, gradients + activations {e['temp_bytes'] / gib:.3f})")
   else:
     lines += [
         "per-chip memory (GiB)    compiled   planner",
-        f"  arguments           {m['argument_bytes'] / gib:10.3f}{e['state_bytes'] / gib:10.3f}  (state)",
+        f"  arguments           {m['argument_bytes'] / gib:10.3f}{e['argument_bytes'] / gib:10.3f}  (weights, "
+        "optimizer state, batch)",
         f"  outputs             {m['output_bytes'] / gib:10.3f}  (aliased with donated arguments: "
         f"{m['alias_bytes'] / gib:.3f})",
-        f"  temporaries         {m['temp_bytes'] / gib:10.3f}{e['activation_bytes'] / gib:10.3f}  (activations)",
+        f"  temporaries         {m['temp_bytes'] / gib:10.3f}{e['temp_bytes'] / gib:10.3f}  (gradients, "
+        f"activations {e['activation_bytes'] / gib:.3f})",
         f"  generated code      {m['generated_code_bytes'] / gib:10.3f}",
         f"  total               {m['total_bytes'] / gib:10.3f}{e['total_bytes'] / gib:10.3f}  of "
         f"{r['hbm_bytes'] / gib:.0f}: {'FITS' if r['fits'] else 'DOES NOT FIT'}",

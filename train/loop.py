@@ -32,12 +32,19 @@ class WorkdirError(RuntimeError):
   """The run directory cannot be created or written; the message names the path and the fix."""
 
 
+class SetupError(ValueError):
+  """The config does not fit these devices or is inconsistent (mesh, model, batch); nothing was trained."""
+
+
 class TrainingError(RuntimeError):
   """Training cannot go on (non-finite halt, full disk, a bad checkpoint); the message says why and what to do."""
 
 
 def check_workdir(workdir: str) -> None:
   """Fails fast (before any device work) if `workdir` cannot be created or written."""
+  if "://" in workdir:
+    raise WorkdirError(f"workdir {workdir}: URLs are not supported (metrics and config are written with local file "
+                       "I/O); use a local or mounted path (NFS, or the bucket mounted with gcsfuse)")
   path = os.path.abspath(workdir)
   fix = "choose another --workdir or fix the permissions"
   try:
@@ -145,7 +152,11 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
     print(config, flush=True)
     _write_json(os.path.join(workdir, "config.json"), config_dict)
 
-  mesh = mesh_lib.make_mesh(config.mesh)
+  try:
+    mesh = mesh_lib.make_mesh(config.mesh)
+    trainer = step_lib.Trainer(config, mesh)  # validates the model, mesh and batch settings before any work
+  except ValueError as e:  # MeshError and config checks: the message names the key
+    raise SetupError(str(e)) from None
   _print0(f"mesh {mesh_lib.describe(mesh)} on {jax.device_count()} {jax.devices()[0].platform} device(s), "
           f"{jax.process_count()} process(es); workdir {workdir}")
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR), ck)
@@ -154,7 +165,6 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
     _restore_tokenizer_file(checkpointer, latest, workdir)
   tokenizer_path = tokenizer_lib.prepare(config, workdir)
   tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_path)
-  trainer = step_lib.Trainer(config, mesh)
 
   def make_iterator(split):
     return pipeline_lib.make_iterator(config, tokenizer, split=split, process_index=jax.process_index(),

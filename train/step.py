@@ -139,12 +139,12 @@ class Trainer:
     return nnx.merge(self._graphdef, params)
 
   # ---- step ---------------------------------------------------------------------------------------------
-  def _sums(self, params, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(objective sum = ce + z, {ce, z, tokens} sums) for one (micro)batch."""
+  def _sums(self, params, batch, tokens=1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """((ce + z) sums / tokens, {ce, z, tokens} sums) for one (micro)batch; `tokens` = the global batch's."""
     model = self._merge(params)
     logits_BLV = model(batch["inputs"], batch["segment_ids"], batch["positions"])
     sums = loss_lib.loss_sums(logits_BLV, batch["targets"], batch["loss_mask"], self.config.train.z_loss)
-    return sums["ce"] + sums["z"], sums
+    return (sums["ce"] + sums["z"]) / tokens, sums
 
   def _microbatches(self, batch):
     """[B, L] -> [A, B/A, L] with microbatch a = rows a, a+A, ...: each device keeps its own rows (no
@@ -156,14 +156,15 @@ class Trainer:
       return jax.lax.with_sharding_constraint(x_ABL, NamedSharding(self.mesh, spec))
     return jax.tree.map(split, batch)
 
-  def _grads(self, params, batch):
+  def _grads(self, params, batch, tokens):
+    """Gradient of the mean loss over the whole batch's tokens, summed over microbatches, and the loss sums."""
     grad_fn = jax.grad(self._sums, has_aux=True)
     if self.config.train.grad_accum == 1:
-      return grad_fn(params, batch)
+      return grad_fn(params, batch, tokens)
     zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), self.param_shardings)
     zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("ce", "z", "tokens")}
     def body(carry, microbatch):
-      grads, sums = grad_fn(params, microbatch)
+      grads, sums = grad_fn(params, microbatch, tokens)
       grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
       return (_tree_add(carry[0], grads), _tree_add(carry[1], sums)), None
     (grads, sums), _ = jax.lax.scan(body, (zeros, zero_sums), self._microbatches(batch))
@@ -172,19 +173,24 @@ class Trainer:
   def _step(self, state, batch):
     with parallel.activate(self.mesh, self.rules, inside_jit=True):
       params, step = state["params"], state["step"]
-      grad_sums, sums = self._grads(params, batch)
-      tokens = jnp.maximum(sums["tokens"], 1.0)
-      grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g / tokens, grad_sums),
-                                               self.param_shardings)
+      # Dividing by the whole batch's token count inside every microbatch's loss makes the accumulated
+      # gradient exactly that of the large batch's mean loss.
+      tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+      grads, sums = self._grads(params, batch, tokens)
+      grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
       loss, z_loss = sums["ce"] / tokens, sums["z"] / tokens
       grad_norm = optax.tree.norm(grads)
-      updates, opt_state = self.tx.update(grads, state["opt_state"], params)
       lr = self.lr_fn(step)
-      new_params = optimizer_lib.apply_lr(params, updates, lr)
       finite = jnp.isfinite(loss) & jnp.isfinite(z_loss) & jnp.isfinite(grad_norm)
-      keep = lambda new, old: jnp.where(finite, new, old)
-      new_params = jax.tree.map(keep, new_params, params)
-      opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
+
+      def update(operands):
+        params, opt_state, grads = operands
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optimizer_lib.apply_lr(params, updates, lr), opt_state
+
+      # A conditional, not a select: no second copy of parameters and moments is kept for the skip case.
+      new_params, opt_state = jax.lax.cond(finite, update, lambda operands: operands[:2],
+                                           (params, state["opt_state"], grads))
       metrics = {"loss": loss, "z_loss": z_loss, "total_loss": loss + z_loss, "grad_norm": grad_norm,
                  "param_norm": optax.tree.norm(new_params), "lr": lr, "tokens": sums["tokens"],
                  "nonfinite": 1.0 - finite.astype(jnp.float32)}

@@ -105,7 +105,9 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
   scorer = ppl.Scorer(models) if cfg.perplexity.enabled else None
   keep = np.load(os.path.join(work, "keep", f"{shard:05d}.npy")) if cfg.dedup.enabled else None
   counter = statslib.StageCounter()
-  meta = {"language": [], "language_ok": [], "quality_ok": [], "perplexity": [], "bands": [], "signatures": []}
+  # Per scored document, in order: the decisions pass 3 applies (the JSON lines carry only the output record).
+  meta = {"language": [], "language_ok": [], "quality": [], "perplexity": [], "chars": [], "chars_out": [],
+          "bands": [], "signatures": []}
   # Plain attribute objects: ConfigDict look-ups in the per-document loops cost more than the rules themselves.
   quality_cfg = types.SimpleNamespace(**cfg.quality.to_dict()) if cfg.quality.enabled else None
   pii_cfg = types.SimpleNamespace(**cfg.pii.to_dict()) if cfg.pii.enabled else None
@@ -145,7 +147,8 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
       reason = quality.check(stripped, lang, quality_cfg) if quality_cfg is not None and lang_ok else None
       meta["language"].append(lang)
       meta["language_ok"].append(lang_ok)
-      meta["quality_ok"].append(reason is None)
+      meta["quality"].append(reason or "")
+      meta["chars"].append(len(stripped))
       batch.append({"doc": doc, "quality": reason, "language_ok": lang_ok})
       if len(batch) >= _BATCH:
         _flush(batch, scorer, hasher, pii_cfg, out, meta)
@@ -155,13 +158,20 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
     raise ValueError(f"{path}: {offset} paragraphs read but pass 1 hashed {keep.size}; the input changed during "
                      "the run: delete the output directory and start again")
   os.replace(tmp, out_path)
-  num_perm = cfg.minhash.bands * cfg.minhash.rows
+  _save_meta(work, shard, meta, cfg.minhash.bands, cfg.minhash.bands * cfg.minhash.rows)
+  return _mark(work, "score", shard, {"stages": counter.to_dict()})
+
+
+def _save_meta(work: str, shard: int, meta: dict, bands: int, num_perm: int) -> None:
+  """_work/scored/NNNNN.npz (band hashes and decisions) and NNNNN.signatures.npy (memory-mapped later)."""
   arrays = {
-      "bands": np.concatenate(meta["bands"] or [np.zeros((0, cfg.minhash.bands), np.uint64)]),
+      "bands": np.concatenate(meta["bands"] or [np.zeros((0, bands), np.uint64)]),
       "language": np.array(meta["language"], dtype=str),
       "language_ok": np.array(meta["language_ok"], bool),
-      "quality_ok": np.array(meta["quality_ok"], bool),
+      "quality": np.array(meta["quality"], dtype=str),
       "perplexity": np.array(meta["perplexity"], np.float64),
+      "chars": np.array(meta["chars"], np.int64),
+      "chars_out": np.array(meta["chars_out"], np.int64),
   }
   _atomic_save(os.path.join(work, "scored", f"{shard:05d}.signatures.npy"),
                np.concatenate(meta["signatures"] or [np.zeros((0, num_perm), np.uint32)]))
@@ -169,12 +179,11 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
   with open(f"{npz}.tmp-{os.getpid()}", "wb") as f:
     np.savez(f, **arrays)
   os.replace(f"{npz}.tmp-{os.getpid()}", npz)
-  return _mark(work, "score", shard, {"stages": counter.to_dict()})
 
 
 def _flush(batch: list[dict], scorer, hasher, pii_cfg, out, meta: dict) -> None:
   """MinHash signatures and perplexity for a batch (grouped by language), PII masking, then one JSON line per
-  document."""
+  document: the output record without its bucket."""
   if not batch:
     return
   if hasher is not None:
@@ -193,11 +202,10 @@ def _flush(batch: list[dict], scorer, hasher, pii_cfg, out, meta: dict) -> None:
     doc = item["doc"]
     doc["perplexity"] = None if np.isnan(value) else round(float(value), 2)
     meta["perplexity"].append(np.nan if doc["perplexity"] is None else doc["perplexity"])
-    record = {"doc": doc, "language_ok": item["language_ok"], "quality": item["quality"],
-              "chars_before_pii": len(doc["text"])}
     if pii_cfg is not None:
       doc["text"], _ = pii.mask(doc["text"], pii_cfg)
-    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    meta["chars_out"].append(len(doc["text"]))
+    out.write(json.dumps(doc, ensure_ascii=False) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- pass 3
@@ -210,45 +218,45 @@ def write_shard(cfg_dict: dict, shard: int, work: str, output: str, cutoffs: dic
     for stale in glob.glob(os.path.join(output, "*", "*", pattern)):
       os.remove(stale)  # left by an attempt that crashed between renames
   near = (np.load(os.path.join(work, "neardup", f"{shard:05d}.npy")) if cfg.minhash.enabled else None)
+  with np.load(os.path.join(work, "scored", f"{shard:05d}.npz")) as z:
+    meta = {k: z[k].tolist() for k in ("language", "language_ok", "quality", "perplexity", "chars", "chars_out")}
   counter = statslib.StageCounter()
   files: dict[tuple[str, str], object] = {}
   written: dict[str, dict[str, list[int]]] = {}
   reasons: dict[str, int] = {}
+  nan = float("nan")
   try:
     with open(os.path.join(work, "scored", f"{shard:05d}.jsonl"), encoding="utf-8") as f:
       for i, line in enumerate(f):
-        record = json.loads(line)
-        doc = record["doc"]
-        lang, n = doc["language"], record["chars_before_pii"]
+        lang, n, reason = meta["language"][i], meta["chars"][i], meta["quality"][i]
         if near is not None:
           counter.add("minhash", lang, n, None if near[i] else n)
           if near[i]:
             continue
         if cfg.langid.enabled:
-          counter.add("langid", lang, n, n if record["language_ok"] else None)
-          if not record["language_ok"]:
+          counter.add("langid", lang, n, n if meta["language_ok"][i] else None)
+          if not meta["language_ok"][i]:
             continue
         if cfg.quality.enabled:
-          counter.add("quality", lang, n, None if record["quality"] else n)
-          if record["quality"]:
-            reasons[record["quality"]] = reasons.get(record["quality"], 0) + 1
+          counter.add("quality", lang, n, None if reason else n)
+          if reason:
+            reasons[reason] = reasons.get(reason, 0) + 1
             continue
-        cut = cutoffs.get(lang, (float("nan"), float("nan")))
-        value = doc["perplexity"]
-        doc["bucket"] = ppl.bucket(float("nan") if value is None else value, tuple(cut))
+        bucket = ppl.bucket(meta["perplexity"][i], tuple(cutoffs.get(lang, (nan, nan))))
         if cfg.perplexity.enabled:
           counter.add("perplexity", lang, n, n)
         if cfg.pii.enabled:
-          counter.add("pii", lang, n, len(doc["text"]))
-        key = (lang, doc["bucket"])
+          counter.add("pii", lang, n, meta["chars_out"][i])
+        key = (lang, bucket)
         if key not in files:
-          directory = os.path.join(output, lang, doc["bucket"])
+          directory = os.path.join(output, lang, bucket)
           os.makedirs(directory, exist_ok=True)
           files[key] = open(os.path.join(directory, f"{name}.tmp-{os.getpid()}"), "w", encoding="utf-8")
-        files[key].write(json.dumps(doc, ensure_ascii=False) + "\n")
-        cell = written.setdefault(lang, {}).setdefault(doc["bucket"], [0, 0])
+        # The line is the JSON object json.dumps wrote in pass 2: add the bucket before its closing brace.
+        files[key].write(f'{line.rstrip()[:-1]}, "bucket": "{bucket}"}}\n')
+        cell = written.setdefault(lang, {}).setdefault(bucket, [0, 0])
         cell[0] += 1
-        cell[1] += len(doc["text"])
+        cell[1] += meta["chars_out"][i]
   finally:
     for handle in files.values():
       handle.close()
@@ -293,7 +301,7 @@ def _perplexity_cutoffs(cfg, work: str, num_shards: int) -> dict:
   by_lang: dict[str, list[np.ndarray]] = {}
   for s in range(num_shards):
     with np.load(os.path.join(work, "scored", f"{s:05d}.npz")) as z:
-      survive = z["quality_ok"] | (not cfg.quality.enabled)
+      survive = (z["quality"] == "") | (not cfg.quality.enabled)
       if cfg.langid.enabled:
         survive &= z["language_ok"]
       if cfg.minhash.enabled:

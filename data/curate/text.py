@@ -27,6 +27,7 @@ def _build_hash_table() -> dict[int, int | None]:
 
 
 _HASH_TABLE = _build_hash_table()
+_HASH_TABLE_LINES = {**_HASH_TABLE, ord("\n"): ord("\n")}  # the same, keeping line breaks
 
 
 def normalize_for_hash(text: str) -> str:
@@ -65,9 +66,13 @@ def paragraphs(text: str) -> list[str]:
 def paragraph_hashes(text: str) -> np.ndarray:
   """uint64 [num_paragraphs]: hash of each normalised line; 0 for lines that normalise to nothing
   (blank or punctuation-only), which deduplication never removes."""
+  # normalize_for_hash on every line, done for the whole text at once (the steps act per character).
+  text = text.lower()
+  if not text.isascii():
+    text = unicodedata.normalize("NFD", text)
   out = []
-  for line in paragraphs(text):
-    norm = normalize_for_hash(line)
+  for line in paragraphs(text.translate(_HASH_TABLE_LINES)):
+    norm = " ".join(line.split())
     out.append(hash64(norm) if norm else 0)
   return np.array(out, dtype=np.uint64)
 

@@ -1,0 +1,125 @@
+"""The planner: Chinchilla sizes against Hoffmann et al. 2022, PF-days, memory accounting, and the activation
+estimate against the compiled train step."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import model
+from parallel import mesh as mesh_lib
+from train import cli, memory, plan, step
+
+# Hoffmann et al. 2022, Table 3 (approach 1): parameters -> (FLOPs, tokens).
+TABLE3 = [(400e6, 1.92e19, 8.0e9), (1e9, 1.21e20, 20.2e9), (10e9, 1.23e22, 205.1e9), (67e9, 5.76e23, 1.5e12),
+          (175e9, 3.85e24, 3.7e12), (280e9, 9.90e24, 5.9e12), (520e9, 3.43e25, 11.0e12), (1e12, 1.27e26, 21.2e12),
+          (10e12, 1.30e28, 216.2e12)]
+
+
+@pytest.mark.parametrize("params,flops,tokens", TABLE3)
+def test_approach1_reproduces_table3(params, flops, tokens):
+  opt = plan.optimum(params=params)["approach1"]
+  assert opt["tokens"] == pytest.approx(tokens, rel=0.10)
+  assert opt["flops"] == pytest.approx(flops, rel=0.10)
+  n, d = plan.approach1_from_flops(flops)  # and back from the budget
+  assert n == pytest.approx(params, rel=0.10) and d == pytest.approx(tokens, rel=0.10)
+
+
+def test_approach3_closed_form_matches_brute_force_minimum():
+  # Minimise L(N, C / 6N) over a fine grid of N (independent of the closed form).
+  for flops in (1e20, 3.85e24, 1e26):
+    grid = np.logspace(6, 14, 200_001)
+    losses = plan.E + plan.A / grid**plan.ALPHA + plan.B / (flops / (6 * grid))**plan.BETA
+    n_best = grid[np.argmin(losses)]
+    n, d = plan.approach3_from_flops(flops)
+    assert n == pytest.approx(n_best, rel=1e-3)
+    assert 6 * n * d == pytest.approx(flops)
+    assert plan.loss(n, d) == pytest.approx(losses.min(), rel=1e-9)
+  # The same optimum reached from its size or its dataset.
+  n, d = plan.approach3_from_flops(1e23)
+  assert plan.optimum(params=n)["approach3"]["tokens"] == pytest.approx(d)
+  assert plan.optimum(tokens=d)["approach3"]["params"] == pytest.approx(n)
+
+
+def test_gpt3_pf_days():
+  # Brown et al. 2020: GPT-3 175B on 300B tokens took 3.14e23 FLOPs, "3,640 PF-days".
+  r = plan.allocation(175e9, 300e9)
+  assert r["flops"] == pytest.approx(3.15e23, rel=0.01)
+  assert r["pf_days"] == pytest.approx(3640, rel=0.01)
+  assert r["training"] == "under-trained" and r["tokens_per_param"] == pytest.approx(300 / 175)
+
+
+def test_one_billion_parameters_memory():
+  fp32 = memory.state_memory(1e9, "fp32")
+  assert fp32["weights"] == 4e9  # 4 GB of fp32 weights
+  assert memory.state_memory(1e9, "seeds")["total"] == 24e9  # weights + 20 bytes per parameter
+  assert memory.state_memory(1e9, "bf16_mixed")["weights"] == 2e9
+  assert fp32["total"] == 16e9  # AdamW: weights 4 + gradients 4 + two moments 8
+  # ZeRO stages over 8 fsdp ranks shard optimizer state, then gradients, then weights.
+  z = {k: memory.state_memory(1e9, "fp32", zero_stage=k, fsdp=8) for k in range(4)}
+  assert [z[k]["total"] for k in range(4)] == [16e9, 4e9 + 4e9 + 1e9, 4e9 + 0.5e9 + 1e9, 2e9]
+
+
+def _run(argv, capsys):
+  assert plan.main(argv) == 0
+  return json.loads(capsys.readouterr().out)
+
+
+def test_cli_modes(capsys):
+  r = _run(["--params", "1B", "--json"], capsys)
+  for key in ("params", "tokens", "flops", "pf_days", "loss"):
+    assert key in r
+  assert r["tokens"] == pytest.approx(20.2e9) and r["approach3"]["params"] == pytest.approx(1e9)
+  r = _run(["--tokens", "1.4T", "--json"], capsys)  # the dataset decides the model (Chinchilla: 70B, 1.4T)
+  assert r["params"] == pytest.approx(70e9, rel=0.02)
+  r = _run(["--params", "175B", "--tokens", "300B", "--json"], capsys)
+  assert r["pf_days"] == pytest.approx(3640, rel=0.01) and r["training"] == "under-trained"
+  # 1,024 v4 chips for 10 days at 40% MFU: 275 TFLOP/s each.
+  r = _run(["--chip", "tpu_v4", "--chips", "1024", "--days", "10", "--mfu", "0.4", "--json"], capsys)
+  assert r["flops"] == pytest.approx(275e12 * 1024 * 10 * 86400 * 0.4)
+  with pytest.raises(SystemExit):
+    plan.main(["--params", "7B", "--flops", "1e21"])
+
+
+def test_config_plan(capsys):
+  r = _run(["--config=tiny", "--config.mesh.data=1", "--config.mesh.fsdp=4", "--config.mesh.tensor=2",
+            "--chips=8", "--chip=v5e", "--json"], capsys)
+  config = cli.load("tiny")
+  counts = model.count_params(config.model)
+  t = config.train
+  tokens = t.steps * t.batch_size * t.seq_len
+  assert r["params"] == counts["total"] and r["params_non_embedding"] == counts["non_embedding"]
+  assert r["flops"] == pytest.approx(model.flops_per_token(config.model, t.seq_len) * tokens)
+  assert r["wall_days"] == pytest.approx(r["flops"] / (8 * 197e12 * 0.4) / 86400)
+  # meshlm keeps fp32 weights, gradients and both Adam moments, sharded over fsdp x tensor = 8.
+  assert r["state"]["meshlm"]["total"] == pytest.approx(16 * counts["total"] / 8)
+  # The largest micro-batch is the last multiple of the data ranks (4) whose state + activations fit.
+  sizes = r["mesh"]
+  hbm = 16 * 2**30
+  best = r["per_chip"]["tpu_v5e"]["max_micro_batch"]["none"]
+  cfg = cli.load("tiny", **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2})
+  need = lambda mb: r["state"]["meshlm"]["total"] + memory.activation_memory(cfg, mb, remat="none",
+                                                                             sizes=sizes)["total"]
+  assert best % 4 == 0 and need(best) <= hbm < need(best + 4)
+
+
+FIFTY_M = {"model.d_model": 512, "model.num_layers": 8, "model.num_heads": 8, "model.num_kv_heads": 4,
+           "model.mlp_dim": 2048, "model.vocab_size": 16000, "model.max_seq_len": 512, "train.seq_len": 512}
+
+
+@pytest.mark.parametrize("overrides", [{}, FIFTY_M], ids=["tiny", "50M"])
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_activation_estimate_matches_compiled_step(overrides, remat):
+  """The estimate vs the compiled step's temporaries (Trainer.memory_analysis()["temp_bytes"], per device).
+
+  Temporaries are the activations kept for the backward pass and the backward's working set, plus
+  batch-independent buffers (gradients, the optimizer update: ~1.5x the parameter bytes). With 16 sequences per
+  device the activations dominate, so the temporaries are the figure the activation estimate must match.
+  """
+  config = cli.load("tiny", **overrides, **{"train.remat": remat, "train.batch_size": 128})
+  mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices())
+  assert mesh.shape["data"] == 8
+  compiled = step.Trainer(config, mesh).memory_analysis()["temp_bytes"]
+  estimate = memory.activation_memory(config, 128, sizes=dict(mesh.shape))["total"]
+  assert estimate == pytest.approx(compiled, rel=0.25)
+  assert model.count_params(config.model)["total"] * 4 * 2 < 0.25 * compiled  # activations dominate
