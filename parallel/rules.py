@@ -13,7 +13,7 @@ nnx keeps an unmapped parameter name as a literal mesh axis name.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec

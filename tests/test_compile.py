@@ -126,11 +126,11 @@ def test_report_fits_and_counts_flops(devices):
 
 
 def test_too_large_is_reported_with_a_suggestion_that_fits(capsys):
-  # 1024 layers keep every op small (cheap to compile) while the saved activations of all layers exceed a v4
-  # chip's HBM without remat; with full remat only each layer's input is kept. One search compile (the budget)
-  # proves the suggestion fits; the search would go on to lighter policies with a larger budget.
-  big = {**SMALL, "model.num_layers": 1024, "train.seq_len": 128, "model.max_seq_len": 128,
-         "train.batch_size": 128, "mesh.data": 1, "mesh.fsdp": 8}
+  # 4096 layers keep every op small (cheap to compile) while the saved activations of all layers exceed a v4
+  # chip's HBM without remat, by more than the TPU compiler's own rematerialisation can recover; with full remat
+  # only each layer's input is kept. One search compile (the budget) proves the suggestion fits; with a larger
+  # budget the search goes on to lighter policies.
+  big = {**SMALL, "model.num_layers": 4096, "train.batch_size": 128, "mesh.data": 1, "mesh.fsdp": 8}
   argv = ["--config=tiny", "--topology=v4-16", "--json", "--max_compiles=1",
           *[f"--config.{k}={v}" for k, v in big.items()]]
   assert aot.main(argv) == 1

@@ -163,8 +163,11 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
   latest = checkpointer.latest_step()
   if latest is not None and primary:
     _restore_tokenizer_file(checkpointer, latest, workdir)
-  tokenizer_path = tokenizer_lib.prepare(config, workdir)
-  tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_path)
+  try:
+    tokenizer_path = tokenizer_lib.prepare(config, workdir)  # checks its vocabulary against config.model
+    tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_path)
+  except (ValueError, FileNotFoundError) as e:
+    raise SetupError(str(e)) from None
 
   def make_iterator(split):
     return pipeline_lib.make_iterator(config, tokenizer, split=split, process_index=jax.process_index(),

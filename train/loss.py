@@ -26,7 +26,7 @@ def loss_sums(logits_BLV: jax.Array, targets_BL: jax.Array, loss_mask_BL: jax.Ar
   mask_BL = loss_mask_BL.astype(jnp.float32)
   logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
   # A masked sum over the vocabulary rather than a gather: stays local when the vocabulary is sharded over
-  # tensor, and fuses (no [B, L, V] one-hot is materialised).
+  # tensor (a gather would collect the logits on every device).
   vocab_V = jnp.arange(logits_BLV.shape[-1], dtype=targets_BL.dtype)
   target_logit_BL = jnp.sum(jnp.where(vocab_V == targets_BL[..., None], logits_BLV, 0.0), axis=-1)
   ce = jnp.sum((logz_BL - target_logit_BL) * mask_BL)
