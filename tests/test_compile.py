@@ -11,7 +11,8 @@ from train import compile as aot
 
 # A small Llama-style model whose dimensions divide every mesh below; compile time does not depend on depth.
 SMALL = {"model.num_layers": 3, "train.seq_len": 64, "model.max_seq_len": 64, "train.batch_size": 16,
-         "model.vocab_size": 512, "model.d_model": 128, "model.mlp_dim": 256}
+         "model.vocab_size": 512, "model.d_model": 128, "model.mlp_dim": 256, "model.num_heads": 4,
+         "model.num_kv_heads": 2, "model.head_dim": 64}
 V4_16 = hardware.tpu_slice("v4-16")  # 16 TensorCores = 8 chips, "v4:2x2x2"
 # DESIGN.md's logical -> mesh table (written out here, independently of parallel/rules.py).
 DESIGN_RULES = {"embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
@@ -109,11 +110,11 @@ def test_tensor_parallelism_brings_megatron_all_reduces(compiled_meshes):
     assert "all-gather" in stats  # FSDP gathers the sharded weights before use
 
 
-def test_report_fits_and_counts_flops(devices):
-  config = cli.load("tiny", **SMALL, **{"mesh.data": 8})
-  r = aot.compile_step(config, V4_16, devices)
+def test_report_fits_and_counts_flops(compiled_meshes):
+  config, trainer, _ = compiled_meshes["dp8"]
+  r = aot.summarize(config, V4_16, trainer, seconds=0.0)
   assert r["fits"] and r["num_devices"] == 8 and r["chip"] == "tpu_v4"
-  per_chip = model.flops_per_token(config.model, 64) * 16 * 64 / 8
+  per_chip = model.flops_per_token(config.model, 64) * 16 * 64 / 8  # global batch 16 x 64 tokens on 8 chips
   assert r["flops"]["model_per_chip"] == pytest.approx(per_chip)
   assert r["flops"]["compiled_per_chip"] > 0
   m = r["memory"]

@@ -183,7 +183,7 @@ def compile_step(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, devi
   devices = abstract_devices(tpu) if devices is None else devices
   start = time.perf_counter()
   try:
-    trainer, compiled = compile_trainer(config, devices)
+    trainer, _ = compile_trainer(config, devices)
   except jax.errors.JaxRuntimeError as e:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
@@ -192,13 +192,18 @@ def compile_step(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, devi
     return _report(config, tpu, sizes, len(devices), time.perf_counter() - start, fits=False, memory_={
         "error": str(e).strip().splitlines()[0], "temp_bytes": required, "total_bytes": required,
         "available_bytes": available}, flops=None, hlo="")
-  seconds = time.perf_counter() - start
+  return summarize(config, tpu, trainer, time.perf_counter() - start)
+
+
+def summarize(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, trainer, seconds: float) -> dict:
+  """The report of a compiled Trainer (`trainer.compiled()` is cached, so this compiles nothing new)."""
+  compiled = trainer.compiled()
   mem = trainer.memory_analysis()
   mem["generated_code_bytes"] = int(compiled.memory_analysis().generated_code_size_in_bytes)
   mem["total_bytes"] += mem["generated_code_bytes"]
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return _report(config, tpu, dict(trainer.mesh.shape), len(devices), seconds,
+  return _report(config, tpu, dict(trainer.mesh.shape), trainer.mesh.devices.size, seconds,
                  fits=mem["total_bytes"] <= tpu.chip.hbm_gib * 2**30, memory_=mem,
                  flops=cost.get("flops"), hlo=compiled.as_text())
 

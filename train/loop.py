@@ -256,6 +256,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
         util = mfu_lib.mfu(host["tokens_per_sec"], flops_per_token, jax.device_count(), peak)
         if util is not None:
           host["mfu"] = util
+        host.update(pipeline_lib.stats(train_iter))  # realised mixture and packing efficiency so far
         log.log(step, host)
         summary["loss"] = host["loss"]
       if eval_now:

@@ -155,13 +155,11 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
           "total": layers + logits + recompute, "tokens_per_device": tokens}
 
 
-def max_micro_batch(config: ml_collections.ConfigDict, hbm_bytes: float, *, remat: str | None = None,
-                    sizes: dict[str, int] | None = None) -> int:
-  """The largest global micro-batch (sequences, a multiple of the data-parallel ranks) whose state plus
-  activations fit in `hbm_bytes` per device; 0 when not even one sequence per rank fits."""
-  import model  # local: parameter counts need the model package
+def max_micro_batch(config: ml_collections.ConfigDict, hbm_bytes: float, state_bytes: float, *,
+                    remat: str | None = None, sizes: dict[str, int] | None = None) -> int:
+  """The largest global micro-batch (sequences, a multiple of the data-parallel ranks) whose activations fit in
+  `hbm_bytes` per device beside `state_bytes` of model state; 0 when not even one sequence per rank fits."""
   sizes = sizes or mesh_sizes(config)
   ranks = sizes["data"] * sizes["fsdp"]
-  state = meshlm_state(config, model.count_params(config.model)["total"], sizes)["total"]
   per_step = activation_memory(config, ranks, remat=remat, sizes=sizes)["total"]  # one sequence per rank
-  return max(int((hbm_bytes - state) // per_step), 0) * ranks
+  return max(int((hbm_bytes - state_bytes) // per_step), 0) * ranks

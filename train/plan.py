@@ -169,8 +169,8 @@ def plan_config(config: ml_collections.ConfigDict, *, chip: str = "tpu_v4", num_
   per_chip = {}
   for c in hardware.CHIPS.values():
     per_chip[c.name] = {"hbm_gib": c.hbm_gib, "fits": needed <= c.hbm_gib * GIB,
-                        "max_micro_batch": {r: memory.max_micro_batch(config, c.hbm_gib * GIB, remat=r,
-                                                                      sizes=sizes)
+                        "max_micro_batch": {r: memory.max_micro_batch(config, c.hbm_gib * GIB, own["total"],
+                                                                      remat=r, sizes=sizes)
                                             for r in ("none", "full")}}
   out = allocation(n, tokens)
   out.update({
@@ -275,15 +275,15 @@ def format_table(r: dict) -> str:
   lines += [f"wall time         {r['wall_days']:.3g} days on {r['num_devices']} x {r['chip']} at "
             f"{r['mfu']:.0%} MFU",
             f"mesh              {mesh}; micro-batch {r['micro_batch']} sequences, remat {r['remat']}", "",
-            f"per-device memory (GiB)  weights  grads  optimizer  total"]
+            f"per-device memory (GiB)  weights    grads optimizer    total"]
   own = r["state"]["meshlm"]
-  lines.append(f"  {'meshlm (as run)':22}{own['weights'] / GIB:9.3f}{own['gradients'] / GIB:7.3f}"
-               f"{own['optimizer'] / GIB:11.3f}{own['total'] / GIB:7.3f}")
+  lines.append(f"  {'meshlm (as run)':22}{own['weights'] / GIB:9.3f}{own['gradients'] / GIB:9.3f}"
+               f"{own['optimizer'] / GIB:10.3f}{own['total'] / GIB:9.3f}")
   for p in (*memory.PRECISIONS, "seeds"):
     for z in range(4):
       s = r["state"][p][f"zero{z}"]
-      lines.append(f"  {p + ' ZeRO-' + str(z):22}{s['weights'] / GIB:9.3f}{s['gradients'] / GIB:7.3f}"
-                   f"{s['optimizer'] / GIB:11.3f}{s['total'] / GIB:7.3f}")
+      lines.append(f"  {p + ' ZeRO-' + str(z):22}{s['weights'] / GIB:9.3f}{s['gradients'] / GIB:9.3f}"
+                   f"{s['optimizer'] / GIB:10.3f}{s['total'] / GIB:9.3f}")
   lines.append("activations (GiB)  per layer  all layers  recompute  logits  total")
   for name, a in r["activations"].items():
     lines.append(f"  remat {name:12}{a['per_layer_saved'] / GIB:10.4f}{a['layers'] / GIB:12.3f}"
