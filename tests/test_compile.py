@@ -24,18 +24,6 @@ def devices():
   return aot.abstract_devices(V4_16)
 
 
-@pytest.fixture(scope="module")
-def compiled_meshes(devices):
-  """(config, trainer, compiled) for pure data parallelism and for two tensor-parallel meshes."""
-  out = {}
-  for name, mesh in {"dp8": {}, "fsdp4_tp2": {"fsdp": 4, "tensor": 2}, "fsdp2_tp4": {"fsdp": 2, "tensor": 4}}.items():
-    axes = {"mesh.data": 1, **{f"mesh.{k}": v for k, v in mesh.items()}} if mesh else {"mesh.data": 8}
-    config = cli.load("tiny", **SMALL, **axes)
-    trainer, compiled = aot.compile_trainer(config, devices)
-    out[name] = (config, trainer, compiled)
-  return out
-
-
 def test_topology_names_follow_cloud_tpu_naming():
   # v4-N counts TensorCores (2 per chip), v5e-N counts chips (Cloud TPU documentation's slice tables).
   assert (hardware.tpu_slice("v4-8").topology, hardware.tpu_slice("v4-8").num_chips) == ("v4:2x2x1", 4)
@@ -56,15 +44,18 @@ def test_abstract_devices_are_one_per_chip(devices):
   assert len(two) == 8 and {d.slice_index for d in two} == {0, 1}
 
 
-def test_compiled_parameters_are_sharded_as_the_rules_say(compiled_meshes):
-  config, trainer, compiled = compiled_meshes["fsdp4_tp2"]
+def _compile(devices, **mesh):
+  config = cli.load("tiny", **SMALL, **{"mesh.data": 1, **{f"mesh.{k}": v for k, v in mesh.items()}})
+  trainer, compiled = aot.compile_trainer(config, devices)
+  return config, trainer, compiled
+
+
+def _check_parameters_are_sharded_as_the_rules_say(config, compiled, mesh):
   abstract = nnx.eval_shape(lambda: model.Transformer(config.model, rngs=nnx.Rngs(0)))
   params = nnx.state(abstract, nnx.Param)
   leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
   compiled_params = compiled.input_shardings[0][0]["params"]
   hlo = compiled.as_text().split("ENTRY", 1)[1]
-  mesh = {"fsdp": 4, "tensor": 2}
-  checked = 0
   for path, var in leaves:
     names = var.get_metadata()["out_sharding"]
     expected = tuple(DESIGN_RULES[n] for n in names)
@@ -76,44 +67,26 @@ def test_compiled_parameters_are_sharded_as_the_rules_say(compiled_meshes):
     # The compiled program's entry parameters have the per-chip shard shape.
     shard = [d // (mesh[a] if a else 1) for d, a in zip(var.shape, expected)]
     assert f"f32[{','.join(map(str, shard))}]" in hlo, (path, shard)
-    checked += 1
-  assert checked >= 10
+  assert len(leaves) >= 10
 
 
 def _activation_all_reduces(config, compiled, rows_per_device):
-  """All-reduces of a [rows, seq_len, d_model] float32 activation, executions per step."""
+  """All-reduces of a [rows, seq_len, d_model] float32 activation, with executions per step."""
   shape = f"f32[{rows_per_device},{config.train.seq_len},{config.model.d_model}]"
   ops = aot.collective_ops(compiled.as_text())
   return [op for op in ops if op["kind"] == "all-reduce" and shape in op["shapes"]]
 
 
-def test_tensor_parallelism_brings_megatron_all_reduces(compiled_meshes):
-  # Pure data parallelism: one all-reduce of the full gradient (4 bytes per parameter) and no activation
-  # collectives.
-  config, _, compiled = compiled_meshes["dp8"]
+def test_data_parallel_step_report(devices):
+  config, trainer, compiled = _compile(devices, data=8)
+  # One all-reduce of the full gradient (4 bytes per parameter) and no activation collectives.
   stats = aot.collectives(compiled.as_text())
   assert set(stats) == {"all-reduce"}
   grad_bytes = 4 * model.count_params(config.model)["total"]
   assert grad_bytes <= stats["all-reduce"]["bytes_per_step"] <= grad_bytes * 1.001
   assert _activation_all_reduces(config, compiled, 2) == []
-  # Tensor parallelism (Megatron): in every layer the attention and MLP outputs are all-reduced in the forward
-  # pass and their input gradients in the backward pass: 4 all-reduces per layer (ops inside the scan over
-  # layers, executed num_layers times), each of one [rows per device, seq_len, d_model] float32 activation, so
-  # their size follows the data-parallel split of the batch (16 rows over fsdp=4, then over fsdp=2).
-  L = config.model.num_layers
-  for name, rows in (("fsdp4_tp2", 4), ("fsdp2_tp4", 8)):
-    config, _, compiled = compiled_meshes[name]
-    per_layer = [op for op in _activation_all_reduces(config, compiled, rows) if op["per_step"] == L]
-    assert len(per_layer) == 4, (name, per_layer)
-    assert {op["bytes"] for op in per_layer} == {rows * config.train.seq_len * config.model.d_model * 4}
-    stats = aot.collectives(compiled.as_text())
-    assert "all-gather" in stats  # FSDP gathers the sharded weights before use
-
-
-def test_report_fits_and_counts_flops(compiled_meshes):
-  config, trainer, _ = compiled_meshes["dp8"]
   r = aot.summarize(config, V4_16, trainer, seconds=0.0)
-  assert r["fits"] and r["num_devices"] == 8 and r["chip"] == "tpu_v4"
+  assert r["fits"] and r["num_devices"] == 8 and r["chip"] == "tpu_v4" and r["collectives"] == stats
   per_chip = model.flops_per_token(config.model, 64) * 16 * 64 / 8  # global batch 16 x 64 tokens on 8 chips
   assert r["flops"]["model_per_chip"] == pytest.approx(per_chip)
   assert r["flops"]["compiled_per_chip"] > 0
@@ -124,6 +97,22 @@ def test_report_fits_and_counts_flops(compiled_meshes):
   state = 3 * 4 * model.count_params(config.model)["total"]
   assert state <= m["argument_bytes"] <= state * 1.05
   json.dumps(r)
+
+
+def test_tensor_parallel_steps_follow_the_rules_and_bring_megatron_all_reduces(devices):
+  # Tensor parallelism (Megatron): in every layer the attention and MLP outputs are all-reduced in the forward
+  # pass and their input gradients in the backward pass: 4 all-reduces per layer (ops inside the scan over
+  # layers, executed num_layers times), each of one [rows per device, seq_len, d_model] float32 activation, so
+  # their size follows the data-parallel split of the batch (16 rows over fsdp=4, then over fsdp=2).
+  for fsdp, tensor in ((4, 2), (2, 4)):
+    config, _, compiled = _compile(devices, fsdp=fsdp, tensor=tensor)
+    if tensor == 2:  # every dimension divides its mesh axis here
+      _check_parameters_are_sharded_as_the_rules_say(config, compiled, {"fsdp": fsdp, "tensor": tensor})
+    rows, L = 16 // fsdp, config.model.num_layers
+    per_layer = [op for op in _activation_all_reduces(config, compiled, rows) if op["per_step"] == L]
+    assert len(per_layer) == 4, (fsdp, tensor, per_layer)
+    assert {op["bytes"] for op in per_layer} == {rows * config.train.seq_len * config.model.d_model * 4}
+    assert "all-gather" in aot.collectives(compiled.as_text())  # FSDP gathers the sharded weights before use
 
 
 def test_too_large_is_reported_with_a_suggestion_that_fits(capsys):

@@ -122,8 +122,8 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
                       sizes: dict[str, int] | None = None) -> dict:
   """Per-device activation bytes of one micro-batch of `micro_batch` sequences (global) of config.train.seq_len.
 
-  The peak has every layer's saved tensors live, plus the float32 logits phase (logits, softmax and their
-  gradient: three V-wide float32 tensors per token), plus the last layer's backward working set: the larger half
+  The peak has every layer's saved tensors live, plus the float32 logits and their gradient (two V-wide float32
+  tensors per token; softmax and the one-hot targets fuse into the gradient), plus the last layer's backward working set: the larger half
   of its recomputed intermediates (the MLP's are freed before the attention's are differentiated) and the float32
   gradient of its attention scores. The last two are added, not maxed: XLA may recompute the last layer before
   the loss gradient is done, since the recomputation depends only on saved inputs.
@@ -148,7 +148,7 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
   score_grad = per_token["scores"] * 4 / 13 if m.attention_impl != "blockwise" else 0.0
   attention = nbytes(set(_ATTENTION) - kept) + score_grad * tokens
   mlp = nbytes(set(_MLP) - kept)
-  logits = 3 * 4 * m.vocab_size / sizes["tensor"] * tokens
+  logits = 2 * 4 * m.vocab_size / sizes["tensor"] * tokens
   layers = saved * m.num_layers
   recompute = max(attention, mlp)
   return {"per_layer_saved": saved, "layers": layers, "recompute_peak": recompute, "logits": logits,
