@@ -115,6 +115,17 @@ def test_tensor_parallel_steps_follow_the_rules_and_bring_megatron_all_reduces(d
     assert "all-gather" in aot.collectives(compiled.as_text())  # FSDP gathers the sharded weights before use
 
 
+def test_multi_slice_data_parallelism_crosses_dcn(capsys):
+  # Two v4-8 slices; with no DCN axes in the config, data parallelism spans the slices (mesh.dcn_data=2):
+  # the gradient all-reduce then crosses the data-centre network, which libtpu lowers to megascale transfers.
+  argv = ["--config=tiny", "--topology=v4-8", "--num_slices=2", "--json",
+          *[f"--config.{k}={v}" for k, v in SMALL.items()]]
+  assert aot.main(argv) == 0
+  r = json.loads(capsys.readouterr().out)
+  assert r["num_devices"] == 8 and r["num_slices"] == 2 and r["mesh"]["data"] == 8
+  assert r["collectives"]["dcn-all-reduce"]["per_step"] >= 1
+
+
 def test_too_large_is_reported_with_a_suggestion_that_fits(capsys):
   # 4096 layers keep every op small (cheap to compile) while the saved activations of all layers exceed a v4
   # chip's HBM without remat, by more than the TPU compiler's own rematerialisation can recover; with full remat

@@ -104,7 +104,8 @@ def test_config_plan(capsys):
 
 
 FIFTY_M = {"model.d_model": 512, "model.num_layers": 8, "model.num_heads": 8, "model.num_kv_heads": 4,
-           "model.head_dim": 64, "model.mlp_dim": 2048, "model.vocab_size": 16000, "model.max_seq_len": 512, "train.seq_len": 512}
+           "model.head_dim": 64, "model.mlp_dim": 2048, "model.vocab_size": 16000, "model.max_seq_len": 512,
+           "train.seq_len": 512}
 
 
 @pytest.mark.parametrize("overrides", [{}, FIFTY_M], ids=["tiny", "50M"])

@@ -248,7 +248,7 @@ def _policies_light_to_heavy(config: ml_collections.ConfigDict, sizes: dict[str,
   """Remat policies ordered by the planner's activation estimate, most memory (least recompute) first."""
   from model import remat
   micro = config.train.batch_size // config.train.grad_accum
-  names = [p for p in remat.POLICIES if p != "full"]
+  names = [p for p in remat.POLICIES if p != "full" and p in memory.SAVED_BY_POLICY]
   names.sort(key=lambda p: -memory.activation_memory(config, micro, remat=p, sizes=sizes)["total"])
   return names + ["full"]
 

@@ -101,8 +101,8 @@ def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int) -> dict
   }
 
 
-# Which groups each policy keeps (model/remat.py); everything else is recomputed in the backward pass.
-_SAVED = {
+# Which groups each remat policy (model/remat.py) keeps; everything else is recomputed in the backward pass.
+SAVED_BY_POLICY = {
     "none": ("input", "norms", "qkv", "context", "scores", "mlp_in", "mlp_other"),
     "full": ("input",),
     "save_dots": ("input", "qkv", "scores", "context", "attn_out", "mlp_in", "mlp_out"),
@@ -123,18 +123,18 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
   """Per-device activation bytes of one micro-batch of `micro_batch` sequences (global) of config.train.seq_len.
 
   The peak has every layer's saved tensors live, plus the float32 logits and their gradient (two V-wide float32
-  tensors per token; softmax and the one-hot targets fuse into the gradient), plus the last layer's backward working set: the larger half
-  of its recomputed intermediates (the MLP's are freed before the attention's are differentiated) and the float32
-  gradient of its attention scores. The last two are added, not maxed: XLA may recompute the last layer before
-  the loss gradient is done, since the recomputation depends only on saved inputs.
+  tensors per token; softmax and the one-hot targets fuse into the gradient), plus the last layer's backward
+  working set: the larger half of its recomputed intermediates (the MLP's are freed before the attention's are
+  differentiated) and the float32 gradient of its attention scores. The last two are added, not maxed: XLA may
+  recompute the last layer before the loss gradient is done, since the recomputation depends only on saved inputs.
 
   Returns bytes: {"per_layer_saved", "layers" (= per_layer_saved * num_layers), "recompute_peak", "logits",
   "total", "tokens_per_device"}.
   """
   m, t = config.model, config.train
   remat = t.remat if remat is None else remat
-  if remat not in _SAVED:
-    raise ValueError(f"remat={remat!r}: no activation model for it; known: {', '.join(_SAVED)}")
+  if remat not in SAVED_BY_POLICY:
+    raise ValueError(f"remat={remat!r}: no activation model for it; known: {', '.join(SAVED_BY_POLICY)}")
   sizes = sizes or mesh_sizes(config)
   batch_shards = sizes["data"] * sizes["fsdp"]
   tokens = micro_batch * t.seq_len / (batch_shards * sizes["sequence"])
@@ -143,7 +143,7 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
   def nbytes(names):
     return sum(per_token[n] for n in names) * tokens
 
-  kept = set(_SAVED[remat])
+  kept = set(SAVED_BY_POLICY[remat])
   saved = nbytes(kept)
   score_grad = per_token["scores"] * 4 / 13 if m.attention_impl != "blockwise" else 0.0
   attention = nbytes(set(_ATTENTION) - kept) + score_grad * tokens
