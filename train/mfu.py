@@ -8,7 +8,8 @@ from train import hardware
 
 
 def flops_per_token(model_cfg, seq_len: int) -> float:
-  """Training FLOPs per token: 6 * N_non_embedding + the causal attention term (model.flops_per_token)."""
+  """Training FLOPs per token as `model.flops_per_token` defines them (6 x non-embedding parameters, plus the output
+  projection's 6·d_model·vocab, plus the causal attention term), as a float."""
   return float(model_lib.flops_per_token(model_cfg, seq_len))
 
 

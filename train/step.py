@@ -66,8 +66,8 @@ class Trainer:
       self._graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
       param_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
     if jax.tree.leaves(rest):
-      raise NotImplementedError("train.step keeps only nnx.Param state; the model has other variables: "
-                                f"{jax.tree.map(lambda x: x.shape, rest)}")
+      raise ValueError("train.step keeps only nnx.Param state; the model has other variables: "
+                       f"{jax.tree.map(lambda x: x.shape, rest)}")
     rules_lib.check_divisible(param_specs, nnx.to_pure_dict(abstract_params), mesh)
     self.param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), param_specs,
                                         is_leaf=lambda x: isinstance(x, PartitionSpec))

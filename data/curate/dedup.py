@@ -128,4 +128,6 @@ def apply_keep(text: str, keep: Sequence[bool]) -> str:
   if len(lines) != len(keep):
     raise ValueError(f"paragraph count changed between passes ({len(lines)} vs {len(keep)}); the input files "
                      "must not change during a run")
+  if all(keep):  # the usual case: joining every line again gives back the text itself
+    return text
   return "\n".join(line for line, k in zip(lines, keep) if k)

@@ -15,7 +15,16 @@ import numpy as np
 from data.curate import text as textlib
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
-_CHUNK_DOCS = 16  # documents per [shingles, permutations] block: small enough to stay in the CPU cache
+_CHUNK_SHINGLES = 4096  # shingles per [permutations, shingles] block (4 MiB at 128 permutations)
+
+
+def _hash_words(text: str) -> list[bytes]:
+  """`textlib.words(textlib.normalize_for_hash(text))`, UTF-8 encoded (what the word hashes are taken of)."""
+  if text.isascii():
+    # Bytes translate with the ASCII part of the same table: several times faster than str.translate with a
+    # dict. ASCII whitespace left after it is only " " (\x1c-\x1f are dropped), so bytes.split() == str.split().
+    return text.lower().encode("ascii").translate(textlib.HASH_TABLE_ASCII, textlib.HASH_DELETE_ASCII).split()
+  return list(map(str.encode, textlib.words(textlib.normalize_for_hash(text))))
 
 
 class MinHasher:
@@ -37,9 +46,9 @@ class MinHasher:
   def _shingles(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """(uint64 shingle hashes of all texts, concatenated; int64 [len(texts)] shingles per text). A text shorter
     than a shingle gets one shingle of all its words, a text without words none. Vectorised over the batch."""
-    token_lists = [textlib.words(textlib.normalize_for_hash(t)) for t in texts]
-    lengths = np.array([len(t) for t in token_lists], dtype=np.int64)
-    words = np.fromiter(map(zlib.crc32, map(str.encode, itertools.chain.from_iterable(token_lists))),
+    token_lists = list(map(_hash_words, texts))
+    lengths = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
+    words = np.fromiter(map(zlib.crc32, itertools.chain.from_iterable(token_lists)),
                         dtype=np.uint64, count=int(lengths.sum()))
     word_start = np.cumsum(lengths) - lengths
     k = self.shingle_size
@@ -66,17 +75,33 @@ class MinHasher:
 
   def signatures(self, texts: list[str]) -> np.ndarray:
     """uint32 [len(texts), bands * rows]: minhash signatures (all 0xFFFFFFFF for a text without words)."""
-    out = np.full((len(texts), self.bands * self.rows), 0xFFFFFFFF, dtype=np.uint32)
+    num_perm = self.bands * self.rows
+    out = np.full((len(texts), num_perm), 0xFFFFFFFF, dtype=np.uint32)
     shingles, counts = self._shingles(texts)
     starts = np.cumsum(counts) - counts
     nonempty = np.flatnonzero(counts)
-    for c in range(0, nonempty.size, _CHUNK_DOCS):
-      docs = nonempty[c:c + _CHUNK_DOCS]
+    if not nonempty.size:
+      return out
+    # Blocks of whole documents with about _CHUNK_SHINGLES shingles (a longer document alone), laid out
+    # [permutations, shingles] so each permutation's per-document minimum reduces a contiguous run, in one
+    # buffer reused across blocks (fresh multi-MiB arrays cost a page fault per 4 KiB).
+    ends = np.cumsum(counts[nonempty])
+    blocks, c = [], 0
+    while c < nonempty.size:
+      e = max(c + 1, int(np.searchsorted(ends, (ends[c - 1] if c else 0) + _CHUNK_SHINGLES, side="right")))
+      blocks.append((c, e))
+      c = e
+    width = max(int(ends[e - 1] - (ends[c - 1] if c else 0)) for c, e in blocks)
+    buffer = np.empty(num_perm * width, np.uint64)
+    a, b = self._a[:, None], self._b[:, None]
+    for c, e in blocks:
+      docs = nonempty[c:e]
       first, last = starts[docs[0]], starts[docs[-1]] + counts[docs[-1]]
-      values = np.multiply(shingles[first:last, None], self._a[None, :])
-      values += self._b
+      values = buffer[:num_perm * (last - first)].reshape(num_perm, last - first)
+      np.multiply(a, shingles[None, first:last], out=values)
+      values += b
       # x >> 32 is monotone, so the minimum can be taken before the shift (on far fewer values).
-      out[docs] = (np.minimum.reduceat(values, starts[docs] - first, axis=0) >> np.uint64(32)).astype(np.uint32)
+      out[docs] = (np.minimum.reduceat(values, starts[docs] - first, axis=1) >> np.uint64(32)).astype(np.uint32).T
     return out
 
   def signature(self, text: str) -> np.ndarray:

@@ -63,6 +63,33 @@ def _lookup(keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> tuple[np
   return found, np.where(found, values[idx], 0.0)
 
 
+def _dense_table(keys: np.ndarray, values: np.ndarray):
+  """(found bool [K+2], values [K+2]) indexed by the key itself, when the keys are few distinct small integers
+  (the unigram level: a unigram's hash is its token id + 1), else None. Slot K+1 is never found: larger queries
+  are clipped onto it."""
+  if keys.size == 0 or keys.dtype != np.uint64 or int(keys[-1]) >= 4 * keys.size + 4096:
+    return None
+  if keys.size > 1 and not bool((keys[1:] > keys[:-1]).all()):  # duplicates: leave them to the search
+    return None
+  found = np.zeros(int(keys[-1]) + 2, bool)
+  dense = np.zeros(found.size, values.dtype)
+  found[keys] = True
+  dense[keys] = values
+  return found, dense
+
+
+def _table_lookup(table, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """`_lookup(keys, values, query)` with `table` = (keys, values, their `_dense_table`): the same result, by direct
+  indexing where the dense form exists (no sort or binary search over every token)."""
+  keys, values, dense = table
+  if dense is None:
+    return _lookup(keys, values, query)
+  found_at, dense_values = dense
+  at = np.minimum(query, np.uint64(found_at.size - 1))
+  found = found_at[at]
+  return found, np.where(found, dense_values[at], 0.0)
+
+
 class NgramLM:
   """Backoff-form n-gram model; build it with `train_kneser_ney`, `train_stupid_backoff`, `read_arpa` or `load`."""
 
@@ -70,6 +97,13 @@ class NgramLM:
                bos: int, eos: int):
     self.order, self.probs, self.backoffs = order, probs, backoffs  # lists of (sorted keys, log10 values)
     self.unk_logprob, self.missing_backoff, self.bos, self.eos = unk_logprob, missing_backoff, bos, eos
+    self._tables = None  # (probs, backoffs) with their dense forms, built on first use
+
+  def _lookup_tables(self):
+    if self._tables is None:
+      self._tables = ([(k, v, _dense_table(k, v)) for k, v in self.probs],
+                      [(k, v, _dense_table(k, v)) for k, v in self.backoffs])
+    return self._tables
 
   def token_logprobs(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """float64 [T]: log10 P(token | history) for every token; 0 where positions == 0 (the `<s>` tokens).
@@ -77,12 +111,13 @@ class NgramLM:
     Like KenLM, the match is extended leftwards one token at a time and stops at the first n-gram (or context)
     not in the model, so only tokens still matching are looked up at the next order."""
     hashes = ngram_hashes(tokens, self.order)
+    prob_tables, backoff_tables = self._lookup_tables()
     logp = np.full(tokens.shape, self.unk_logprob)
     best = np.zeros(tokens.shape, np.int64)
     active = np.flatnonzero(positions >= 1)
     for n in range(1, self.order + 1):
       active = active[positions[active] >= n - 1]
-      found, values = _lookup(*self.probs[n - 1], hashes[n - 1][active])
+      found, values = _table_lookup(prob_tables[n - 1], hashes[n - 1][active])
       active = active[found]
       logp[active] = values[found]
       best[active] = n
@@ -90,7 +125,7 @@ class NgramLM:
     active = np.flatnonzero(positions >= 1)
     for k in range(1, self.order):
       active = active[positions[active] >= k]
-      found, values = _lookup(*self.backoffs[k - 1], hashes[k - 1][active - 1])
+      found, values = _table_lookup(backoff_tables[k - 1], hashes[k - 1][active - 1])
       if self.missing_backoff:  # stupid backoff: a constant per order backed off, whether the context exists or not
         backoff += np.where((positions >= k) & (best <= k), self.missing_backoff, 0.0)
         continue

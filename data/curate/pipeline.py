@@ -40,6 +40,8 @@ WORK = "_work"
 _BATCH = 256  # documents scored together (perplexity is vectorised over a batch)
 # Keys that change how the run executes, not what it outputs: a re-run may change them.
 _EXECUTION_KEYS = ("executor", "num_workers", "ray_address", "input", "output")
+# What json.dumps(doc, ensure_ascii=False) builds on every call, built once.
+_JSON_LINE = json.JSONEncoder(ensure_ascii=False)
 
 
 def _atomic_write(path: str, data: bytes | str) -> None:
@@ -104,6 +106,7 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
             if cfg.minhash.enabled else None)
   scorer = ppl.Scorer(models) if cfg.perplexity.enabled else None
   keep = np.load(os.path.join(work, "keep", f"{shard:05d}.npy")) if cfg.dedup.enabled else None
+  keep_flags = keep.tolist() if keep is not None else None  # list slices per document: cheaper than numpy ones
   counter = statslib.StageCounter()
   # Per scored document, in order: the decisions pass 3 applies (the JSON lines carry only the output record).
   meta = {"language": [], "language_ok": [], "quality": [], "perplexity": [], "chars": [], "chars_out": [],
@@ -123,7 +126,7 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
       text = doc["text"]
       if keep is not None:
         n = text.count("\n") + 1
-        deduped = dedup.apply_keep(text, keep[offset:offset + n])
+        deduped = dedup.apply_keep(text, keep_flags[offset:offset + n])
         offset += n
       else:
         deduped = text
@@ -205,7 +208,7 @@ def _flush(batch: list[dict], scorer, hasher, pii_cfg, out, meta: dict) -> None:
     if pii_cfg is not None:
       doc["text"], _ = pii.mask(doc["text"], pii_cfg)
     meta["chars_out"].append(len(doc["text"]))
-    out.write(json.dumps(doc, ensure_ascii=False) + "\n")
+    out.write(_JSON_LINE.encode(doc) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- pass 3
@@ -217,7 +220,8 @@ def write_shard(cfg_dict: dict, shard: int, work: str, output: str, cutoffs: dic
   for pattern in (name, name + ".tmp-*"):
     for stale in glob.glob(os.path.join(output, "*", "*", pattern)):
       os.remove(stale)  # left by an attempt that crashed between renames
-  near = (np.load(os.path.join(work, "neardup", f"{shard:05d}.npy")) if cfg.minhash.enabled else None)
+  # A list: indexing a numpy array per line returns numpy scalars, several times slower.
+  near = (np.load(os.path.join(work, "neardup", f"{shard:05d}.npy")).tolist() if cfg.minhash.enabled else None)
   with np.load(os.path.join(work, "scored", f"{shard:05d}.npz")) as z:
     meta = {k: z[k].tolist() for k in ("language", "language_ok", "quality", "perplexity", "chars", "chars_out")}
   counter = statslib.StageCounter()
@@ -225,6 +229,9 @@ def write_shard(cfg_dict: dict, shard: int, work: str, output: str, cutoffs: dic
   written: dict[str, dict[str, list[int]]] = {}
   reasons: dict[str, int] = {}
   nan = float("nan")
+  # Plain locals: ConfigDict look-ups per line cost more than the rest of the loop.
+  langid_on, quality_on = cfg.langid.enabled, cfg.quality.enabled
+  perplexity_on, pii_on = cfg.perplexity.enabled, cfg.pii.enabled
   try:
     with open(os.path.join(work, "scored", f"{shard:05d}.jsonl"), encoding="utf-8") as f:
       for i, line in enumerate(f):
@@ -233,19 +240,19 @@ def write_shard(cfg_dict: dict, shard: int, work: str, output: str, cutoffs: dic
           counter.add("minhash", lang, n, None if near[i] else n)
           if near[i]:
             continue
-        if cfg.langid.enabled:
+        if langid_on:
           counter.add("langid", lang, n, n if meta["language_ok"][i] else None)
           if not meta["language_ok"][i]:
             continue
-        if cfg.quality.enabled:
+        if quality_on:
           counter.add("quality", lang, n, None if reason else n)
           if reason:
             reasons[reason] = reasons.get(reason, 0) + 1
             continue
         bucket = ppl.bucket(meta["perplexity"][i], tuple(cutoffs.get(lang, (nan, nan))))
-        if cfg.perplexity.enabled:
+        if perplexity_on:
           counter.add("perplexity", lang, n, n)
-        if cfg.pii.enabled:
+        if pii_on:
           counter.add("pii", lang, n, meta["chars_out"][i])
         key = (lang, bucket)
         if key not in files:

@@ -6,9 +6,10 @@ those languages are not thrown away. The stop-word rule applies only to the lang
 """
 from __future__ import annotations
 
-import operator
 import re
 from collections import Counter
+from itertools import compress, repeat
+from operator import add
 
 from data.curate import text as textlib
 
@@ -19,6 +20,12 @@ _TERMINAL = (".", "!", "?", '"', "'", "”", "’", "。", "！", "？", "…", 
 _POLICY = ("javascript", "cookie policy", "uses cookies", "use of cookies", "use cookies", "terms of use",
            "privacy policy", "all rights reserved")
 _POLICY_RE = re.compile("|".join(map(re.escape, _POLICY)))
+_PARAGRAPH_BREAK_RE = re.compile(r"\n\s*\n")
+# ASCII text: deleting every character that is neither a letter nor whitespace empties exactly the tokens without
+# a letter, so the tokens left count the words with one. \x1c-\x1f are whitespace to str.split (and the regex)
+# but not to bytes.split, hence mapped to spaces.
+_NON_LETTER_ASCII = bytes(c for c in range(128) if not chr(c).isalpha() and not chr(c).isspace())
+_SEPARATORS_TO_SPACE = bytes.maketrans(b"\x1c\x1d\x1e\x1f", b"    ")
 STOP_WORDS = {"en": frozenset(("the", "be", "to", "of", "and", "that", "have", "with"))}
 
 
@@ -36,32 +43,57 @@ def _duplicate_stats(items: list[str]) -> tuple[float, float]:
   return dup_items / max(1, len(items)), dup_chars / max(1, total_chars)
 
 
-def _top_ngram_fractions(words: list[str], sizes: list[int], total_chars: int) -> dict[int, float]:
-  """{n: characters in the most frequent word n-gram (all its occurrences, if it repeats) over all word
-  characters}.
+def _repeated_ngram_levels(words: list[str], max_n: int):
+  """Yields (n, count, position) for n = 2 .. max_n while some word n-gram repeats: the count of the most frequent
+  n-gram and the position of its first occurrence (of equally frequent ones, the one that occurs first). A size
+  whose n-grams all occur once is not yielded, and neither is any larger size.
 
   An n-gram can repeat only where its leading (n-1)-gram repeats, so each size above 2 is counted only at the
-  positions where the size below repeated (few, in natural text)."""
-  out = {n: 0.0 for n in sizes}
-  if len(words) < 2 or not sizes:
-    return out
+  positions where the size below repeated (few, in natural text). An n-gram is the pair (its leading (n-1)-gram,
+  its last word), built by zip and counted by Counter: all in C, no Python loop per position."""
+  size = len(words)
+  if size < 2:
+    return
   grams = list(zip(words, words[1:]))
-  positions = range(len(grams))
+  positions = range(size - 1)
   n = 2
   while True:
     counts = Counter(grams)
-    gram, count = max(counts.items(), key=operator.itemgetter(1))
-    if count < 2:
-      return out
-    if n in out:
-      out[n] = count * sum(map(len, gram)) / max(1, total_chars)
+    values = list(counts.values())
+    top = max(values)
+    if top < 2:
+      return
+    gram = list(counts)[values.index(top)]  # Counter keeps first-occurrence order: the first of the ties
+    yield n, top, positions[grams.index(gram)]
     n += 1
+    if n > max_n:
+      return
+    repeated = list(map((1).__lt__, map(counts.__getitem__, grams)))
+    positions = list(compress(positions, repeated))
+    grams = list(compress(grams, repeated))
+    while positions and positions[-1] + n > size:  # ascending: only a tail can run past the last word
+      positions.pop()
+      grams.pop()
+    if not positions:
+      return
+    grams = list(zip(grams, map(words.__getitem__, map(add, positions, repeat(n - 1)))))
+
+
+def _top_ngram_fractions(words: list[str], sizes: list[int], total_chars: int, levels=None) -> dict[int, float]:
+  """{n: characters in the most frequent word n-gram (all its occurrences, if it repeats) over all word
+  characters}; of equally frequent n-grams the first to occur counts. `levels`: `_repeated_ngram_levels(words,
+  ...)` already computed, as a list reaching at least max(sizes) where it can."""
+  out = {n: 0.0 for n in sizes}
+  if len(words) < 2 or not sizes:
+    return out
+  if levels is None:
+    levels = _repeated_ngram_levels(words, max(sizes))
+  for n, count, position in levels:
     if n > max(sizes):
-      return out
-    positions = [i for i, g in zip(positions, grams) if counts[g] > 1 and i + n <= len(words)]
-    grams = [tuple(words[i:i + n]) for i in positions]
-    if not grams:
-      return out
+      break
+    if n in out:
+      out[n] = count * sum(map(len, words[position:position + n])) / max(1, total_chars)
+  return out
 
 
 def _duplicate_ngram_fraction(words: list[str], n: int, total_chars: int) -> float:
@@ -81,15 +113,23 @@ def _duplicate_ngram_fraction(words: list[str], n: int, total_chars: int) -> flo
 def check(text: str, language: str, cfg) -> str | None:
   """None if `text` passes every enabled rule, else the name of the first rule it fails. `cfg` is the
   `quality` section of the curation config."""
-  lines = [line.strip() for line in text.split("\n") if line.strip()]
-  words = textlib.words(text)
+  lines = [line for line in map(str.strip, text.split("\n")) if line]
+  ascii_text = text.isascii()
+  spaced = ascii_text or not textlib.has_spaceless(text)  # then `words` is text.split()
+  lower_text = text.lower()
+  if ascii_text:
+    # Lowercasing ASCII changes no length and no whitespace: the words of the lowered text are the lowered words,
+    # and have the same count and lengths, which is all the rules below use `words` for here.
+    words = lowered = lower_text.split()
+  else:
+    words = text.split() if spaced else textlib.words(text)
+    lowered = list(map(str.lower, words))
   n = len(words)
   if n < cfg.min_words:
     return "min_words"
   if cfg.max_words and n > cfg.max_words:
     return "max_words"
-  total_chars = sum(map(len, words))
-  spaced = text.isascii() or not textlib.has_spaceless(text)  # then `words` is text.split()
+  total_chars = len("".join(words))
   if spaced or textlib.spaceless_fraction(words) < 0.5:
     mean = total_chars / n
     if mean < cfg.min_mean_word_length or mean > cfg.max_mean_word_length:
@@ -98,50 +138,60 @@ def check(text: str, language: str, cfg) -> str | None:
   if symbols / n > cfg.max_symbol_word_ratio:
     return "symbol_word_ratio"
   if lines:
-    if sum(line.startswith(_BULLETS) for line in lines) / len(lines) > cfg.max_bullet_lines_fraction:
+    if sum(map(str.startswith, lines, repeat(_BULLETS))) / len(lines) > cfg.max_bullet_lines_fraction:
       return "bullet_lines"
-    if sum(line.endswith(("...", "…")) for line in lines) / len(lines) > cfg.max_ellipsis_lines_fraction:
+    if sum(map(str.endswith, lines, repeat(("...", "…")))) / len(lines) > cfg.max_ellipsis_lines_fraction:
       return "ellipsis_lines"
-  if spaced:  # one regex pass over the text counts its whitespace-separated tokens without a letter
+  if ascii_text:  # the tokens left once everything but letters and whitespace is deleted (see above)
+    with_alpha = len(text.encode("ascii").translate(_SEPARATORS_TO_SPACE, _NON_LETTER_ASCII).split())
+  elif spaced:  # one regex pass over the text counts its whitespace-separated tokens without a letter
     with_alpha = n - len(_NO_ALPHA_TOKEN_RE.findall(text))
   else:
     with_alpha = len(list(filter(None, map(_ALPHA_RE.search, words))))
   if with_alpha / n < cfg.min_alpha_words_fraction:
     return "alpha_words"
-  lowered = list(map(str.lower, words))
   stop = STOP_WORDS.get(language)
   if stop is not None and cfg.min_stop_words and sum(map(stop.__contains__, lowered)) < cfg.min_stop_words:
     return "stop_words"
   line_frac, line_char_frac = _duplicate_stats(lines)
   if line_frac > cfg.max_duplicate_line_fraction or line_char_frac > cfg.max_duplicate_line_char_fraction:
     return "duplicate_lines"
-  paras = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+  paras = [p for p in map(str.strip, _PARAGRAPH_BREAK_RE.split(text)) if p]
   para_frac, para_char_frac = _duplicate_stats(paras)
   if para_frac > cfg.max_duplicate_paragraph_fraction or para_char_frac > cfg.max_duplicate_paragraph_char_fraction:
     return "duplicate_paragraphs"
-  top = _top_ngram_fractions(lowered, [int(size) for size, _ in cfg.max_top_ngram_fraction], total_chars)
+  top_sizes = [int(size) for size, _ in cfg.max_top_ngram_fraction]
+  dup_sizes = [(int(size), limit) for size, limit in cfg.max_duplicate_ngram_fraction]
+  smallest = min(s for s, _ in dup_sizes) if dup_sizes else 0
+  # The repeated n-grams of every size up to the largest either rule needs, computed once for both.
+  levels = list(_repeated_ngram_levels(lowered, max(top_sizes + [smallest])))
+  top = _top_ngram_fractions(lowered, top_sizes, total_chars, levels)
   for size, limit in cfg.max_top_ngram_fraction:
     if top[int(size)] > limit:
       return f"top_{int(size)}gram"
-  dup_sizes = [(int(size), limit) for size, limit in cfg.max_duplicate_ngram_fraction]
   # A repeated n-gram contains a repeated shorter one: if no smallest-size n-gram repeats, none repeats.
-  if dup_sizes and len(lowered) >= min(s for s, _ in dup_sizes):
-    smallest = min(s for s, _ in dup_sizes)
-    grams = list(zip(*(lowered[i:] for i in range(smallest))))
-    if len(set(grams)) < len(grams):
+  if dup_sizes and len(lowered) >= smallest:
+    if smallest >= 2:  # `levels` reaches `smallest` exactly when some n-gram of that size repeats
+      repeats = bool(levels) and levels[-1][0] >= smallest
+    else:
+      grams = list(zip(*(lowered[i:] for i in range(smallest))))
+      repeats = len(set(grams)) < len(grams)
+    if repeats:
       for size, limit in dup_sizes:
         if _duplicate_ngram_fraction(lowered, size, total_chars) > limit:
           return f"duplicate_{size}gram"
   # C4 (Raffel et al. 2020), at the document level.
-  lower_text = text.lower()
   if cfg.c4_lorem_ipsum and "lorem ipsum" in lower_text:
     return "lorem_ipsum"
   if cfg.c4_curly_bracket and "{" in text:
     return "curly_bracket"
   if lines:
-    if _POLICY_RE.search(lower_text) and (sum(1 for line in lines if _POLICY_RE.search(line.lower())) / len(lines)
-                                          > cfg.c4_max_policy_line_fraction):
+    # Substring tests find any policy phrase far faster than the alternation regex; lines only if one occurs.
+    if any(phrase in lower_text for phrase in _POLICY) and (
+        sum(1 for line in lines if _POLICY_RE.search(line.lower())) / len(lines) > cfg.c4_max_policy_line_fraction):
       return "policy_lines"
-    if sum(line.endswith(_TERMINAL) for line in lines) / len(lines) < cfg.c4_min_terminal_line_fraction:
+    # A fraction is never below a threshold <= 0 (the default: rule off), so the lines need no scan then.
+    if cfg.c4_min_terminal_line_fraction > 0 and (
+        sum(map(str.endswith, lines, repeat(_TERMINAL))) / len(lines) < cfg.c4_min_terminal_line_fraction):
       return "terminal_punctuation"
   return None
