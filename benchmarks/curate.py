@@ -18,6 +18,7 @@ import resource
 import sys
 import tempfile
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -93,6 +94,9 @@ def stage_rates(cfg, texts: list[str], models: dict) -> dict:
   hasher = minhash.MinHasher(cfg.minhash.shingle_size, cfg.minhash.bands, cfg.minhash.rows)
   scorer = perplexity.Scorer(models)
   scorer.perplexities(texts[:8], "en")  # loads the model outside the timing
+  # The sections as score_shard passes them (plain attributes): ConfigDict look-ups would be timed otherwise.
+  quality_cfg = types.SimpleNamespace(**cfg.quality.to_dict())
+  pii_cfg = types.SimpleNamespace(**cfg.pii.to_dict())
   t0 = _cpu()
   for i in range(0, len(texts), 256):
     scorer.perplexities(texts[i:i + 256], "en")
@@ -101,9 +105,9 @@ def stage_rates(cfg, texts: list[str], models: dict) -> dict:
       "normalize_and_hash": _rate(textlib.paragraph_hashes, texts),
       "minhash": len(texts) / _timed(lambda: [hasher.signatures(texts[i:i + 256]) for i in range(0, len(texts), 256)]),
       "langid": _rate(identifier.identify, texts),
-      "quality": _rate(lambda t: quality.check(t, "en", cfg.quality), texts),
+      "quality": _rate(lambda t: quality.check(t, "en", quality_cfg), texts),
       "perplexity": ppl_rate,
-      "pii": _rate(lambda t: pii.mask(t, cfg.pii), texts),
+      "pii": _rate(lambda t: pii.mask(t, pii_cfg), texts),
   }
 
 

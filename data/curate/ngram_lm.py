@@ -78,16 +78,66 @@ def _dense_table(keys: np.ndarray, values: np.ndarray):
   return found, dense
 
 
+_HASH_MIX = np.uint64(0x9E3779B97F4A7C15)
+_HASH_MAX_KEYS = 1 << 20  # larger tables keep the binary search: the hash form adds 12 bytes a slot (<= 24 MiB)
+
+
+def _hash_table(keys: np.ndarray):
+  """(slot keys uint64 [S], slot rows int32 [S] (-1 = empty), log2 S): the distinct sorted `keys` in an
+  open-addressing table (linear probing, load <= 1/2), so that a lookup costs a few gathers over the queries
+  instead of a sort and a binary search. None when keys repeat (the search's leftmost-match rule then decides),
+  or for tables past _HASH_MAX_KEYS."""
+  if (keys.size == 0 or keys.size > _HASH_MAX_KEYS or keys.dtype != np.uint64
+      or (keys.size > 1 and not bool((keys[1:] > keys[:-1]).all()))):
+    return None
+  bits = max(4, int(2 * keys.size - 1).bit_length())
+  size = 1 << bits
+  slot_keys = np.zeros(size, np.uint64)
+  slot_rows = np.full(size, -1, np.int32)
+  pending = np.arange(keys.size)
+  pos = ((keys * _HASH_MIX) >> np.uint64(64 - bits)).astype(np.int64)
+  while pending.size:
+    free = slot_rows[pos] < 0
+    # Of the keys that want the same free slot the first takes it; the others (and those finding the slot taken)
+    # try again, the latter one slot further on.
+    _, first = np.unique(pos[free], return_index=True)
+    winners = np.flatnonzero(free)[first]
+    slot_keys[pos[winners]] = keys[pending[winners]]
+    slot_rows[pos[winners]] = pending[winners]
+    losers = np.ones(pending.size, bool)
+    losers[winners] = False
+    pending = pending[losers]
+    pos = np.where(free[losers], pos[losers], (pos[losers] + 1) & (size - 1))
+  return slot_keys, slot_rows, bits
+
+
 def _table_lookup(table, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """`_lookup(keys, values, query)` with `table` = (keys, values, their `_dense_table`): the same result, by direct
-  indexing where the dense form exists (no sort or binary search over every token)."""
-  keys, values, dense = table
-  if dense is None:
+  """`_lookup(keys, values, query)` with `table` = (keys, values, dense form, hash form): the same result, by
+  direct indexing where the dense form exists, else by probing the hash form, else by binary search."""
+  keys, values, dense, hashed = table
+  if dense is not None:
+    found_at, dense_values = dense
+    at = np.minimum(query, np.uint64(found_at.size - 1))
+    found = found_at[at]
+    return found, np.where(found, dense_values[at], 0.0)
+  if hashed is None:
     return _lookup(keys, values, query)
-  found_at, dense_values = dense
-  at = np.minimum(query, np.uint64(found_at.size - 1))
-  found = found_at[at]
-  return found, np.where(found, dense_values[at], 0.0)
+  slot_keys, slot_rows, bits = hashed
+  wrap = (1 << bits) - 1
+  pos = ((query * _HASH_MIX) >> np.uint64(64 - bits)).astype(np.int64)
+  row = slot_rows[pos]
+  found = (slot_keys[pos] == query) & (row >= 0)
+  rows = np.where(found, row, 0)
+  todo = np.flatnonzero(~found & (row >= 0))  # neither found nor at an empty slot: probe on
+  while todo.size:
+    pos_todo = (pos[todo] + 1) & wrap
+    pos[todo] = pos_todo
+    row = slot_rows[pos_todo]
+    hit = (slot_keys[pos_todo] == query[todo]) & (row >= 0)
+    found[todo[hit]] = True
+    rows[todo[hit]] = row[hit]
+    todo = todo[~hit & (row >= 0)]
+  return found, np.where(found, values[rows], 0.0)
 
 
 class NgramLM:
@@ -97,12 +147,14 @@ class NgramLM:
                bos: int, eos: int):
     self.order, self.probs, self.backoffs = order, probs, backoffs  # lists of (sorted keys, log10 values)
     self.unk_logprob, self.missing_backoff, self.bos, self.eos = unk_logprob, missing_backoff, bos, eos
-    self._tables = None  # (probs, backoffs) with their dense forms, built on first use
+    self._tables = None  # (probs, backoffs) with their dense or hash forms, built on first use
 
   def _lookup_tables(self):
     if self._tables is None:
-      self._tables = ([(k, v, _dense_table(k, v)) for k, v in self.probs],
-                      [(k, v, _dense_table(k, v)) for k, v in self.backoffs])
+      def forms(keys, values):
+        dense = _dense_table(keys, values)
+        return keys, values, dense, (_hash_table(keys) if dense is None else None)
+      self._tables = ([forms(k, v) for k, v in self.probs], [forms(k, v) for k, v in self.backoffs])
     return self._tables
 
   def token_logprobs(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
