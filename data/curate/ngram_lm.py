@@ -228,16 +228,22 @@ def _check_order(order: int) -> None:
     raise ValueError(f"perplexity.order must be between 1 and 10; got {order}")
 
 
-def train_kneser_ney(sentences: Sequence[Sequence[int]], vocab_size: int, order: int = 4) -> NgramLM:
-  """Interpolated Kneser-Ney (one discount per order, D = n1 / (n1 + 2 n2)) over sentences of token ids in
-  [0, vocab_size); lower orders use continuation counts, except n-grams that start with `<s>` (as KenLM does).
-  The unigram level interpolates with the uniform distribution over vocab_size + 1 tokens (with `</s>`)."""
+def _corpus_counts(sentences: Sequence[Sequence[int]], vocab_size: int, order: int):
+  """(bos, eos, tokens, positions, per-order counts) of a training corpus (`flatten`, `_count`); `<s>` and `</s>`
+  are vocab_size and vocab_size + 1."""
   _check_order(order)
   bos, eos = vocab_size, vocab_size + 1
   tokens, positions = flatten(sentences, bos, eos)
   if tokens.size == 0:
     raise ValueError("the perplexity reference corpus is empty; point perplexity.reference at text")
-  levels = _count(tokens, positions, order)
+  return bos, eos, tokens, positions, _count(tokens, positions, order)
+
+
+def train_kneser_ney(sentences: Sequence[Sequence[int]], vocab_size: int, order: int = 4) -> NgramLM:
+  """Interpolated Kneser-Ney (one discount per order, D = n1 / (n1 + 2 n2)) over sentences of token ids in
+  [0, vocab_size); lower orders use continuation counts, except n-grams that start with `<s>` (as KenLM does).
+  The unigram level interpolates with the uniform distribution over vocab_size + 1 tokens (with `</s>`)."""
+  bos, eos, _, _, levels = _corpus_counts(sentences, vocab_size, order)
   adjusted = []
   for n in range(1, order + 1):
     keys, counts, _, _ = levels[n - 1]
@@ -281,12 +287,7 @@ def train_stupid_backoff(sentences: Sequence[Sequence[int]], vocab_size: int, or
                          alpha: float = 0.4) -> NgramLM:
   """Stupid backoff (Brants et al. 2007): relative frequencies, times `alpha` per order backed off.
   Scores are not normalised probabilities, but rank documents the same way at a fraction of the cost."""
-  _check_order(order)
-  bos, eos = vocab_size, vocab_size + 1
-  tokens, positions = flatten(sentences, bos, eos)
-  if tokens.size == 0:
-    raise ValueError("the perplexity reference corpus is empty; point perplexity.reference at text")
-  levels = _count(tokens, positions, order)
+  bos, eos, tokens, positions, levels = _corpus_counts(sentences, vocab_size, order)
   hashes = ngram_hashes(tokens, order)
   probs = []
   for n in range(1, order + 1):
