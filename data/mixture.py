@@ -64,6 +64,12 @@ class _ChunkCache:
   def __init__(self):
     self.entries: dict = {}
 
+  def __getstate__(self):  # copies pickled into worker processes start empty instead of carrying chunks
+    return {}
+
+  def __setstate__(self, state):
+    self.entries = {}
+
   def get(self, key, compute):
     value = self.entries.get(key)
     if value is None:
@@ -90,11 +96,6 @@ class BlockMixture:
     self.block, self.seed = block, seed
     self._cache = _ChunkCache()
 
-  def __getstate__(self):
-    state = dict(self.__dict__)
-    state["_cache"] = _ChunkCache()
-    return state
-
   def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
     source = self.slot_source[permute(np.arange(self.block), self.block, _key(self.seed, b, 1))]
     rank = np.empty(self.block, np.int64)
@@ -116,11 +117,6 @@ class EpochShuffle:
   def __init__(self, n: int, seed: int):
     self.n, self.seed = n, seed
     self._cache = _ChunkCache()
-
-  def __getstate__(self):
-    state = dict(self.__dict__)
-    state["_cache"] = _ChunkCache()
-    return state
 
   def __getitem__(self, k: int) -> int:
     epoch, i = divmod(int(k), self.n)
