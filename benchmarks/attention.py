@@ -28,9 +28,7 @@ def measure(impl, seq_len, args):
   q = jnp.asarray(rng.normal(size=(B, seq_len, H, K)), jnp.float32)
   kv = jnp.asarray(rng.normal(size=(B, seq_len, G, K)), jnp.float32)
   seg = jnp.ones((B, seq_len), jnp.int32)
-  fn = attention.IMPLEMENTATIONS[impl]
-  if impl == "blockwise":
-    fn = functools.partial(fn, block_size=args.block_size)
+  fn = functools.partial(attention.attend, impl, block_size=args.block_size)
   loss = lambda q, k, v: jnp.sum(fn(q, k, v, seg, args.window).astype(jnp.float32) ** 2)
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
   t0 = time.perf_counter()

@@ -420,17 +420,3 @@ def split_indices(num_docs: int, eval_fraction: float, split: str) -> np.ndarray
   perm = np.random.default_rng(_EVAL_SPLIT_SEED).permutation(num_docs)
   chosen = perm[:n_eval] if split == "eval" else perm[n_eval:]
   return np.sort(chosen).astype(np.int64)
-
-
-def iter_texts(sources: Sequence[Source], max_docs_per_source: int | None = None, seed: int = 0):
-  """Yields documents from each source in turn (a seeded sample of up to `max_docs_per_source` each) — for
-  tokenizer training and curation. Empty documents are skipped."""
-  rng = np.random.default_rng(seed)
-  for source in sources:
-    n = len(source)
-    idx = np.arange(n) if max_docs_per_source is None or n <= max_docs_per_source else np.sort(
-        rng.choice(n, max_docs_per_source, replace=False))
-    for i in idx:
-      text = source[int(i)]
-      if text and text.strip():
-        yield text

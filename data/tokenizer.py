@@ -114,11 +114,6 @@ class Tokenizer:
     self.__init__(state["proto"], state["path"])
 
   @property
-  def serialized(self) -> bytes:
-    """The model file's bytes (to store next to checkpoints)."""
-    return self._proto
-
-  @property
   def vocab_size(self) -> int:
     return self._sp.get_piece_size()
 

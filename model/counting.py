@@ -17,8 +17,7 @@ def count_params(cfg_model: Mapping[str, Any]) -> dict[str, int]:
   """
   from model.transformer import Transformer  # local: transformer imports this package's siblings
   cfg = config_lib.validate(cfg_model)
-  with nnx.use_eager_sharding(False):
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   total = sum(int(x.size) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
   embedding = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
   return {"total": total, "non_embedding": total - embedding}

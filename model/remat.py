@@ -42,10 +42,9 @@ def tag(x: jax.Array, name: str) -> jax.Array:
 
 
 def wrap(fn: Callable, policy_name: str, *, prevent_cse: bool = True) -> Callable:
-  """`fn` wrapped in `jax.checkpoint` with the named policy (`fn` itself for `none`)."""
-  if policy_name not in POLICIES:
-    raise ValueError(f"remat={policy_name!r} is not a known policy; choose one of {sorted(POLICIES)}")
+  """`fn` wrapped in `jax.checkpoint` with the named policy (`fn` itself for `none`); the name was validated
+  with the model config."""
   policy = POLICIES[policy_name]
-  if policy is None and policy_name == "none":
+  if policy is None:
     return fn
   return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)

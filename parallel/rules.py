@@ -23,9 +23,6 @@ from parallel import mesh as mesh_lib
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 
-LOGICAL_AXES = ("batch", "length", "kv_length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab",
-                "experts", "layers")
-
 DEFAULT_RULES: Rules = (
     ("batch", ("data", "fsdp")),
     ("length", "sequence"),
@@ -64,7 +61,7 @@ def logical_rules(mesh_cfg) -> Rules:
       raise ValueError(f"config.mesh.rules[{i}]={entry!r}: each rule is a pair (logical_name, mesh_axes)")
     name, value = entry
     if name not in table:
-      raise ValueError(f"config.mesh.rules[{i}]: unknown logical axis {name!r}; known: {', '.join(LOGICAL_AXES)}")
+      raise ValueError(f"config.mesh.rules[{i}]: unknown logical axis {name!r}; known: {', '.join(table)}")
     table[name] = _as_axes(value, f"config.mesh.rules[{i}] ({name})")
   return tuple(table.items())
 

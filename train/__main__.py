@@ -47,13 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
   try:
-    loop.check_workdir(workdir)
-  except loop.WorkdirError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  try:
-    loop.run(config, workdir)
-  except loop.SetupError as e:
+    loop.run(config, workdir)  # checks the workdir before any device work
+  except (loop.SetupError, loop.WorkdirError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except loop.TrainingError as e:

@@ -204,20 +204,20 @@ def summarize(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, trainer
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return _report(config, tpu, dict(trainer.mesh.shape), trainer.mesh.devices.size, seconds,
-                 fits=mem["total_bytes"] <= tpu.chip.hbm_gib * 2**30, memory_=mem,
+                 fits=mem["total_bytes"] <= tpu.chip.hbm_bytes, memory_=mem,
                  flops=cost.get("flops"), hlo=compiled.as_text())
 
 
 def _report(config, tpu, sizes, devices, seconds, *, fits, memory_, flops, hlo) -> dict:
-  import model
+  from train import mfu
 
   t = config.train
-  model_flops = model.flops_per_token(config.model, t.seq_len) * t.batch_size * t.seq_len / devices
+  model_flops = mfu.flops_per_step(config.model, t.seq_len, t.batch_size) / devices
   return {
       "topology": tpu.topology, "num_slices": tpu.num_slices, "chip": tpu.chip.name, "num_devices": devices,
       "mesh": sizes, "remat": t.remat, "grad_accum": t.grad_accum, "batch_size": t.batch_size,
       "micro_batch": t.batch_size // t.grad_accum, "seq_len": t.seq_len,
-      "memory": memory_, "hbm_bytes": tpu.chip.hbm_gib * 2**30, "fits": fits,
+      "memory": memory_, "hbm_bytes": tpu.chip.hbm_bytes, "fits": fits,
       "estimate": _estimate(config, sizes),
       "flops": {"model_per_chip": model_flops, "compiled_per_chip": flops},
       "collectives": collectives(hlo),

@@ -16,6 +16,10 @@ class Chip:
   tpu_family: str = ""  # jax topology prefix ("v4", "v5e", "v5p"); empty for GPUs
   cores_per_chip: int = 1  # TensorCores per chip; v4/v5p run them as one megacore jax device
 
+  @property
+  def hbm_bytes(self) -> float:
+    return self.hbm_gib * 2**30
+
 
 CHIPS: dict[str, Chip] = {c.name: c for c in [
     Chip("tpu_v4", 275.0, 32.0, "v4", 2),
@@ -78,10 +82,6 @@ class TpuSlice:
   topology: str  # e.g. "v4:2x2x4"
   num_chips: int  # chips per slice (= jax devices: megacore where the chip has two cores)
   num_slices: int = 1  # slices joined over DCN
-
-  @property
-  def num_devices(self) -> int:
-    return self.num_chips * self.num_slices
 
   def topology_kwargs(self) -> dict:
     """Keyword arguments of `get_topology_desc(platform="tpu", topology_name=self.topology, **kw)`."""

@@ -87,7 +87,7 @@ class MetricLogger:
     self._latest: dict[str, float] = {}  # last value of every metric, for the progress-bar suffix
     if not enabled:
       return
-    _truncate_after(self._path, start_step)
+    _truncate_after(self._path, start_step if start_step else -1)  # a fresh start keeps no old step-0 lines
     self._file = open(self._path, "a")
     if log_config.tensorboard:
       self._tb = _TensorBoard(os.path.join(workdir, TENSORBOARD_DIR))

@@ -169,11 +169,12 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
   except (ValueError, FileNotFoundError) as e:
     raise SetupError(str(e)) from None
 
-  def make_iterator(split):
-    return pipeline_lib.make_iterator(config, tokenizer, split=split, process_index=jax.process_index(),
-                                      process_count=jax.process_count())
+  def make_dataset(split):
+    return pipeline_lib.make_dataset(config, tokenizer, split=split, process_index=jax.process_index(),
+                                     process_count=jax.process_count())
 
-  train_iter = make_iterator("train")
+  train_iter = iter(make_dataset("train"))
+  eval_ds = None  # built at the first evaluation; each evaluation iterates it afresh (the same batches)
   nonfinite_run = 0  # consecutive non-finite steps so far (checkpointed, so the halt rule survives restarts)
   if latest is not None:
     try:
@@ -196,22 +197,20 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
   flops_per_token = mfu_lib.flops_per_token(config.model, tc.seq_len)
   peak = mfu_lib.peak_flops_per_device(jax.devices(), tc.peak_tflops)
 
-  last_saved = latest
-
   def save(step: int) -> None:
-    nonlocal last_saved
-    if step == last_saved:  # e.g. resumed at the final step
-      return
-    last_saved = step
     meta = {"nonfinite_run": nonfinite_run, "config": config_dict, "mesh": dict(mesh.shape),
             TOKENIZER_KEY: tokenizer_entry}
     checkpointer.save(step, state, train_iter, meta)
 
   def evaluate() -> dict[str, float]:
-    eval_iter = make_iterator("eval")
+    nonlocal eval_ds
+    if eval_ds is None:  # opening sources indexes files / walks the stdlib: once per run, not per evaluation
+      eval_ds = make_dataset("eval")
+    eval_iter = iter(eval_ds)
     loss_sum = tokens = 0.0
-    for _ in range(tc.eval_steps):
-      out = jax.device_get(trainer.eval_fn(state, trainer.batch_to_device(next(eval_iter))))
+    # Dispatch every batch before fetching, so the host prepares batch i+1 while the device computes batch i.
+    outs = [trainer.eval_fn(state, trainer.batch_to_device(next(eval_iter))) for _ in range(tc.eval_steps)]
+    for out in jax.device_get(outs):
       loss_sum, tokens = loss_sum + float(out["loss_sum"]), tokens + float(out["tokens"])
     _close(eval_iter)
     if tokens == 0:
@@ -304,8 +303,8 @@ def _count_nonfinite(step: int, metrics: dict[str, Any], run: int, limit: int, c
   if not bool(jax.device_get(metrics["nonfinite"])):
     return 0
   run += 1
-  latest = checkpointer.latest_step()
   if run >= limit:
+    latest = checkpointer.latest_step()
     raise TrainingError(
         f"halting at step {step}: the loss or gradient was non-finite for {run} consecutive steps "
         f"(steps {step - run + 1}..{step}; updates were skipped). Latest checkpoint: "

@@ -168,8 +168,8 @@ def plan_config(config: ml_collections.ConfigDict, *, chip: str = "tpu_v4", num_
   needed = own["total"] + acts[t.remat]["total"]
   per_chip = {}
   for c in hardware.CHIPS.values():
-    per_chip[c.name] = {"hbm_gib": c.hbm_gib, "fits": needed <= c.hbm_gib * GIB,
-                        "max_micro_batch": {r: memory.max_micro_batch(config, c.hbm_gib * GIB, own["total"],
+    per_chip[c.name] = {"hbm_gib": c.hbm_gib, "fits": needed <= c.hbm_bytes,
+                        "max_micro_batch": {r: memory.max_micro_batch(config, c.hbm_bytes, own["total"],
                                                                       remat=r, sizes=sizes)
                                             for r in ("none", "full")}}
   out = allocation(n, tokens)
@@ -242,10 +242,6 @@ def _plan_sizes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
     parser.error("nothing to plan: give --flops, --params, --tokens, --chips/--days or --config")
   opt = optimum(flops=flops, params=args.params, tokens=args.tokens)
   return {**opt["approach1"], **opt}
-
-
-def _fmt(x: float) -> str:
-  return f"{x:.3g}" if abs(x) < 1e4 else f"{x:.3e}"
 
 
 def format_table(r: dict) -> str:

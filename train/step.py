@@ -58,7 +58,7 @@ class Trainer:
     self._check_batch()
     self.tx = optimizer_lib.make(t)
     self.lr_fn = optimizer_lib.schedule(t)
-    self._replicated = NamedSharding(mesh, PartitionSpec())
+    self._replicated = parallel.sharding.replicated(mesh)
 
     with parallel.activate(mesh, self.rules):
       key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # abstract: no eager op, so AOT on any backend works
@@ -79,7 +79,7 @@ class Trainer:
                             "step": self._replicated, "rng": self._replicated}
     self._abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, self.state_shardings)
-    self.batch_sharding = NamedSharding(mesh, model_lib.axes.spec(("batch", "length"), self.rules))
+    self.batch_sharding = parallel.sharding.logical_sharding(mesh, self.rules, ("batch", "length"))
     batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
     metric_shardings = {k: self._replicated for k in METRICS}
     jit = functools.partial(jax.jit, compiler_options=compiler_options)

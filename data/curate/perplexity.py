@@ -20,7 +20,6 @@ from data.curate import text as textlib
 log = logging.getLogger(__name__)
 
 SHARED = "*"  # the model used for languages without their own
-BUCKETS = ("head", "middle", "tail")
 
 
 def reference_groups(entries) -> dict[str, list[str]]:
@@ -121,9 +120,6 @@ class Scorer:
 
   def __init__(self, models: dict[str, str]):
     self.models = models
-
-  def has_model(self, language: str) -> bool:
-    return language in self.models or SHARED in self.models
 
   def perplexities(self, texts: list[str], language: str) -> np.ndarray:
     """float64 [len(texts)]; NaN where the language has no model or the text has no line."""

@@ -131,13 +131,14 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
       else:
         deduped = text
       stripped = deduped.strip("\n")
+      blank = not stripped.strip()
       if identifier is not None:
-        lang, score = identifier.identify(stripped if stripped.strip() else text)
+        lang, score = identifier.identify(text if blank else stripped)
       else:
         lang, score = "und", 0.0
       counter.add("read", lang, len(text), len(text))
-      counter.add("paragraph_dedup", lang, len(text), len(stripped) if stripped.strip() else None)
-      if not stripped.strip():
+      counter.add("paragraph_dedup", lang, len(text), None if blank else len(stripped))
+      if blank:
         continue
       long_enough = len(stripped) >= min_length
       counter.add("min_length", lang, len(stripped), len(stripped) if long_enough else None)
@@ -249,7 +250,7 @@ def write_shard(cfg_dict: dict, shard: int, work: str, output: str, cutoffs: dic
           if reason:
             reasons[reason] = reasons.get(reason, 0) + 1
             continue
-        bucket = ppl.bucket(meta["perplexity"][i], tuple(cutoffs.get(lang, (nan, nan))))
+        bucket = ppl.bucket(meta["perplexity"][i], cutoffs.get(lang, (nan, nan)))
         if perplexity_on:
           counter.add("perplexity", lang, n, n)
         if pii_on:
