@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from model import rope  # noqa: E402
 from parallel import mesh as mesh_lib  # noqa: E402
-from train import cli  # noqa: E402
+import configs  # noqa: E402
 from train import mfu as mfu_lib  # noqa: E402
 from train import step as step_lib  # noqa: E402
 
@@ -130,7 +130,7 @@ def _memory(compiled) -> dict[str, int]:
 
 
 def bench(name: str, overrides: dict, steps: int, peak: float) -> dict:
-  config = cli.load("tiny", **overrides, **{"mesh.data": 1})
+  config = configs.load("tiny", **overrides, **{"mesh.data": 1})
   t = config.train
   mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
   out = {"params": step_lib.model_lib.count_params(config.model), "batch": t.batch_size, "seq_len": t.seq_len}

@@ -6,7 +6,8 @@ import pytest
 from flax import nnx
 
 import model
-from train import cli, hardware
+import configs
+from train import hardware
 from train import compile as aot
 
 # A small Llama-style model whose dimensions divide every mesh below; compile time does not depend on depth.
@@ -45,7 +46,7 @@ def test_abstract_devices_are_one_per_chip(devices):
 
 
 def _compile(devices, **mesh):
-  config = cli.load("tiny", **SMALL, **{"mesh.data": 1, **{f"mesh.{k}": v for k, v in mesh.items()}})
+  config = configs.load("tiny", **SMALL, **{"mesh.data": 1, **{f"mesh.{k}": v for k, v in mesh.items()}})
   trainer, compiled = aot.compile_trainer(config, devices)
   return config, trainer, compiled
 

@@ -9,7 +9,7 @@ from flax import nnx
 import model
 from configs import base
 from model import counting
-from train import cli
+import configs
 
 TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=48)
 
@@ -42,8 +42,8 @@ def test_unknown_model_key_is_rejected():
   cfg["num_head"] = 4
   with pytest.raises(ValueError, match="model.num_head"):
     model.Transformer(cfg, rngs=nnx.Rngs(0))
-  with pytest.raises(cli.ConfigError, match="num_head"):
-    cli.load("tiny", **{"model.num_head": 4})
+  with pytest.raises(configs.ConfigError, match="num_head"):
+    configs.load("tiny", **{"model.num_head": 4})
 
 
 def test_unknown_remat_policy_is_rejected():
@@ -58,11 +58,11 @@ PUBLISHED = {"llama2_7b": 6_738_415_616, "llama2_70b": 68_976_648_192, "llama3_8
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))
 def test_preset_parameter_counts_equal_published(preset):
-  assert model.count_params(cli.load(preset).model)["total"] == PUBLISHED[preset]
+  assert model.count_params(configs.load(preset).model)["total"] == PUBLISHED[preset]
 
 
 def test_scaling_family_sizes():
-  sizes = {p: model.count_params(cli.load(p).model)["total"] for p in ("meshlm_125m", "meshlm_350m", "meshlm_1b")}
+  sizes = {p: model.count_params(configs.load(p).model)["total"] for p in ("meshlm_125m", "meshlm_350m", "meshlm_1b")}
   assert 115e6 < sizes["meshlm_125m"] < 135e6 and 320e6 < sizes["meshlm_350m"] < 380e6
   assert 0.95e9 < sizes["meshlm_1b"] < 1.1e9
 
@@ -105,5 +105,5 @@ def test_flops_per_token(window, global_every):
 
 def test_counting_allocates_nothing():
   before = len(jax.live_arrays())
-  model.count_params(cli.load("llama2_70b").model)
+  model.count_params(configs.load("llama2_70b").model)
   assert len(jax.live_arrays()) == before

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from parallel import mesh as mesh_lib
-from train import cli
+import configs
 from train import step as step_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +42,7 @@ def test_two_processes_match_one_process():
            for i in range(2)]
   try:
     # The single-process reference runs meanwhile, on this process's 8 devices.
-    config = cli.load("tiny", **OVERRIDES)
+    config = configs.load("tiny", **OVERRIDES)
     mesh = mesh_lib.make_mesh(config.mesh)
     assert (mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]) == (2, 2, 2)
     expected = step_lib.run_synthetic(step_lib.Trainer(config, mesh, step_lib.FAST_COMPILE), 3)

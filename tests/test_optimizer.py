@@ -8,13 +8,13 @@ import optax
 import pytest
 import torch
 
-from train import cli
+import configs
 from train import loss as loss_lib
 from train import optimizer as opt_lib
 
 
 def _train_cfg(**kw):
-  t = cli.load("tiny").train
+  t = configs.load("tiny").train
   t.update(lr=1e-3, steps=100, warmup_steps=10, min_lr_ratio=0.1, decay_fraction=0.2)
   t.update(**kw)
   return t

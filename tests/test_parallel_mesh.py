@@ -9,12 +9,12 @@ import parallel
 from parallel import distributed
 from parallel import mesh as mesh_lib
 from parallel import rules as rules_lib
-from train import cli
+import configs
 from train import step as step_lib
 
 
 def _config(data=-1, fsdp=1, tensor=1, sequence=1, **model_overrides):
-  c = cli.load("tiny")
+  c = configs.load("tiny")
   c.model.update(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
                  max_seq_len=32)
   c.model.update(**model_overrides)
@@ -154,7 +154,7 @@ def clean_env(monkeypatch):
 
 
 def test_distributed_plan(clean_env):
-  d = cli.load("tiny").distributed
+  d = configs.load("tiny").distributed
   assert distributed.plan(d) is None  # single process: nothing to start
   d.update(coordinator_address="localhost:1234", num_processes=2, process_id=1)
   assert distributed.plan(d) == {"coordinator_address": "localhost:1234", "num_processes": 2, "process_id": 1,

@@ -8,7 +8,8 @@ import pytest
 
 import model
 from parallel import mesh as mesh_lib
-from train import cli, memory, plan, step
+import configs
+from train import memory, plan, step
 
 # Hoffmann et al. 2022, Table 3 (approach 1): parameters -> (FLOPs, tokens).
 TABLE3 = [(400e6, 1.92e19, 8.0e9), (1e9, 1.21e20, 20.2e9), (10e9, 1.23e22, 205.1e9), (67e9, 5.76e23, 1.5e12),
@@ -84,7 +85,7 @@ def test_cli_modes(capsys):
 def test_config_plan(capsys):
   r = _run(["--config=tiny", "--config.mesh.data=1", "--config.mesh.fsdp=4", "--config.mesh.tensor=2",
             "--chips=8", "--chip=v5e", "--json"], capsys)
-  config = cli.load("tiny")
+  config = configs.load("tiny")
   counts = model.count_params(config.model)
   t = config.train
   tokens = t.steps * t.batch_size * t.seq_len
@@ -97,7 +98,7 @@ def test_config_plan(capsys):
   sizes = r["mesh"]
   hbm = 16 * 2**30
   best = r["per_chip"]["tpu_v5e"]["max_micro_batch"]["none"]
-  cfg = cli.load("tiny", **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2})
+  cfg = configs.load("tiny", **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2})
   need = lambda mb: r["state"]["meshlm"]["total"] + memory.activation_memory(cfg, mb, remat="none",
                                                                              sizes=sizes)["total"]
   assert best % 4 == 0 and need(best) <= hbm < need(best + 4)
@@ -117,7 +118,7 @@ def test_activation_estimate_matches_compiled_step(overrides, remat):
   batch-independent buffers (gradients, the optimizer update: ~1.5x the parameter bytes). With 16 sequences per
   device the activations dominate, so the temporaries are the figure the activation estimate must match.
   """
-  config = cli.load("tiny", **overrides, **{"train.remat": remat, "train.batch_size": 128})
+  config = configs.load("tiny", **overrides, **{"train.remat": remat, "train.batch_size": 128})
   mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices())
   assert mesh.shape["data"] == 8
   compiled = step.Trainer(config, mesh).memory_analysis()["temp_bytes"]

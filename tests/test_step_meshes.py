@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from parallel import mesh as mesh_lib
-from train import cli
+import configs
 from train import step as step_lib
 
 STEPS = 3
@@ -30,7 +30,7 @@ EXPECTED_SPECS = {
 
 
 def _config(shape=(1, 1, 1, 1), **train):
-  c = cli.load("tiny")
+  c = configs.load("tiny")
   # Layer 0 attends in an 8-token window, layer 1 globally; synthetic batches pack 3 documents per row.
   c.model.update(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
                  max_seq_len=32, sliding_window=8, global_every=2)

@@ -3,7 +3,7 @@ import jax
 import pytest
 
 from model import count_params
-from train import cli
+import configs
 from train import hardware
 from train import mfu
 
@@ -22,7 +22,7 @@ def test_cpu_peak_is_unknown_unless_given():
 
 
 def test_flops_per_step_scales_flops_per_token():
-  c = cli.load("tiny")
+  c = configs.load("tiny")
   per_token = mfu.flops_per_token(c.model, c.train.seq_len)
   assert mfu.flops_per_step(c.model, c.train.seq_len, 3) == pytest.approx(per_token * c.train.seq_len * 3)
   # At least the 6 * N matmul term of the non-embedding parameters (DESIGN.md's definition).

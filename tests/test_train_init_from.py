@@ -6,7 +6,7 @@ import pytest
 from model import hf
 from parallel import mesh as mesh_lib
 from train import checkpoint as ckpt_lib
-from train import cli
+import configs
 from train import loop
 from train import step as step_lib
 
@@ -17,7 +17,7 @@ SMALL = {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4, "mode
 
 @pytest.fixture(scope="module")
 def trainer():
-  config = cli.load("tiny", **SMALL)
+  config = configs.load("tiny", **SMALL)
   return step_lib.Trainer(config, mesh_lib.make_mesh(config.mesh))
 
 
@@ -50,7 +50,7 @@ def test_init_from_a_hugging_face_directory(trainer, tmp_path):
   hf.save(trainer.model({"params": params}), str(tmp_path / "hf"))
   _assert_equal_trees(loop._init_from(trainer, str(tmp_path / "hf")), params, trainer.param_shardings)
 
-  wider = step_lib.Trainer(cli.load("tiny", **dict(SMALL, **{"model.d_model": 128})), trainer.mesh)
+  wider = step_lib.Trainer(configs.load("tiny", **dict(SMALL, **{"model.d_model": 128})), trainer.mesh)
   with pytest.raises(loop.TrainingError, match="do not match config.model"):
     loop._init_from(wider, str(tmp_path / "hf"))
   with pytest.raises(loop.TrainingError, match="not a directory"):

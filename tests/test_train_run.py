@@ -21,7 +21,7 @@ import pytest
 from etils import epath
 
 from data import tokenizer as tokenizer_lib
-from train import cli
+import configs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 24
@@ -137,7 +137,7 @@ def reference(env):
   workdir = env["root"] / "reference"
   with _once(env["root"], "reference") as first:
     if first:
-      tokenizer_lib.prepare(cli.load("tiny", **SMALL, **{"data.tokenizer_max_sentences": 3000}), str(env["root"]))
+      tokenizer_lib.prepare(configs.load("tiny", **SMALL, **{"data.tokenizer_max_sentences": 3000}), str(env["root"]))
       shutil.rmtree(workdir, ignore_errors=True)
       proc = _run(env, workdir, *MESH_222)
       assert proc.returncode == 0, proc.stderr[-3000:]

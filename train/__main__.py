@@ -30,7 +30,7 @@ def _default_platform() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
   _default_platform()  # before the first JAX import
-  from train import cli  # pylint: disable=g-import-not-at-top
+  import configs  # pylint: disable=g-import-not-at-top
   from train import loop  # pylint: disable=g-import-not-at-top
 
   parser = argparse.ArgumentParser(
@@ -41,8 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--workdir", default=None,
                       help="run directory: config, metrics, checkpoints, tokenizer (default: runs/<config name>)")
   try:
-    config, args = cli.parse(sys.argv[1:] if argv is None else argv, parser)
-  except cli.ConfigError as e:
+    config, args = configs.parse(sys.argv[1:] if argv is None else argv, parser)
+  except configs.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])

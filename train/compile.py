@@ -21,7 +21,8 @@ from typing import Sequence
 
 import ml_collections
 
-from train import cli, hardware, memory
+import configs
+from train import hardware, memory
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
@@ -322,13 +323,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   """Exit status: 0 fits, 1 does not fit (a suggestion is printed when one was found), 2 bad input."""
   parser = _parser()
   try:
-    config, args = cli.parse(sys.argv[1:] if argv is None else argv, parser)
+    config, args = configs.parse(sys.argv[1:] if argv is None else argv, parser)
     tpu = hardware.tpu_slice(args.topology, args.num_slices)
     if tpu.num_slices > 1 and config.mesh.dcn_data == 1 and config.mesh.dcn_fsdp == 1:
-      cli.apply_override(config, "mesh.dcn_data", str(tpu.num_slices))  # data parallelism across slices
+      configs.apply_override(config, "mesh.dcn_data", str(tpu.num_slices))  # data parallelism across slices
     devices = abstract_devices(tpu)
     report = compile_step(config, tpu, devices)
-  except (cli.ConfigError, ValueError) as e:
+  except (configs.ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if not report["fits"]:

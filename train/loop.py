@@ -121,7 +121,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains `config` in `workdir` (resuming from its latest checkpoint); returns a summary dict.
 
   Args:
-    config: the resolved config (train.cli.parse / train.cli.load).
+    config: the resolved config (configs.parse / configs.load).
     workdir: the run directory; created if needed.
 
   Returns:

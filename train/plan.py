@@ -14,7 +14,8 @@ from typing import Sequence
 
 import ml_collections
 
-from train import cli, hardware, memory
+import configs
+from train import hardware, memory
 
 PF_DAY = 1e15 * 86400  # FLOPs in one petaFLOP/s-day
 
@@ -214,12 +215,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = _parser()
   try:
     if any(a == "--config" or a.startswith("--config.") or a.startswith("--config=") for a in argv):
-      config, args = cli.parse(argv, parser)
+      config, args = configs.parse(argv, parser)
       result = plan_config(config, chip=args.chip, num_devices=args.chips, mfu=args.mfu)
     else:
       args = parser.parse_args(argv)
       result = _plan_sizes(args, parser)
-  except (cli.ConfigError, ValueError) as e:
+  except (configs.ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(json.dumps(result) if args.json else format_table(result))

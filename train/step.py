@@ -287,12 +287,12 @@ def run_synthetic(trainer: Trainer, steps: int, seed: int = 0) -> list[dict[str,
 def main(argv=None) -> int:
   """`python -m train.step`: prints the mesh, parameter counts and compiled memory, then one line per step."""
   from parallel import mesh as mesh_lib
-  from train import cli
+  import configs
   parser = argparse.ArgumentParser(prog="python -m train.step", description=__doc__.split("\n")[0])
   parser.add_argument("--fast_compile", action="store_true", help="XLA options that compile faster, run slower")
   try:
-    config, args = cli.parse(sys.argv[1:] if argv is None else argv, parser)
-  except cli.ConfigError as e:
+    config, args = configs.parse(sys.argv[1:] if argv is None else argv, parser)
+  except configs.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   parallel.distributed.initialize(config.distributed)

@@ -1,4 +1,4 @@
-"""Config files and `--config.SECTION.KEY=VALUE` overrides, shared by every meshlm command.
+"""Config files and `--config.SECTION.KEY=VALUE` overrides, shared by every meshlm command (`configs.load`, `configs.parse`).
 
 `python -m train`, `python -m train.plan` and `python -m train.compile` all take
 `--config=FILE` (a path, or a name under configs/ such as `tiny` or `llama2_7b`) and any number of overrides.
@@ -15,9 +15,8 @@ from typing import Sequence
 
 import ml_collections
 
-import configs
-
 DEFAULT_CONFIG = "tiny"
+_CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 class ConfigError(ValueError):
@@ -28,12 +27,12 @@ def resolve_config_path(name_or_path: str) -> str:
   """`tiny`, `configs/tiny.py` or an absolute path -> an existing file path."""
   candidates = [name_or_path]
   if not name_or_path.endswith(".py"):
-    candidates.append(os.path.join(os.path.dirname(configs.__file__), name_or_path + ".py"))
-  candidates.append(os.path.join(os.path.dirname(configs.__file__), os.path.basename(name_or_path)))
+    candidates.append(os.path.join(_CONFIG_DIR, name_or_path + ".py"))
+  candidates.append(os.path.join(_CONFIG_DIR, os.path.basename(name_or_path)))
   for path in candidates:
     if os.path.isfile(path):
       return os.path.abspath(path)
-  available = sorted(f[:-3] for f in os.listdir(os.path.dirname(configs.__file__))
+  available = sorted(f[:-3] for f in os.listdir(_CONFIG_DIR)
                      if f.endswith(".py") and not f.startswith("_"))
   raise ConfigError(f"config file {name_or_path!r} not found; give a path or one of: {', '.join(available)}")
 
