@@ -5,6 +5,7 @@ command-line program (training, curation, planning, compilation, generation, eva
 """
 from configs.loader import (DEFAULT_CONFIG, ConfigError, add_config_args, apply_override, load,
                             load_config_file, parse, resolve_config_path)
+from configs import validate
 
 __all__ = ["DEFAULT_CONFIG", "ConfigError", "add_config_args", "apply_override", "load", "load_config_file",
-           "parse", "resolve_config_path"]
+           "parse", "resolve_config_path", "validate"]

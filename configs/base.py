@@ -5,39 +5,15 @@ locked), so a typo in an override fails before anything runs.
 """
 import ml_collections
 
+from model import config as model_config
+
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
 
-  m = c.model = ml_collections.ConfigDict()
-  m.vocab_size = 32000  # tokens in the embedding table (tokenizer vocabulary, possibly padded)
-  m.d_model = 4096  # residual stream width
-  m.num_layers = 32  # transformer blocks
-  m.num_heads = 32  # query heads
-  m.num_kv_heads = 32  # key/value heads: == num_heads MHA, 1 MQA, otherwise GQA (must divide num_heads)
-  m.head_dim = 128  # per-head width, independent of d_model / num_heads
-  m.mlp_dim = 11008  # hidden width of the feed-forward block
-  m.mlp_type = "swiglu"  # swiglu | geglu | gelu
-  m.norm_type = "rmsnorm"  # rmsnorm | layernorm (pre-norm in both cases)
-  m.norm_eps = 1e-5  # epsilon inside the normalisation
-  m.use_bias = False  # biases on every projection (off in Llama-style models; on only for comparison)
-  m.rope_theta = 10000.0  # RoPE base frequency
-  m.rope_scaling = "none"  # none | llama3 (Llama-3.1 frequency scaling; parameters below)
-  m.rope_scaling_factor = 8.0  # llama3 scaling: factor
-  m.rope_low_freq_factor = 1.0  # llama3 scaling: low_freq_factor
-  m.rope_high_freq_factor = 4.0  # llama3 scaling: high_freq_factor
-  m.rope_original_max_len = 8192  # llama3 scaling: original_max_position_embeddings
-  m.max_seq_len = 4096  # longest sequence the model is configured for (HF max_position_embeddings)
-  m.sliding_window = 0  # attention window in tokens (a token sees itself and window-1 before it); 0 = full causal; < 0 invalid
-  m.global_every = 0  # with a window: every k-th layer (k-1, 2k-1, ...) attends globally; 0 = all layers windowed
-  m.block_type = "sequential"  # sequential | parallel (GPT-J/PaLM: x + attn(norm x) + mlp(norm x))
-  m.tie_embeddings = False  # share the input embedding with the output projection
-  m.scan_layers = True  # stack layer parameters and lax.scan over them (compile time independent of depth)
-  m.attention_impl = "xla"  # xla (reference) | dot_product (jax.nn.dot_product_attention, cuDNN on GPU) | blockwise
-  m.attention_block_size = 512  # query/key block length of the blockwise (flash-style) attention
-  m.dtype = "float32"  # computation dtype (bfloat16 on accelerators); logits and softmax statistics stay float32
-  m.param_dtype = "float32"  # parameter (master weight) dtype
-  m.init_std = 0.02  # standard deviation of the normal initialiser for weights
+  # The model's keys, defaults and comments live with the model (model/config.py: default_model_config), which
+  # validates them; every other section is defined here.
+  c.model = model_config.default_model_config()
 
   mesh = c.mesh = ml_collections.ConfigDict()
   # Devices per axis inside a slice/host (ICI); -1 = all remaining. ICI x DCN products must equal the device count.
@@ -69,7 +45,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.decay_exclude = ("norm", "bias", "embedding")  # parameter-path substrings without weight decay (unembed decays)
   t.clip_norm = 1.0  # global-norm gradient clipping threshold; 0 disables
   t.z_loss = 1e-4  # coefficient of the z-loss (logsumexp^2)
-  t.remat = "none"  # none | full | save_dots | save_qkv_proj | minimal
+  t.remat = "none"  # none | full | save_dots | minimal | save_qkv_proj | save_attn | save_out_proj | save_qkv_mlp_in
   t.seed = 0  # seed for parameter init and any training randomness
   t.log_every = 10  # steps between metric lines
   t.eval_every = 200  # steps between held-out evaluations; 0 disables
@@ -78,6 +54,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.init_from = ""  # start from weights only: a meshlm run directory / checkpoint, or a Hugging Face directory
   t.debug_nan_steps = ()  # fault injection for tests: steps whose loss mask is NaN (the step must skip and count)
   t.peak_tflops = 0.0  # hardware peak per device for MFU; 0 = look up the device kind (CPU: MFU omitted)
+  t.schedule_steps = 0  # learning-rate schedule horizon in steps; 0 = train.steps (a resumed run keeps its own)
 
   d = c.data = ml_collections.ConfigDict()
   d.sources = "builtin"  # builtin (Python's own docs + stdlib source) or a mixture spec; see data/sources.py

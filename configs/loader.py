@@ -104,8 +104,11 @@ def parse(argv: Sequence[str] | None, parser: argparse.ArgumentParser,
   """Parses `argv` (without the program name): returns (config with overrides applied, other args).
 
   `parser` holds the command's own flags; `--config` is added here. Overrides are `--config.A.B=V` or
-  `--config.A.B V`. Raises ConfigError (the CLIs print it and exit 2).
+  `--config.A.B V`; their dotted keys, in command-line order, are in `args.overrides` (a value given explicitly
+  can then be told from one that came from the config file). Values are range-checked (configs/validate.py).
+  Raises ConfigError (the CLIs print it and exit 2).
   """
+  from configs import validate  # pylint: disable=g-import-not-at-top  (validate imports this module)
   add_config_args(parser, default)
   known, rest = parser.parse_known_args(argv)
   overrides: list[tuple[str, str]] = []
@@ -125,6 +128,8 @@ def parse(argv: Sequence[str] | None, parser: argparse.ArgumentParser,
   config = load_config_file(known.config)
   for key, value in overrides:
     apply_override(config, key, value)
+  validate.check(config)
+  known.overrides = [key for key, _ in overrides]
   return config, known
 
 

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import grain
 import numpy as np
 
+from common.segments import positions_from_segments
 from data import mixture as mixture_lib
 from data import sources as sources_lib
 from data import tokenizer as tokenizer_lib
@@ -102,14 +103,6 @@ class _Row:
         "loss_mask": (seg > 0).astype(np.float32),
         "source_ids": np.where(seg > 0, packed["source_ids"], -1).astype(np.int32),
     }
-
-
-def positions_from_segments(segment_ids_L: np.ndarray) -> np.ndarray:
-  """[L] segment ids -> [L] int32 positions: 0, 1, ... from the start of each run of equal ids (0 on padding)."""
-  idx = np.arange(len(segment_ids_L))
-  starts = np.concatenate([[True], segment_ids_L[1:] != segment_ids_L[:-1]])
-  pos = idx - np.maximum.accumulate(np.where(starts, idx, 0))
-  return np.where(segment_ids_L > 0, pos, 0).astype(np.int32)
 
 
 class _Rows(grain.IterDataset):

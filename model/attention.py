@@ -13,10 +13,12 @@ They return the context o_BTHK in q's dtype; scores and softmax statistics are f
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 
+_log = logging.getLogger(__name__)
 _NEG = -1e30  # finite "minus infinity": masked scores never produce NaN through (x - max)
 
 
@@ -54,10 +56,27 @@ def dot_product_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0):
   call = functools.partial(jax.nn.dot_product_attention, q_BTHK, k_BSGK, v_BSGK, mask=mask_B1TS)
   if jax.default_backend() == "gpu" and q_BTHK.dtype in (jnp.bfloat16, jnp.float16):
     try:
-      return call(implementation="cudnn")
-    except Exception:  # cuDNN refuses this shape/mask: the XLA path computes the same function
-      pass
+      out = call(implementation="cudnn")
+    except (ValueError, NotImplementedError, RuntimeError) as e:  # cuDNN refuses this shape, mask or version
+      _report_once(f"attention_impl=dot_product: cuDNN refused q {q_BTHK.shape} {q_BTHK.dtype} ({e}); "
+                   "running the XLA implementation (same function, more memory)", logging.WARNING)
+    else:
+      _report_once(f"attention_impl=dot_product: cuDNN flash attention for q {q_BTHK.shape} {q_BTHK.dtype}")
+      return out
+  else:
+    _report_once(f"attention_impl=dot_product: the XLA implementation on {jax.default_backend()} "
+                 f"({q_BTHK.dtype}; cuDNN needs a GPU and half precision)")
   return call(implementation="xla")
+
+
+_REPORTED: set[str] = set()
+
+
+def _report_once(message: str, level: int = logging.INFO) -> None:
+  """Logs which attention path runs, once per distinct message (the function is traced once per shape)."""
+  if message not in _REPORTED:
+    _REPORTED.add(message)
+    _log.log(level, message)
 
 
 def _pad_to(x, length, axis, value=0):

@@ -23,12 +23,42 @@ _POSITIVE_FLOATS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_f
 
 
 def default_model_config() -> ml_collections.ConfigDict:
-  from configs import base  # local: configs is a sibling package that only builds ConfigDicts
-  return base.get_config().model
+  """Every model key with its default (a Llama-2-7B-shaped model); `configs/base.py` takes its `model` section
+  from here, so this is the one place model keys and their defaults are defined."""
+  c = ml_collections.ConfigDict()
+  c.vocab_size = 32000  # tokens in the embedding table (tokenizer vocabulary, possibly padded)
+  c.d_model = 4096  # residual stream width
+  c.num_layers = 32  # transformer blocks
+  c.num_heads = 32  # query heads
+  c.num_kv_heads = 32  # key/value heads: == num_heads MHA, 1 MQA, otherwise GQA (must divide num_heads)
+  c.head_dim = 128  # per-head width, independent of d_model / num_heads
+  c.mlp_dim = 11008  # hidden width of the feed-forward block
+  c.mlp_type = "swiglu"  # swiglu | geglu | gelu
+  c.norm_type = "rmsnorm"  # rmsnorm | layernorm (pre-norm in both cases)
+  c.norm_eps = 1e-5  # epsilon inside the normalisation
+  c.use_bias = False  # biases on every projection (off in Llama-style models; on only for comparison)
+  c.rope_theta = 10000.0  # RoPE base frequency
+  c.rope_scaling = "none"  # none | llama3 (Llama-3.1 frequency scaling; parameters below)
+  c.rope_scaling_factor = 8.0  # llama3 scaling: factor
+  c.rope_low_freq_factor = 1.0  # llama3 scaling: low_freq_factor
+  c.rope_high_freq_factor = 4.0  # llama3 scaling: high_freq_factor
+  c.rope_original_max_len = 8192  # llama3 scaling: original_max_position_embeddings
+  c.max_seq_len = 4096  # longest sequence the model is configured for (HF max_position_embeddings)
+  c.sliding_window = 0  # attention window in tokens (a token sees itself and window-1 before it); 0 = full causal; < 0 invalid
+  c.global_every = 0  # with a window: every k-th layer (k-1, 2k-1, ...) attends globally; 0 = all layers windowed
+  c.block_type = "sequential"  # sequential | parallel (GPT-J/PaLM: x + attn(norm x) + mlp(norm x))
+  c.tie_embeddings = False  # share the input embedding with the output projection
+  c.scan_layers = True  # stack layer parameters and lax.scan over them (compile time independent of depth)
+  c.attention_impl = "xla"  # xla (reference) | dot_product (jax.nn.dot_product_attention, cuDNN on GPU) | blockwise
+  c.attention_block_size = 512  # query/key block length of the blockwise (flash-style) attention
+  c.dtype = "float32"  # computation dtype (bfloat16 on accelerators); logits and softmax statistics stay float32
+  c.param_dtype = "float32"  # parameter (master weight) dtype
+  c.init_std = 0.02  # standard deviation of the normal initialiser for weights
+  return c
 
 
 def validate(cfg: Mapping[str, Any]) -> ml_collections.ConfigDict:
-  """Checks a model config (ConfigDict or dict with the keys of `configs/base.py`); returns it as a ConfigDict.
+  """Checks a model config (ConfigDict or dict with the keys of `default_model_config`); returns it as a ConfigDict.
 
   Raises ValueError naming the offending key (`model.<key>`) and how to fix it.
   """
@@ -37,11 +67,11 @@ def validate(cfg: Mapping[str, Any]) -> ml_collections.ConfigDict:
   unknown = sorted(keys - set(defaults.keys()))
   if unknown:
     raise ValueError(f"unknown model config key(s) {', '.join('model.' + k for k in unknown)}; "
-                     f"known keys are listed in configs/base.py")
+                     f"known keys are listed in model/config.py (default_model_config)")
   missing = sorted(set(defaults.keys()) - keys)
   if missing:
     raise ValueError(f"model config lacks key(s) {', '.join('model.' + k for k in missing)}; "
-                     "start from configs/base.py get_config().model")
+                     "start from model.config.default_model_config() (or configs/base.py get_config().model)")
   c = ml_collections.ConfigDict(dict(cfg))
   for k in _POSITIVE_INTS:
     if not isinstance(c[k], int) or isinstance(c[k], bool) or c[k] < 1:

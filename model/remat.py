@@ -6,7 +6,7 @@ wrapping at all (everything kept); `full` keeps only the layer inputs.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -21,18 +21,38 @@ MLP_HIDDEN = "mlp_hidden"  # activation(gate) * up       [B, L, F]
 MLP_OUT = "mlp_out"  # after the down projection         [B, L, D]
 NAMES = (QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTN_CONTEXT, ATTN_OUT, MLP_IN, MLP_HIDDEN, MLP_OUT)
 
+# What one layer can keep for its backward pass, in groups (train/memory.py sizes each group per token):
+#   input      the layer input (the scan carry)             norms      normalisation intermediates and outputs
+#   qkv        q, k, v after projection and RoPE            context    attention output before its projection
+#   scores     the [H, S] attention scores per query        attn_out   the attention block's output projection
+#   mlp_in     gate and up projections                      mlp_other  the activation's intermediates, gate * up
+#   mlp_out    the MLP's down projection
+GROUPS = ("input", "norms", "qkv", "context", "scores", "attn_out", "mlp_in", "mlp_other", "mlp_out")
+
+
+class Policy(NamedTuple):
+  """A remat policy: `checkpoint` for `jax.checkpoint` (None = no checkpoint wrapping, everything kept) and the
+  GROUPS it keeps (everything else is recomputed in the backward pass)."""
+  checkpoint: Callable | None
+  keeps: tuple[str, ...]
+
+
 _cp = jax.checkpoint_policies
 
-# name -> checkpoint policy; None = no checkpointing (keep everything).
-POLICIES: dict[str, Callable | None] = {
-    "none": None,
-    "full": _cp.nothing_saveable,
-    "save_dots": _cp.dots_saveable,  # every matmul output, attention scores included
-    "minimal": _cp.dots_with_no_batch_dims_saveable,  # projection matmuls only, attention recomputed
-    "save_qkv_proj": _cp.save_only_these_names(QUERY_PROJ, KEY_PROJ, VALUE_PROJ),
-    "save_attn": _cp.save_only_these_names(QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTN_CONTEXT),
-    "save_out_proj": _cp.save_only_these_names(ATTN_OUT, MLP_OUT),
-    "save_qkv_mlp_in": _cp.save_only_these_names(QUERY_PROJ, KEY_PROJ, VALUE_PROJ, MLP_IN),
+# The one table of remat policies: name -> what jax is told and what the layer therefore keeps.
+POLICIES: dict[str, Policy] = {
+    "none": Policy(None, ("input", "norms", "qkv", "context", "scores", "mlp_in", "mlp_other")),
+    "full": Policy(_cp.nothing_saveable, ("input",)),
+    # every matmul output, attention scores included
+    "save_dots": Policy(_cp.dots_saveable, ("input", "qkv", "scores", "context", "attn_out", "mlp_in", "mlp_out")),
+    # projection matmuls only, attention recomputed
+    "minimal": Policy(_cp.dots_with_no_batch_dims_saveable, ("input", "qkv", "attn_out", "mlp_in", "mlp_out")),
+    "save_qkv_proj": Policy(_cp.save_only_these_names(QUERY_PROJ, KEY_PROJ, VALUE_PROJ), ("input", "qkv")),
+    "save_attn": Policy(_cp.save_only_these_names(QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTN_CONTEXT),
+                        ("input", "qkv", "context")),
+    "save_out_proj": Policy(_cp.save_only_these_names(ATTN_OUT, MLP_OUT), ("input", "attn_out", "mlp_out")),
+    "save_qkv_mlp_in": Policy(_cp.save_only_these_names(QUERY_PROJ, KEY_PROJ, VALUE_PROJ, MLP_IN),
+                              ("input", "qkv", "mlp_in")),
 }
 
 
@@ -44,7 +64,7 @@ def tag(x: jax.Array, name: str) -> jax.Array:
 def wrap(fn: Callable, policy_name: str, *, prevent_cse: bool = True) -> Callable:
   """`fn` wrapped in `jax.checkpoint` with the named policy (`fn` itself for `none`); the name was validated
   with the model config."""
-  policy = POLICIES[policy_name]
+  policy = POLICIES[policy_name].checkpoint
   if policy is None:
     return fn
   return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)

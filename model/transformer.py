@@ -8,21 +8,13 @@ import ml_collections
 import jax.numpy as jnp
 from flax import nnx
 
+from common.segments import positions_from_segments
 from model import axes
 from model import config as config_lib
 from model import layers
 from model import remat as remat_lib
 from model import rope
 from model.axes import BATCH, EMBED, LAYERS, LENGTH, VOCAB
-
-
-def positions_from_segments(segment_ids_BL: jax.Array) -> jax.Array:
-  """int32 [B, L]: index of each token inside its (contiguous) segment, restarting at 0 per document."""
-  B, L = segment_ids_BL.shape
-  idx_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-  starts_BL = jnp.concatenate(
-      [jnp.ones((B, 1), bool), segment_ids_BL[:, 1:] != segment_ids_BL[:, :-1]], axis=1)
-  return idx_BL - jax.lax.cummax(jnp.where(starts_BL, idx_BL, 0), axis=1)
 
 
 class Transformer(nnx.Module):

@@ -7,6 +7,7 @@ slice/host, where the network is fast; data (and optionally fsdp) spans slices. 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -125,9 +126,12 @@ def make_mesh(mesh_cfg, devices: Sequence[Any] | None = None) -> jax.sharding.Me
           allow_split_physical_axes=True)
     else:
       placed = mesh_utils.create_device_mesh(ici_placed, devices, allow_split_physical_axes=True)
-  except (AssertionError, NotImplementedError, ValueError):
+  except (AssertionError, NotImplementedError, ValueError) as e:
     # No topology-aware layout for these devices (e.g. an AOT topology exposing two cores per TPU v4 chip):
     # fall back to device-id order, granules outermost; correct, possibly slower collectives.
+    warnings.warn(f"mesh {_describe(ici)}: no topology-aware device layout for {len(devices)} "
+                  f"{devices[0].platform} devices ({type(e).__name__}: {e}); placing devices in id order, which is "
+                  "correct but may make collectives slower", RuntimeWarning, stacklevel=2)
     placed = _ordered_mesh(devices, attr, ici_placed, dcn_placed)
   device_array = np.transpose(placed, np.argsort(order))  # placement order -> AXES order
   return jax.sharding.Mesh(device_array, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))

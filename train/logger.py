@@ -21,17 +21,25 @@ TENSORBOARD_DIR = "tensorboard"
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-  """All records of WORKDIR/metrics.jsonl in file order (a torn last line, from a kill mid-write, is skipped)."""
+  """All records of WORKDIR/metrics.jsonl in file order.
+
+  Only a torn last line (no newline: the process was killed mid-write) is skipped; any other malformed line
+  raises ValueError naming the file and line, since skipping it would silently drop logged steps.
+  """
   path = os.path.join(workdir, METRICS_FILE)
   records = []
   if not os.path.exists(path):
     return records
   with open(path) as f:
-    for line in f:
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
+    lines = f.readlines()
+  for number, line in enumerate(lines, 1):
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if number == len(lines) and not line.endswith("\n"):
+        break
+      raise ValueError(f"{path}:{number}: malformed metrics line ({e}): {line[:80]!r}; fix or delete the line "
+                       "(only a torn last line, from a kill mid-write, is skipped)") from None
   return records
 
 

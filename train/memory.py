@@ -10,6 +10,8 @@ import math
 
 import ml_collections
 
+from model import remat
+
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # Bytes per parameter of (weights, gradients, optimizer state) for AdamW, before any sharding.
@@ -101,17 +103,8 @@ def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int) -> dict
   }
 
 
-# Which groups each remat policy (model/remat.py) keeps; everything else is recomputed in the backward pass.
-SAVED_BY_POLICY = {
-    "none": ("input", "norms", "qkv", "context", "scores", "mlp_in", "mlp_other"),
-    "full": ("input",),
-    "save_dots": ("input", "qkv", "scores", "context", "attn_out", "mlp_in", "mlp_out"),
-    "minimal": ("input", "qkv", "attn_out", "mlp_in", "mlp_out"),
-    "save_qkv_proj": ("input", "qkv"),
-    "save_attn": ("input", "qkv", "context"),
-    "save_out_proj": ("input", "attn_out", "mlp_out"),
-    "save_qkv_mlp_in": ("input", "qkv", "mlp_in"),
-}
+# Which groups each remat policy keeps: a view of model/remat.py's one policy table.
+SAVED_BY_POLICY = {name: policy.keeps for name, policy in remat.POLICIES.items()}
 
 
 _ATTENTION = ("norms", "qkv", "context", "scores", "attn_out")  # live while attention is differentiated

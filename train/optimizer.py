@@ -17,21 +17,27 @@ import optax
 SCHEDULES = ("cosine", "wsd", "constant")
 
 
+def horizon(train_cfg) -> int:
+  """The step count the schedule spans: train.schedule_steps, or train.steps when that is 0."""
+  return int(train_cfg.get("schedule_steps", 0) or train_cfg.steps)
+
+
 def schedule(train_cfg) -> Callable[[jax.Array], jax.Array]:
   """Learning rate as a function of the 0-based step (float32), from config.train.
 
-  With peak = lr, W = warmup_steps, T = steps, m = min_lr_ratio and warm(t) = min(1, (t + 1) / W):
+  With peak = lr, W = warmup_steps, T = schedule_steps or else steps (the horizon), m = min_lr_ratio and
+  warm(t) = min(1, (t + 1) / W):
     cosine:   peak * warm(t) for t < W, then peak * (m + (1 - m) * (1 + cos(pi * p)) / 2),
               p = (t - W) / (T - W) clipped to [0, 1];
     wsd:      peak * warm(t) until D = T - round(decay_fraction * T), then linear from peak to m * peak at T;
     constant: peak * warm(t).
   """
-  peak, warmup, total = float(train_cfg.lr), int(train_cfg.warmup_steps), int(train_cfg.steps)
+  peak, warmup, total = float(train_cfg.lr), int(train_cfg.warmup_steps), horizon(train_cfg)
   kind, floor = train_cfg.schedule, float(train_cfg.min_lr_ratio)
   if kind not in SCHEDULES:
     raise ValueError(f"config.train.schedule={kind!r} is not one of {', '.join(SCHEDULES)}")
   if warmup < 0 or total < 1:
-    raise ValueError(f"config.train.warmup_steps={warmup} must be >= 0 and config.train.steps={total} >= 1")
+    raise ValueError(f"config.train.warmup_steps={warmup} must be >= 0 and the schedule horizon {total} >= 1")
   decay_start = total - int(round(float(train_cfg.decay_fraction) * total))
   if kind == "wsd" and not 0 <= train_cfg.decay_fraction <= 1:
     raise ValueError(f"config.train.decay_fraction={train_cfg.decay_fraction} must lie in [0, 1]")

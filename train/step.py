@@ -25,6 +25,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from common.segments import positions_from_segments
 import model as model_lib
 import parallel
 from parallel import rules as rules_lib
@@ -248,7 +249,7 @@ def synthetic_batch(config, seed: int, rows: int | None = None, packed: bool = T
       segment_ids[r, cuts[0]:cuts[1]] = 2
       segment_ids[r, cuts[1]:] = 3
       segment_ids[r, end:] = 0
-  positions = np.asarray(model_lib.transformer.positions_from_segments(jnp.asarray(segment_ids)))
+  positions = positions_from_segments(segment_ids)
   same_doc_next = np.concatenate([segment_ids[:, 1:] == segment_ids[:, :-1], np.zeros((rows, 1), bool)], axis=1)
   loss_mask = ((segment_ids > 0) & same_doc_next).astype(np.float32)
   return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segment_ids,

@@ -1,0 +1,126 @@
+"""Range checks of every numeric training-config key, in one place (`configs.parse` runs them; so does training).
+
+Types are checked when overrides are applied (configs/loader.py); this module checks values: a key outside its
+range raises ConfigError naming the key, its value and the allowed range, before anything runs (the CLIs exit 2).
+`model.*` keys are checked by the model's own validation (model/config.py), called from here. Keys absent from a
+config (the curation config has no `train` section) are skipped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import ml_collections
+
+from configs.loader import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+  """lo <= x <= hi (strict where `*_open`); `special` lists extra allowed values with their meaning."""
+  lo: float = -math.inf
+  hi: float = math.inf
+  lo_open: bool = False
+  hi_open: bool = False
+  special: tuple[tuple[Any, str], ...] = ()
+
+  def admits(self, x) -> bool:
+    if any(x == v for v, _ in self.special):
+      return True
+    above = x > self.lo if self.lo_open else x >= self.lo
+    below = x < self.hi if self.hi_open else x <= self.hi
+    return math.isfinite(x) and above and below
+
+  def describe(self) -> str:
+    if self.hi == math.inf:
+      text = f"{'>' if self.lo_open else '>='} {self.lo:g}"
+    else:
+      text = f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+    return text + "".join(f", or {v} ({why})" for v, why in self.special)
+
+
+_POSITIVE = Range(lo=0, lo_open=True)
+_AT_LEAST_1 = Range(lo=1)
+_AT_LEAST_0 = Range(lo=0)
+_FRACTION = Range(lo=0, hi=1)
+_MESH = Range(lo=1, special=((-1, "all remaining devices"),))
+_DCN = Range(lo=1, special=((-1, "all remaining slices/hosts"),))
+
+# Every numeric key outside `model` (tuples: the range of each element).
+RANGES: dict[str, Range] = {
+    **{f"mesh.{a}": _MESH for a in ("data", "fsdp", "tensor", "sequence", "expert", "stage")},
+    "mesh.dcn_data": _DCN,
+    "mesh.dcn_fsdp": _DCN,
+    "train.steps": _AT_LEAST_1,
+    "train.batch_size": _AT_LEAST_1,
+    "train.seq_len": Range(lo=2),  # inputs and targets are the sequence shifted by one
+    "train.grad_accum": _AT_LEAST_1,
+    "train.lr": _POSITIVE,
+    "train.min_lr_ratio": _FRACTION,
+    "train.warmup_steps": _AT_LEAST_0,
+    "train.decay_fraction": _FRACTION,
+    "train.b1": Range(lo=0, hi=1, hi_open=True),
+    "train.b2": Range(lo=0, hi=1, hi_open=True),
+    "train.eps": _POSITIVE,
+    "train.weight_decay": _AT_LEAST_0,
+    "train.clip_norm": Range(lo=0, lo_open=True, special=((0, "no clipping"),)),
+    "train.z_loss": _AT_LEAST_0,
+    "train.seed": _AT_LEAST_0,
+    "train.log_every": _AT_LEAST_1,
+    "train.eval_every": Range(lo=1, special=((0, "no evaluation"),)),
+    "train.eval_steps": _AT_LEAST_1,
+    "train.max_nonfinite": _AT_LEAST_1,
+    "train.debug_nan_steps": _AT_LEAST_1,
+    "train.peak_tflops": Range(lo=0, lo_open=True, special=((0, "look the device up"),)),
+    "train.schedule_steps": Range(lo=1, special=((0, "train.steps"),)),
+    "data.weights": _POSITIVE,
+    "data.tokenizer_vocab_size": Range(lo=1, special=((0, "model.vocab_size"),)),
+    "data.tokenizer_character_coverage": Range(lo=0, hi=1, lo_open=True),
+    "data.tokenizer_max_sentences": _AT_LEAST_1,
+    "data.packing_bins": _AT_LEAST_1,
+    "data.shuffle_seed": _AT_LEAST_0,
+    "data.eval_fraction": Range(lo=0, hi=1, hi_open=True),
+    "data.worker_count": _AT_LEAST_0,
+    "data.prefetch": _AT_LEAST_0,
+    "checkpoint.every": Range(lo=1, special=((0, "only at the end"),)),
+    "checkpoint.keep": _AT_LEAST_1,
+    "checkpoint.keep_period": Range(lo=1, special=((0, "off"),)),
+    "distributed.num_processes": Range(lo=1, special=((0, "from the environment"),)),
+    "distributed.process_id": Range(lo=0, special=((-1, "from the environment"),)),
+    "distributed.local_device_ids": _AT_LEAST_0,
+    "distributed.timeout_s": _AT_LEAST_1,
+}
+
+
+def _get(config: ml_collections.ConfigDict, dotted: str):
+  node = config
+  for part in dotted.split("."):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      return None
+    node = node[part]
+  return node
+
+
+def check(config: ml_collections.ConfigDict) -> list[str]:
+  """Raises ConfigError for the first out-of-range value; returns warnings (legal but suspicious settings)."""
+  for key, allowed in RANGES.items():
+    value = _get(config, key)
+    if value is None:
+      continue
+    for x in (value if isinstance(value, tuple) else (value,)):
+      if isinstance(x, bool) or not isinstance(x, (int, float)) or not allowed.admits(x):
+        what = f"{key}={value!r}" + (f" (element {x!r})" if isinstance(value, tuple) else "")
+        raise ConfigError(f"{what} is out of range: it must be {allowed.describe()}")
+  if "model" in config:
+    from model import config as model_config  # pylint: disable=g-import-not-at-top
+    try:
+      model_config.validate(config.model)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+  warnings = []
+  t = config.get("train")
+  if t is not None and "warmup_steps" in t and t.warmup_steps > t.steps:
+    warnings.append(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}: the learning rate never "
+                    f"reaches train.lr={t.lr:g} (it ends at {t.lr * t.steps / t.warmup_steps:.3g})")
+  return warnings
