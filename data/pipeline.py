@@ -50,8 +50,12 @@ def mixture_dataset(specs, srcs, split: str, eval_fraction: float, seed: int) ->
     weights.append(spec.weight)
     ids.append(sid)
   if not docs:
-    raise ValueError(f"no documents in the {split!r} split; "
-                     + ("set config.data.eval_fraction > 0" if split == "eval" else "add documents"))
+    if split == "train":
+      raise ValueError("no documents in the 'train' split; add documents")
+    why = ("config.data.eval_fraction=0 holds none out" if eval_fraction == 0 else
+           "no source has the 2 or more documents needed to hold one out")
+    raise ValueError(f"no documents in the 'eval' split: {why}; set config.train.eval_every=0 (no evaluation)"
+                     + (", or add documents" if eval_fraction else ", or config.data.eval_fraction > 0"))
   return grain.MapDataset.source(mixture_lib.MixtureDocs(docs, indices, weights, seed, ids))
 
 

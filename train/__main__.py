@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
   try:
-    loop.run(config, workdir)  # checks the workdir before any device work
+    loop.run(config, workdir, args.overrides)  # checks the workdir before any device work
   except (loop.SetupError, loop.WorkdirError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

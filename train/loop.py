@@ -1,14 +1,16 @@
 """The training run behind `python -m train`: set-up, resume, the step loop, evaluation, checkpoints, faults.
 
-Order of work: workdir check -> distributed start-up -> config.json -> mesh -> tokenizer -> Trainer -> restore
-the latest checkpoint (or init, or `train.init_from`) -> steps. Everything that affects a step lives in the
+Order of work: range checks -> workdir check -> distributed start-up -> the config settled against the run
+directory's checkpoint and `train.init_from` (read only) -> mesh and Trainer -> tokenizer -> data sources -> init
+(or `train.init_from`) -> config.json and checkpoints/ -> restore the latest checkpoint -> steps. A start that
+fails any check exits 2 having written no config.json and no checkpoints/. Everything that affects a step lives in the
 checkpoint (state with step/RNG/optimizer, data-iterator position, non-finite counter), so a resumed run
 continues bit-identically. Metrics are fetched from the device one step late (and in full only every
 `log_every` steps) so the host never waits on the step it has just dispatched.
 """
 from __future__ import annotations
 
-import contextlib
+import copy
 import errno
 import json
 import math
@@ -16,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import ml_collections
@@ -117,24 +119,59 @@ def _config_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return json.loads(config.to_json_best_effort())
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def run(config: ml_collections.ConfigDict, workdir: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
   """Trains `config` in `workdir` (resuming from its latest checkpoint); returns a summary dict.
 
   Args:
-    config: the resolved config (configs.parse / configs.load).
-    workdir: the run directory; created if needed.
+    config: the resolved config (configs.parse / configs.load); not modified.
+    workdir: the run directory; created if needed. Nothing in it is written until every check has passed.
+    overrides: the dotted keys given explicitly on the command line (configs.parse's `args.overrides`): with
+      `train.init_from`, only those may disagree with the checkpoint's model config (and only where harmless).
 
   Returns:
     {"step": last step run, "loss": its training loss, "eval_loss": last eval loss or None, "stopped": what
-    stopped the run early (signal name) or None}. Raises TrainingError (non-finite halt, full disk, bad
-    init_from) and WorkdirError.
+    stopped the run early (signal name) or None}. Raises SetupError (bad config, or one that does not match
+    the run directory's checkpoint or init_from), TrainingError (non-finite halt, full disk) and WorkdirError.
   """
+  import configs  # pylint: disable=g-import-not-at-top
+  config = copy.deepcopy(config)  # the run's own copy: resume and init_from may settle some keys
+  try:
+    warnings = configs.validate.check(config)
+  except configs.ConfigError as e:
+    raise SetupError(str(e)) from None
   check_workdir(workdir)
+  for warning in warnings:
+    print(f"warning: {warning}", file=sys.stderr, flush=True)
   with _StopSignal() as stop:  # installed first: a SIGTERM during start-up stops after the first step
-    return _run(config, os.path.abspath(workdir), stop)
+    return _run(config, os.path.abspath(workdir), stop, overrides)
 
 
-def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> dict[str, Any]:
+def _reconcile(config: ml_collections.ConfigDict, checkpoint_dir: str, overrides: Sequence[str]) -> int | None:
+  """Settles `config` (in place) against the run directory's latest checkpoint and train.init_from, reading
+  only; returns the step to resume from (None: a fresh run). Raises SetupError naming the keys."""
+  import configs  # pylint: disable=g-import-not-at-top
+  from train import runconfig  # pylint: disable=g-import-not-at-top
+  try:
+    saved = runconfig.saved_run_config(checkpoint_dir)
+    if config.train.init_from:  # resuming, the run's own checkpoint says what init_from gave it
+      source, where = ((saved[1]["model"], f"{checkpoint_dir}/{saved[0]}") if saved and "model" in saved[1]
+                       else runconfig.source_model(config))
+      for note in runconfig.model_from(config, source, where, overrides):
+        _print0(f"from {where}: {note}")
+    if saved is None:
+      return None
+    step, saved_config = saved
+    runconfig.check_resume(config, saved_config, f"{checkpoint_dir}/{step}")
+    warning = runconfig.keep_schedule(config, saved_config)
+    if warning and jax.process_index() == 0:
+      print(f"warning: {warning}", file=sys.stderr, flush=True)
+    return step
+  except (configs.ConfigError, ckpt_lib.CheckpointError) as e:
+    raise SetupError(str(e)) from None
+
+
+def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
+         overrides: Sequence[str] = ()) -> dict[str, Any]:
   """`run` once the workdir is known to be writable and the signal handlers are in place."""
   # The model and data stacks load here, not at import: `python -m train` checks its arguments first.
   import parallel  # pylint: disable=g-import-not-at-top
@@ -147,22 +184,17 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
   parallel.distributed.initialize(config.distributed)
   primary = jax.process_index() == 0
   tc, ck = config.train, config.checkpoint
+  # Every check reads only; config.json and checkpoints/ are written once they have all passed.
+  checkpoint_dir = os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)
+  latest = _reconcile(config, checkpoint_dir, overrides)
   config_dict = _config_dict(config)
-  if primary:
-    print(config, flush=True)
-    _write_json(os.path.join(workdir, "config.json"), config_dict)
-
   try:
     mesh = mesh_lib.make_mesh(config.mesh)
     trainer = step_lib.Trainer(config, mesh)  # validates the model, mesh and batch settings before any work
   except ValueError as e:  # MeshError and config checks: the message names the key
     raise SetupError(str(e)) from None
-  _print0(f"mesh {mesh_lib.describe(mesh)} on {jax.device_count()} {jax.devices()[0].platform} device(s), "
-          f"{jax.process_count()} process(es); workdir {workdir}")
-  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR), ck)
-  latest = checkpointer.latest_step()
   if latest is not None and primary:
-    _restore_tokenizer_file(checkpointer, latest, workdir)
+    _restore_tokenizer_file(checkpoint_dir, latest, workdir)
   try:
     tokenizer_path = tokenizer_lib.prepare(config, workdir)  # checks its vocabulary against config.model
     tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_path)
@@ -173,8 +205,24 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
     return pipeline_lib.make_dataset(config, tokenizer, split=split, process_index=jax.process_index(),
                                      process_count=jax.process_count())
 
-  train_iter = iter(make_dataset("train"))
-  eval_ds = None  # built at the first evaluation; each evaluation iterates it afresh (the same batches)
+  try:  # opening the sources checks them (empty sources, weights, an empty eval split) before any step
+    train_iter = iter(make_dataset("train"))
+    # Each evaluation iterates this afresh (the same batches); opening sources indexes files once per run.
+    eval_ds = make_dataset("eval") if tc.eval_every > 0 else None
+  except (ValueError, FileNotFoundError) as e:
+    raise SetupError(str(e)) from None
+  if latest is None:
+    state = trainer.init(tc.seed)
+    if tc.init_from:
+      state = dict(state, params=_init_from(trainer, tc.init_from))
+  if primary:
+    print(config, flush=True)
+    _write_json(os.path.join(workdir, "config.json"), config_dict)
+  _print0(f"mesh {mesh_lib.describe(mesh)} on {jax.device_count()} {jax.devices()[0].platform} device(s), "
+          f"{jax.process_count()} process(es); workdir {workdir}")
+  if latest is None and tc.init_from:
+    _print0(f"initialised the parameters from {tc.init_from}")
+  checkpointer = ckpt_lib.Checkpointer(checkpoint_dir, ck)
   nonfinite_run = 0  # consecutive non-finite steps so far (checkpointed, so the halt rule survives restarts)
   if latest is not None:
     try:
@@ -183,11 +231,6 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
       raise TrainingError(f"cannot resume from {checkpointer.directory}/{latest}: {e}") from None
     nonfinite_run = int(meta.get("nonfinite_run", 0))
     _print0(f"resumed from {checkpointer.directory}/{latest}")
-  else:
-    state = trainer.init(tc.seed)
-    if tc.init_from:
-      state = dict(state, params=_init_from(trainer, tc.init_from))
-      _print0(f"initialised the parameters from {tc.init_from}")
   start = latest or 0
 
   tokenizer_entry = ckpt_lib.encode_file(tokenizer_path)
@@ -203,9 +246,6 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
     checkpointer.save(step, state, train_iter, meta)
 
   def evaluate() -> dict[str, float]:
-    nonlocal eval_ds
-    if eval_ds is None:  # opening sources indexes files / walks the stdlib: once per run, not per evaluation
-      eval_ds = make_dataset("eval")
     eval_iter = iter(eval_ds)
     loss_sum = tokens = 0.0
     # Dispatch every batch before fetching, so the host prepares batch i+1 while the device computes batch i.
@@ -220,6 +260,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
 
   summary = {"step": start, "loss": None, "eval_loss": None, "stopped": None}
   step = start
+  finished = False
   try:
     if start == 0 and tc.eval_every > 0:  # the starting point of the eval curve
       summary["eval_loss"] = _log_eval(log, 0, evaluate())
@@ -271,13 +312,13 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
                     f"{checkpointer.directory}/{step}. Run the same command to resume.")
         break
     checkpointer.wait()
+    finished = True
   except ckpt_lib.CheckpointError as e:
     raise TrainingError(str(e)) from None
   finally:
     log.close()
     _close(train_iter)
-    with contextlib.suppress(Exception):
-      checkpointer.close()
+    _close_checkpointer(checkpointer, raise_errors=finished)
   if summary["stopped"] is None:
     figures = "".join(f", {k.replace('_', ' ')} {summary[k]:.4f}" for k in ("loss", "eval_loss")
                       if summary[k] is not None)
@@ -316,22 +357,38 @@ def _count_nonfinite(step: int, metrics: dict[str, Any], run: int, limit: int, c
   return run
 
 
-def _restore_tokenizer_file(checkpointer: ckpt_lib.Checkpointer, step: int, workdir: str) -> None:
+def _close_checkpointer(checkpointer: ckpt_lib.Checkpointer, raise_errors: bool) -> None:
+  """Closes the checkpointer (waiting for the last save). Its errors fail the run (TrainingError) when the run
+  had finished; while another error is propagating they are reported on stderr, not swallowed or masking it."""
+  try:
+    checkpointer.close()
+  except Exception as e:  # pylint: disable=broad-except
+    message = f"closing the checkpoints in {checkpointer.directory} failed: {type(e).__name__}: {e}"
+    if raise_errors:
+      raise TrainingError(message + "; the last checkpoint may be incomplete (run the same command to resume "
+                          "from the latest complete one)") from e
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def _restore_tokenizer_file(checkpoint_dir: str, step: int, workdir: str) -> None:
   """Puts the run's tokenizer file back into the workdir from the checkpoint if it went missing."""
-  entry = checkpointer.metadata(step).get(TOKENIZER_KEY)
+  checkpointer = ckpt_lib.Checkpointer(checkpoint_dir, read_only=True)
+  try:
+    entry = checkpointer.metadata(step).get(TOKENIZER_KEY)
+  finally:
+    checkpointer.close()
   if entry:
     ckpt_lib.decode_file(entry, workdir)
 
 
 def _init_from(trainer, path: str) -> dict[str, Any]:
   """Parameters (sharded like `trainer`'s) from a meshlm run/checkpoint directory or a Hugging Face directory."""
+  from train import runconfig  # pylint: disable=g-import-not-at-top
   abstract = trainer.abstract_state()["params"]
   if not os.path.isdir(path):
     raise TrainingError(f"train.init_from={path!r} is not a directory; give a meshlm run directory, a "
                         "checkpoints/<step> directory or a Hugging Face model directory")
-  is_hf = (os.path.isfile(os.path.join(path, "config.json"))
-           and any(f.endswith(".safetensors") for f in os.listdir(path)))
-  if not is_hf:
+  if not runconfig.is_hf_dir(path):
     directory, step = ckpt_lib.find_checkpoint_dir(path)
     try:
       return ckpt_lib.Checkpointer(directory, read_only=True).restore_subtree({"params": abstract}, step)["params"]

@@ -4,7 +4,8 @@ State (a pytree of jax.Arrays, sharded by the logical-axis rules):
   params     nested dict of float32 master weights (the model's nnx.Param tree as a pure dict)
   opt_state  optax state of `train.optimizer.make` (Adam moments follow the parameters' sharding)
   step       int32 scalar, advances every call (also over skipped non-finite steps)
-  rng        uint32[2] base key (per-step randomness is fold_in(rng, step))
+  rng        uint32[2] base key of the training stream (per-step randomness is fold_in(rng, step)); split from
+             the seed apart from the parameter-init key, so it equals none of the keys init draws
 
 Driver: `python -m train.step [--config=tiny] [--config.train.steps=5 ...]` runs the step on synthetic packed
 data and prints one JSON line of metrics per step (the full loop is `python -m train`).
@@ -48,7 +49,8 @@ class Trainer:
   """Builds the sharded train state and the jitted step for `config` on `mesh` (see module docstring).
 
   Checks before anything compiles (ValueError naming the key / axis): heads vs the tensor axis, parameter
-  dimensions vs their mesh axes, batch_size vs grad_accum and data x fsdp, seq_len vs the sequence axis.
+  dimensions vs their mesh axes, batch_size vs grad_accum and data x fsdp, rows per process (only the batch's
+  axes may span processes), seq_len vs the sequence axis.
   """
 
   def __init__(self, config, mesh: jax.sharding.Mesh, compiler_options: dict[str, Any] | None = None):
@@ -103,6 +105,8 @@ class Trainer:
       raise ValueError(f"microbatch of {micro} rows (config.train.batch_size={t.batch_size} / grad_accum="
                        f"{t.grad_accum}) is not divisible by mesh data x fsdp = {shape['data']} x "
                        f"{shape['fsdp']} = {rows}; change the batch size, grad_accum or config.mesh")
+    row_axes = model_lib.axes.spec(("batch",), self.rules)[0] or ()
+    parallel.sharding.check_rows_per_process(self.mesh, (row_axes,) if isinstance(row_axes, str) else row_axes)
     if t.seq_len % shape["sequence"]:
       raise ValueError(f"config.train.seq_len={t.seq_len} is not divisible by mesh axis sequence="
                        f"{shape['sequence']}; change config.mesh.sequence or the sequence length")
@@ -111,11 +115,18 @@ class Trainer:
   def _new_model(self, key) -> model_lib.Transformer:
     return model_lib.Transformer(self.config.model, rngs=nnx.Rngs(params=key), remat=self.config.train.remat)
 
+  @staticmethod
+  def init_keys(key) -> tuple[jax.Array, jax.Array]:
+    """(parameter-init key, training-stream key) from the seed's key: two independent halves of one split."""
+    params_key, train_key = jax.random.split(key)
+    return params_key, train_key
+
   def _init_state(self, key) -> dict[str, Any]:
+    params_key, train_key = self.init_keys(key)
     with parallel.activate(self.mesh, self.rules, inside_jit=True):
-      params = nnx.to_pure_dict(nnx.state(self._new_model(key), nnx.Param))
+      params = nnx.to_pure_dict(nnx.state(self._new_model(params_key), nnx.Param))
     return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32),
-            "rng": jax.random.fold_in(key, 1)}
+            "rng": train_key}
 
   def init(self, seed: int | None = None) -> dict[str, Any]:
     """A fresh state from `seed` (default config.train.seed), created directly sharded on the mesh."""

@@ -1,0 +1,139 @@
+"""The config a run actually uses: the requested one reconciled with its run directory and `train.init_from`.
+
+Read before anything is written or compiled, so that a mismatch fails with a message naming the keys (exit 2)
+instead of deep inside a restore:
+- resuming: the model must be the one the checkpoint was trained with (`check_resume`); the learning-rate
+  schedule keeps the checkpoint's horizon unless `train.schedule_steps` says otherwise (`keep_schedule`);
+- `train.init_from` (a meshlm run or a Hugging Face directory): `config.model` is taken from the checkpoint
+  (`model_from_init`); explicit overrides may change only keys that do not change the function it computes.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+import ml_collections
+
+from configs import ConfigError
+from train import checkpoint as ckpt_lib
+
+# Model keys that say how the function is computed, not which function: a run may set them freely over a
+# checkpoint's (layer scan, attention kernel and block, compute and parameter dtypes, the unused init scale).
+FUNCTION_PRESERVING = ("scan_layers", "attention_impl", "attention_block_size", "dtype", "param_dtype", "init_std")
+# Of those, the ones a resumed run may change: the others change the saved state's layout or dtype.
+RESUME_FREE = ("attention_impl", "attention_block_size", "dtype")
+
+
+def is_hf_dir(path: str) -> bool:
+  """A Hugging Face model directory: config.json beside safetensors weights."""
+  return (os.path.isfile(os.path.join(path, "config.json"))
+          and any(f.endswith(".safetensors") for f in os.listdir(path)))
+
+
+def saved_run_config(checkpoint_dir: str, step: int | None = None) -> tuple[int, dict[str, Any]] | None:
+  """(step, resolved config dict) of the latest (or given) checkpoint under `checkpoint_dir`; None when there is
+  none. Opens the directory read-only: nothing is created or cleaned up."""
+  if not os.path.isdir(checkpoint_dir):
+    return None
+  checkpointer = ckpt_lib.Checkpointer(checkpoint_dir, read_only=True)
+  try:
+    step = checkpointer.latest_step() if step is None else step
+    if step is None:
+      return None
+    return step, dict(checkpointer.metadata(step).get("config") or {})
+  finally:
+    checkpointer.close()
+
+
+def _differences(requested: ml_collections.ConfigDict, saved: dict[str, Any], skip: Sequence[str]) -> list[str]:
+  return [f"model.{k}: checkpoint {saved[k]!r}, requested {requested[k]!r}"
+          for k in requested if k not in skip and k in saved and saved[k] != requested[k]]
+
+
+def check_resume(config: ml_collections.ConfigDict, saved: dict[str, Any], where: str) -> None:
+  """Raises ConfigError when `config.model` differs from the checkpoint's (`saved`, a config dict) in a key
+  that a resumed run cannot change, naming every differing key with both values."""
+  diffs = _differences(config.model, saved.get("model", {}), RESUME_FREE)
+  if diffs:
+    raise ConfigError(f"the run directory's checkpoint {where} was trained with another model config:\n  "
+                      + "\n  ".join(diffs) + "\nuse the same model keys to resume, or another --workdir for a new run")
+
+
+def keep_schedule(config: ml_collections.ConfigDict, saved: dict[str, Any]) -> str | None:
+  """Keeps the checkpoint's learning-rate horizon on resume unless train.schedule_steps is set.
+
+  Sets `config.train.schedule_steps` (in place) and returns a warning stating the schedule used when the
+  requested horizon differs from the checkpoint's; None when they agree.
+  """
+  t, saved_t = config.train, saved.get("train", {})
+  if "steps" not in saved_t:
+    return None
+  saved_horizon = int(saved_t.get("schedule_steps") or saved_t["steps"])
+  if t.schedule_steps:
+    if t.schedule_steps == saved_horizon:
+      return None
+    return (f"train.schedule_steps={t.schedule_steps}: the {t.schedule} schedule now spans {t.schedule_steps} "
+            f"steps (the checkpoint's spanned {saved_horizon}); the learning rate changes at the resume step")
+  if t.steps == saved_horizon:
+    return None
+  t.schedule_steps = saved_horizon
+  return (f"train.steps={t.steps} differs from the checkpoint's schedule horizon of {saved_horizon} steps: keeping "
+          f"the checkpoint's {t.schedule} schedule (warmup {t.warmup_steps}, peak {t.lr:g}, floor "
+          f"{t.min_lr_ratio:g} x peak at step {saved_horizon}"
+          + (", then held there" if t.steps > saved_horizon else "")
+          + f"); set train.schedule_steps=N to stretch it to N steps instead")
+
+
+def _require_tokenizer(config: ml_collections.ConfigDict, path: str) -> None:
+  # A Hugging Face directory's tokenizer is not read yet: its token ids must come from data.tokenizer.
+  if not config.data.tokenizer:
+    raise ConfigError(f"train.init_from={path!r} is a Hugging Face directory: set data.tokenizer to the "
+                      "sentencepiece model its vocabulary was built with (a new tokenizer would renumber tokens)")
+
+
+def source_model(config: ml_collections.ConfigDict) -> tuple[dict[str, Any], str]:
+  """The model config dict of `train.init_from` and a description of where it came from."""
+  path = config.train.init_from
+  if not os.path.isdir(path):
+    raise ConfigError(f"train.init_from={path!r} is not a directory; give a meshlm run directory, a "
+                      "checkpoints/<step> directory or a Hugging Face model directory")
+  if is_hf_dir(path):
+    from model import hf  # pylint: disable=g-import-not-at-top
+    _require_tokenizer(config, path)
+    with open(os.path.join(path, "config.json")) as f:
+      try:
+        return dict(hf.config_from_hf(json.load(f))), f"{path}/config.json"
+      except (ValueError, KeyError) as e:
+        raise ConfigError(f"train.init_from={path!r}: {e}") from None
+  try:
+    directory, step = ckpt_lib.find_checkpoint_dir(path)
+    found = saved_run_config(directory, step)
+  except ckpt_lib.CheckpointError as e:
+    raise ConfigError(f"train.init_from={path!r}: {e}") from None
+  if found is None or "model" not in found[1]:
+    raise ConfigError(f"train.init_from={path!r}: its checkpoint holds no saved config, so config.model cannot "
+                      "be taken from it")
+  return found[1]["model"], f"{directory}/{found[0]}"
+
+
+def model_from(config: ml_collections.ConfigDict, source: dict[str, Any], where: str,
+               overrides: Sequence[str]) -> list[str]:
+  """Sets `config.model` (in place) from a checkpoint's model config `source`; returns notes on changed keys.
+
+  Keys in FUNCTION_PRESERVING keep the run's values. Every other key takes the checkpoint's value, whatever the
+  config file said; an explicit `--config.model.KEY` override (listed in `overrides`) of such a key that
+  disagrees with the checkpoint raises ConfigError naming the key and both values.
+  """
+  explicit = {k.split(".", 1)[1] for k in overrides if k.startswith("model.")}
+  notes = []
+  for key in config.model:
+    if key in FUNCTION_PRESERVING or key not in source or source[key] == config.model[key]:
+      continue
+    if key in explicit:
+      raise ConfigError(f"--config.model.{key}={config.model[key]!r} contradicts {where}, which has "
+                        f"model.{key}={source[key]!r}: {key} changes the function the weights compute; drop the "
+                        f"override (only {', '.join(FUNCTION_PRESERVING)} may differ)")
+    notes.append(f"model.{key}={source[key]!r} (config file: {config.model[key]!r})")
+    config.model[key] = source[key]
+  return notes
