@@ -86,10 +86,18 @@ class _StopSignal:
     self.received = signal.Signals(signum).name
     if signum == signal.SIGINT:
       signal.signal(signal.SIGINT, signal.default_int_handler)
+      if jax.process_count() > 1:
+        # JAX's preemption service (which agrees on a stop step across processes) listens for SIGTERM only:
+        # hand it this SIGINT as a SIGTERM to ourselves, so the other processes stop at the same step.
+        os.kill(os.getpid(), signal.SIGTERM)
 
   def __exit__(self, *exc):
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
+
+  def reason(self) -> str:
+    """The signal that stopped the run, as this process saw it."""
+    return self.received or "SIGTERM/SIGINT on another process"
 
   def should_stop(self, step: int) -> bool:
     """True on every process once any of them was signalled (multi-host: at an agreed step)."""
@@ -306,7 +314,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
       summary["step"] = step
       window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
       if stopping:
-        summary["stopped"] = stop.received
+        summary["stopped"] = stop.reason()
         checkpointer.wait()
         log.message(f"{summary['stopped']}: stopped after step {step}; checkpoint saved to "
                     f"{checkpointer.directory}/{step}. Run the same command to resume.")
