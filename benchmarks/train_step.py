@@ -32,7 +32,7 @@ from train import mfu as mfu_lib  # noqa: E402
 from train import step as step_lib  # noqa: E402
 
 CONFIGS = {
-    "tiny": {},  # configs/tiny.py as it is: d 256, 4 layers, seq 256, batch 16 (~4M parameters)
+    "tiny": {},  # configs/tiny.py as it is: d 128, 4 layers, seq 128, batch 16 (1.3M parameters)
     "50m": {"model.vocab_size": 16000, "model.d_model": 512, "model.num_layers": 10, "model.num_heads": 8,
             "model.num_kv_heads": 8, "model.head_dim": 64, "model.mlp_dim": 1536, "model.max_seq_len": 256,
             "train.batch_size": 4, "train.seq_len": 256},

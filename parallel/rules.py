@@ -1,6 +1,6 @@
 """The one table mapping the model's logical axis names to mesh axes, and the checks that a model fits a mesh.
 
-Default layout (DESIGN.md): batch over data+fsdp; embed over fsdp for parameters (FSDP / ZeRO-3: gradients and
+Default layout (docs/parallel.md, "The rules table"): batch over data+fsdp; embed over fsdp for parameters (FSDP / ZeRO-3: gradients and
 optimizer state follow the parameters, so ZeRO-1/2 savings come with it); heads, kv_heads, mlp, vocab over
 tensor (Megatron); length over sequence for activations, with kv_length unsharded so that under sequence
 parallelism attention gathers K/V while queries stay split. `config.mesh.rules` overrides entries.

@@ -15,7 +15,7 @@ SMALL = {"model.num_layers": 3, "train.seq_len": 64, "model.max_seq_len": 64, "t
          "model.vocab_size": 512, "model.d_model": 128, "model.mlp_dim": 256, "model.num_heads": 4,
          "model.num_kv_heads": 2, "model.head_dim": 64}
 V4_16 = hardware.tpu_slice("v4-16")  # 16 TensorCores = 8 chips, "v4:2x2x2"
-# DESIGN.md's logical -> mesh table (written out here, independently of parallel/rules.py).
+# docs/parallel.md's logical -> mesh table (written out here, independently of parallel/rules.py).
 DESIGN_RULES = {"embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
                 "layers": None, "head_dim": None}
 

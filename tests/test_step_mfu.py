@@ -1,4 +1,4 @@
-"""MFU arithmetic (DESIGN.md): model FLOPs per second over the hardware peak, omitted where the peak is unknown."""
+"""MFU arithmetic (train/mfu.py): model FLOPs per second over the hardware peak, omitted where the peak is unknown."""
 import jax
 import pytest
 
@@ -25,5 +25,5 @@ def test_flops_per_step_scales_flops_per_token():
   c = configs.load("tiny")
   per_token = mfu.flops_per_token(c.model, c.train.seq_len)
   assert mfu.flops_per_step(c.model, c.train.seq_len, 3) == pytest.approx(per_token * c.train.seq_len * 3)
-  # At least the 6 * N matmul term of the non-embedding parameters (DESIGN.md's definition).
+  # At least the 6 * N matmul term of the non-embedding parameters (model.flops_per_token's definition).
   assert per_token >= 6 * count_params(c.model)["non_embedding"]

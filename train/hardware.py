@@ -1,6 +1,6 @@
 """Accelerator facts used for MFU, planning and ahead-of-time compilation: one table, kept in code.
 
-Peaks are dense bf16 matmul TFLOP/s per chip (the MFU denominator in DESIGN.md); HBM is per chip in GiB.
+Peaks are dense bf16 matmul TFLOP/s per chip (the MFU denominator, `train.mfu`); HBM is per chip in GiB.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Model FLOPs utilisation (DESIGN.md): model FLOPs per second over the hardware peak; None where unknown."""
+"""Model FLOPs utilisation (docs/interfaces.md, `model.flops_per_token`): model FLOPs per second over the hardware peak; None where unknown."""
 from __future__ import annotations
 
 from typing import Sequence
