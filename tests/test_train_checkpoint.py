@@ -1,4 +1,5 @@
 """train.checkpoint: round trip onto another mesh, retention, a SIGKILL mid async save, a full disk."""
+import errno
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from etils import epath
 
 from train import checkpoint as ckpt_lib
 
@@ -118,15 +120,43 @@ def test_sigkill_during_async_save_leaves_previous_checkpoint(tmp_path):
   assert ckpt_lib.Checkpointer(str(tmp_path), _cfg()).all_steps() == [1, 2]
 
 
+def _fail_checkpoint_writes(monkeypatch, error):
+  """Makes orbax's own file writes inside a checkpoint being written fail with `error`, after it has started
+  (its step marker and array data are written first): the disk fills up mid-save."""
+  original = epath.Path.write_text
+  failed = []
+
+  def write_text(self, *args, **kwargs):
+    if ".orbax-checkpoint-tmp" in str(self) and not str(self).endswith("_CHECKPOINT_METADATA"):
+      failed.append(str(self))
+      raise error
+    return original(self, *args, **kwargs)
+
+  monkeypatch.setattr(epath.Path, "write_text", write_text)
+  return failed
+
+
 def test_full_disk_names_the_problem_and_keeps_previous(tmp_path, monkeypatch):
-  ck = ckpt_lib.Checkpointer(str(tmp_path), _cfg(async_save=False))
-  ck.save(1, {"w": jnp.ones(4)}, None, {})
-
-  def no_space(*args, **kwargs):
-    raise ValueError('RESOURCE_EXHAUSTED: Failed writing "w/0": No space left on device [os_error_code=28]')
-
-  monkeypatch.setattr(ocp.CheckpointManager, "save", no_space)
+  ck = ckpt_lib.Checkpointer(str(tmp_path / "a"), _cfg(async_save=False))
+  ck.save(1, {"w": jnp.full((4,), 1.0)}, None, {"k": 1})
+  failed = _fail_checkpoint_writes(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
   with pytest.raises(ckpt_lib.CheckpointError, match=r"disk full.*previous checkpoint \(step 1\) is intact"):
-    ck.save(2, {"w": jnp.ones(4)}, None, {})
+    ck.save(2, {"w": jnp.full((4,), 2.0)}, None, {"k": 2})
+  assert failed and any(d.startswith("2.") for d in os.listdir(tmp_path / "a"))  # it failed mid-save
   monkeypatch.undo()
-  assert ckpt_lib.Checkpointer(str(tmp_path), _cfg()).all_steps() == [1]
+  reopened = ckpt_lib.Checkpointer(str(tmp_path / "a"), _cfg())
+  assert reopened.all_steps() == [1]
+  abstract = {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=NamedSharding(jax.make_mesh((8,), ("d",)),
+                                                                                   P()))}
+  state, meta = reopened.restore(abstract)
+  assert meta["k"] == 1 and np.asarray(state["w"]).tolist() == [1.0] * 4  # step 1 really is intact
+
+  # Without an earlier checkpoint the message says so; an error that is not a full disk is not called one.
+  _fail_checkpoint_writes(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+  with pytest.raises(ckpt_lib.CheckpointError, match="disk full.*no earlier checkpoint exists"):
+    ckpt_lib.Checkpointer(str(tmp_path / "b"), _cfg(async_save=False)).save(1, {"w": jnp.ones(4)}, None, {})
+  monkeypatch.undo()
+  _fail_checkpoint_writes(monkeypatch, PermissionError(errno.EACCES, "Permission denied"))
+  with pytest.raises(Exception) as e:
+    ckpt_lib.Checkpointer(str(tmp_path / "c"), _cfg(async_save=False)).save(1, {"w": jnp.ones(4)}, None, {})
+  assert not isinstance(e.value, ckpt_lib.CheckpointError) and "Permission denied" in str(e.value)

@@ -29,7 +29,7 @@ SMALL = {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4, "mode
 
 
 def _config(tokenizer, **extra):
-  return configs.load("tiny", **SMALL, **{"data.tokenizer": tokenizer}, **extra)
+  return configs.load("tiny", **{**SMALL, "data.tokenizer": tokenizer, **extra})
 
 
 def _argv(workdir, tokenizer, *extra):
