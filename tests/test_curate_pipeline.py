@@ -9,6 +9,8 @@ from configs import curate as curate_config
 from data.curate import executors
 from data.curate import pipeline
 
+pytestmark = pytest.mark.slow  # end to end: the whole curation pipeline, worker processes and Ray
+
 EN = ("the a of and to in that with for on at from by river town market winter garden old bridge quiet morning "
       "rain bakery bread window street teacher children school lesson story night lamp harbour boat fisher wind "
       "hill farm field summer evening song village church bell clock square tower museum painting artist light "

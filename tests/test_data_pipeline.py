@@ -112,6 +112,7 @@ def test_resume_through_orbax_checkpoint(corpus, tok, tmp_path):
   fresh.close()
 
 
+@pytest.mark.slow  # grain worker processes
 def test_resume_is_exact_with_worker_processes(corpus, tok):
   c = _config(corpus, worker_count=2)
   c.train.batch_size = 2

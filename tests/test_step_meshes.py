@@ -122,8 +122,13 @@ def test_grad_accumulation_equals_large_batch(reference):
                                err_msg=name)
 
 
+def _own_state(reference):
+  """A private copy of the reference's final state: the step donates its input, and the fixture stays intact."""
+  return jax.tree.map(jnp.copy, reference["state"])
+
+
 def test_loss_and_eval_match_model_logits(reference):
-  trainer, state = reference["trainer"], reference["state"]
+  trainer, state = reference["trainer"], _own_state(reference)
   batch_np = step_lib.synthetic_batch(trainer.config, 100)
   logits = np.asarray(trainer.model(state)(jnp.asarray(batch_np["inputs"]), jnp.asarray(batch_np["segment_ids"]),
                                            jnp.asarray(batch_np["positions"])), np.float64)
@@ -135,13 +140,12 @@ def test_loss_and_eval_match_model_logits(reference):
   assert float(ev["tokens"]) == mask.sum()
   assert float(ev["loss_sum"]) / float(ev["tokens"]) == pytest.approx(expected, rel=1e-5)
   state, metrics = trainer.step_fn(state, trainer.batch_to_device(batch_np))  # the step reports the pre-update loss
-  reference["state"] = state
   assert float(metrics["loss"]) == pytest.approx(expected, rel=1e-5)
   assert float(metrics["z_loss"]) == pytest.approx(1e-3 * float((logz ** 2 * mask).sum() / mask.sum()), rel=1e-4)
 
 
 def test_nonfinite_step_is_skipped(reference):
-  trainer, state = reference["trainer"], reference["state"]
+  trainer, state = reference["trainer"], _own_state(reference)
   before = jax.device_get({"params": state["params"], "opt_state": state["opt_state"], "step": state["step"]})
   batch = step_lib.synthetic_batch(trainer.config, 200)
   batch["loss_mask"][0, 3] = np.nan
@@ -156,7 +160,6 @@ def test_nonfinite_step_is_skipped(reference):
   state, metrics = trainer.step_fn(state, trainer.batch_to_device(batch))
   assert float(metrics["nonfinite"]) == 0.0
   assert not np.array_equal(jax.device_get(state["params"]["unembed"]), after["params"]["unembed"])
-  reference["state"] = state
 
 
 def test_memory_analysis_counts_the_sharded_state(reference):
@@ -166,8 +169,10 @@ def test_memory_analysis_counts_the_sharded_state(reference):
                     for x in jax.tree.leaves(trainer.abstract_state()) + jax.tree.leaves(trainer.abstract_batch()))
   assert mem["argument_bytes"] == pytest.approx(shard_bytes, rel=0.05)
   assert mem["alias_bytes"] > 0.9 * (mem["argument_bytes"] - 5 * 8 * 32 * 4 // 4)  # state is donated
-  assert mem["total_bytes"] == (mem["argument_bytes"] + mem["output_bytes"] + mem["temp_bytes"]
-                                - mem["alias_bytes"])
+  # The total bounds XLA's own peak from its buffer assignment (computed apart from these four figures), and is
+  # no looser than the donated state counted twice plus the temporaries.
+  peak = trainer.compiled().memory_analysis().peak_memory_in_bytes
+  assert peak <= mem["total_bytes"] <= 2 * shard_bytes + mem["temp_bytes"]
 
 
 def test_bf16_compute_keeps_float32_master_weights(reference):

@@ -101,6 +101,7 @@ _KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a second process, killed mid-save
 def test_sigkill_during_async_save_leaves_previous_checkpoint(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, str(tmp_path)], env=env, cwd=REPO,

@@ -23,6 +23,8 @@ from etils import epath
 from data import tokenizer as tokenizer_lib
 import configs
 
+pytestmark = pytest.mark.slow  # end to end: real `python -m train` processes
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 24
 MESH_222 = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
