@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import logging
 import os
 from typing import Any
 
@@ -98,14 +99,21 @@ class Checkpointer:
     policies = [ocp.checkpoint_managers.LatestN(n=keep)]
     if keep_period > 0:
       policies.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=keep_period))
-    options = ocp.CheckpointManagerOptions(
-        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies) if not read_only else None,
-        enable_async_checkpointing=bool(ckpt_config.async_save) if ckpt_config is not None else False,
-        cleanup_tmp_directories=not read_only,
-        create=not read_only,
-        read_only=read_only,
-    )
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    absl_log = logging.getLogger("absl")
+    level = absl_log.level
+    if read_only:  # orbax warns that a read-only manager is read-only; that is the point here
+      absl_log.setLevel(logging.ERROR)
+    try:
+      options = ocp.CheckpointManagerOptions(
+          preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies) if not read_only else None,
+          enable_async_checkpointing=bool(ckpt_config.async_save) if ckpt_config is not None else False,
+          cleanup_tmp_directories=not read_only,
+          create=not read_only,
+          read_only=read_only,
+      )
+      self._manager = ocp.CheckpointManager(self.directory, options=options)
+    finally:
+      absl_log.setLevel(level)
 
   def all_steps(self) -> list[int]:
     """Steps of the checkpoints in this directory, ascending (half-written ones left by a killed run excluded)."""

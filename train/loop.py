@@ -3,8 +3,8 @@
 Order of work: range checks -> workdir check -> distributed start-up -> the config settled against the run
 directory's checkpoint and `train.init_from` (read only) -> mesh and Trainer -> tokenizer -> data sources -> init
 (or `train.init_from`) -> config.json and checkpoints/ -> restore the latest checkpoint -> steps. A start that
-fails any check exits 2 having written no config.json and no checkpoints/. Everything that affects a step lives in the
-checkpoint (state with step/RNG/optimizer, data-iterator position, non-finite counter), so a resumed run
+fails any check exits 2 having written no config.json and no checkpoints/. Everything that affects a step lives
+in the checkpoint (state with step/RNG/optimizer, data-iterator position, non-finite counter), so a resumed run
 continues bit-identically. Metrics are fetched from the device one step late (and in full only every
 `log_every` steps) so the host never waits on the step it has just dispatched.
 """
@@ -214,7 +214,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
                                      process_count=jax.process_count())
 
   try:  # opening the sources checks them (empty sources, weights, an empty eval split) before any step
-    train_iter = iter(make_dataset("train"))
+    train_ds = make_dataset("train")
     # Each evaluation iterates this afresh (the same batches); opening sources indexes files once per run.
     eval_ds = make_dataset("eval") if tc.eval_every > 0 else None
   except (ValueError, FileNotFoundError) as e:
@@ -231,12 +231,17 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
   if latest is None and tc.init_from:
     _print0(f"initialised the parameters from {tc.init_from}")
   checkpointer = ckpt_lib.Checkpointer(checkpoint_dir, ck)
+  train_iter = iter(train_ds)  # starts prefetch threads / worker processes: only once the start is settled
   nonfinite_run = 0  # consecutive non-finite steps so far (checkpointed, so the halt rule survives restarts)
   if latest is not None:
     try:
       state, meta = checkpointer.restore(trainer.abstract_state(), train_iter, step=latest)
-    except ValueError as e:
-      raise TrainingError(f"cannot resume from {checkpointer.directory}/{latest}: {e}") from None
+    except Exception as e:  # pylint: disable=broad-except
+      _close(train_iter)  # orbax's and grain's threads must not outlive the failed start
+      _close_checkpointer(checkpointer, raise_errors=False)
+      if isinstance(e, ValueError):
+        raise TrainingError(f"cannot resume from {checkpointer.directory}/{latest}: {e}") from None
+      raise
     nonfinite_run = int(meta.get("nonfinite_run", 0))
     _print0(f"resumed from {checkpointer.directory}/{latest}")
   start = latest or 0
