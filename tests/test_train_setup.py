@@ -20,6 +20,7 @@ from data import tokenizer as tokenizer_lib
 from model import hf
 from train import __main__ as train_main
 from train import loop
+from train import runconfig
 
 SMALL = {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 2,
          "model.head_dim": 16, "model.mlp_dim": 128, "model.vocab_size": 512, "model.max_seq_len": 64,
@@ -86,6 +87,12 @@ def test_resume_with_another_model_config_is_refused_before_anything_is_written(
   assert "model.d_model: checkpoint 64, requested 128" in err
   assert "model.norm_eps: checkpoint 1e-05, requested 1e-06" in err
   assert _snapshot(workdir) == before  # config.json, metrics and checkpoints untouched
+  # The same model with another optimizer structure (no clipping: one part fewer in optax's chain).
+  rc = train_main.main(_argv(workdir, tokenizer, "--config.train.clip_norm=0"))
+  err = capsys.readouterr().err
+  assert rc == 2, err
+  assert "does not fit this config" in err and "opt_state/1/count" in err and "train.clip_norm" in err
+  assert _snapshot(workdir) == before
 
 
 @pytest.mark.parametrize("case", ["mesh", "one_weight_two_sources", "empty_source", "one_document_source"])
@@ -194,3 +201,16 @@ def test_checkpointer_close_errors_are_not_swallowed(capsys):
   # While another error propagates, the close error is reported, not raised over it.
   loop._close_checkpointer(_FailingClose(), raise_errors=False)
   assert "No space left on device" in capsys.readouterr().err
+
+
+def test_schedule_horizon_bookkeeping_across_resumes():
+  def settle(saved_train, **requested):
+    config = configs.load("tiny", **{f"train.{k}": v for k, v in requested.items()})
+    return runconfig.keep_schedule(config, {"train": saved_train}), config.train.schedule_steps
+
+  assert settle({"steps": 4, "schedule_steps": 0}, steps=4) == (None, 0)  # a plain resume
+  warning, horizon = settle({"steps": 4, "schedule_steps": 0}, steps=6)  # steps raised: keep 4, say so
+  assert horizon == 4 and "keeping the checkpoint's cosine schedule" in warning
+  assert settle({"steps": 6, "schedule_steps": 4}, steps=6) == (None, 4)  # resumed again: kept, said once
+  warning, horizon = settle({"steps": 6, "schedule_steps": 4}, steps=8, schedule_steps=8)
+  assert horizon == 8 and "now spans 8 steps (the checkpoint's spanned 4)" in warning

@@ -162,6 +162,14 @@ class Checkpointer:
     restored = self._manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
     return dict(restored["metadata"])
 
+  def state_layout(self, step: int | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{"params/embed/embedding": (shape, dtype name), ...} of checkpoint `step`'s state, read from its metadata
+    (no arrays are loaded): what `restore` needs the abstract state to match."""
+    from etils import epath  # pylint: disable=g-import-not-at-top
+    step = self._resolve(step)
+    tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state").tree
+    return {"/".join(map(str, k)): (tuple(v.shape), str(v.dtype)) for k, v in ocp.tree.to_flat_dict(tree).items()}
+
   def restore(self, abstract_state: Any, data_iterator: Any | None = None,
               step: int | None = None) -> tuple[Any, dict[str, Any]]:
     """Restores (state, metadata) of checkpoint `step` (default: latest) onto the shardings in `abstract_state`.

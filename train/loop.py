@@ -201,8 +201,10 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
     trainer = step_lib.Trainer(config, mesh)  # validates the model, mesh and batch settings before any work
   except ValueError as e:  # MeshError and config checks: the message names the key
     raise SetupError(str(e)) from None
-  if latest is not None and primary:
-    _restore_tokenizer_file(checkpoint_dir, latest, workdir)
+  if latest is not None:
+    _check_state_layout(trainer, checkpoint_dir, latest)
+    if primary:
+      _restore_tokenizer_file(checkpoint_dir, latest, workdir)
   try:
     tokenizer_path = tokenizer_lib.prepare(config, workdir)  # checks its vocabulary against config.model
     tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_path)
@@ -381,6 +383,20 @@ def _close_checkpointer(checkpointer: ckpt_lib.Checkpointer, raise_errors: bool)
       raise TrainingError(message + "; the last checkpoint may be incomplete (run the same command to resume "
                           "from the latest complete one)") from e
     print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def _check_state_layout(trainer, checkpoint_dir: str, step: int) -> None:
+  """SetupError unless checkpoint `step` holds exactly the state `trainer` builds (leaves, shapes, dtypes)."""
+  import configs  # pylint: disable=g-import-not-at-top
+  from train import runconfig  # pylint: disable=g-import-not-at-top
+  checkpointer = ckpt_lib.Checkpointer(checkpoint_dir, read_only=True)
+  try:
+    runconfig.check_state_layout(runconfig.layout(trainer.abstract_state()), checkpointer.state_layout(step),
+                                 f"{checkpoint_dir}/{step}")
+  except configs.ConfigError as e:
+    raise SetupError(str(e)) from None
+  finally:
+    checkpointer.close()
 
 
 def _restore_tokenizer_file(checkpoint_dir: str, step: int, workdir: str) -> None:

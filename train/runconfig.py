@@ -78,6 +78,8 @@ def keep_schedule(config: ml_collections.ConfigDict, saved: dict[str, Any]) -> s
   if t.steps == saved_horizon:
     return None
   t.schedule_steps = saved_horizon
+  if t.steps == saved_t["steps"]:  # resuming as before: the horizon was settled (and reported) when it changed
+    return None
   return (f"train.steps={t.steps} differs from the checkpoint's schedule horizon of {saved_horizon} steps: keeping "
           f"the checkpoint's {t.schedule} schedule (warmup {t.warmup_steps}, peak {t.lr:g}, floor "
           f"{t.min_lr_ratio:g} x peak at step {saved_horizon}"
@@ -137,3 +139,32 @@ def model_from(config: ml_collections.ConfigDict, source: dict[str, Any], where:
     notes.append(f"model.{key}={source[key]!r} (config file: {config.model[key]!r})")
     config.model[key] = source[key]
   return notes
+
+
+def layout(abstract_state: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+  """The state's leaves as {"params/embed/embedding": (shape, dtype name)}, keyed as Checkpointer.state_layout."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  return {"/".join(map(str, k)): (tuple(v.shape), str(v.dtype))
+          for k, v in ocp.tree.to_flat_dict(abstract_state).items()}
+
+
+def check_state_layout(wanted: dict[str, Any], saved: dict[str, Any], where: str, limit: int = 4) -> None:
+  """Raises ConfigError when the train state this config builds (`wanted`, from `layout`) is not the one saved in
+  the checkpoint (`saved`, from Checkpointer.state_layout): leaves missing on either side or of another shape or
+  dtype, a few of each named. Restoring such a checkpoint would otherwise fail deep inside orbax."""
+  problems = []
+  missing = sorted(set(wanted) - set(saved))
+  extra = sorted(set(saved) - set(wanted))
+  changed = sorted(k for k in set(wanted) & set(saved) if wanted[k] != saved[k])
+  if missing:
+    problems.append(f"{len(missing)} leaves this config needs are not in the checkpoint: "
+                    + ", ".join(missing[:limit]))
+  if extra:
+    problems.append(f"{len(extra)} leaves of the checkpoint are not in this config's state: " + ", ".join(extra[:limit]))
+  for k in changed[:limit]:
+    problems.append(f"{k}: checkpoint {saved[k][0]} {saved[k][1]}, this config {wanted[k][0]} {wanted[k][1]}")
+  if problems:
+    raise ConfigError(f"the train state saved in {where} does not fit this config:\n  " + "\n  ".join(problems)
+                      + "\nthe optimizer's parts change when train.clip_norm or train.weight_decay switches between 0 "
+                      "and > 0, and the dtypes with model.param_dtype; resume with the checkpoint's settings (its "
+                      "config.json) or start a new --workdir")
