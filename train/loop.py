@@ -83,12 +83,13 @@ class _StopSignal:
 
   def _handle(self, signum, frame):
     del frame
-    self.received = signal.Signals(signum).name
+    self.received = self.received or signal.Signals(signum).name  # the first signal names the stop
     if signum == signal.SIGINT:
       signal.signal(signal.SIGINT, signal.default_int_handler)
-      if jax.process_count() > 1:
-        # JAX's preemption service (which agrees on a stop step across processes) listens for SIGTERM only:
-        # hand it this SIGINT as a SIGTERM to ourselves, so the other processes stop at the same step.
+      # JAX's preemption service (which agrees on a stop step across processes) listens for SIGTERM only: hand
+      # it this SIGINT as a SIGTERM to ourselves, so the other processes stop at the same step. (Asking
+      # jax.process_count() here could start JAX's backends before jax.distributed is initialised.)
+      if jax.distributed.is_initialized():
         os.kill(os.getpid(), signal.SIGTERM)
 
   def __exit__(self, *exc):
