@@ -12,6 +12,7 @@ import configs
 from model import attention
 from parallel import mesh as mesh_lib
 from train import logger as logger_lib
+from train import plot as plot_lib
 
 
 def _qkv(dtype):
@@ -68,3 +69,5 @@ def test_only_a_torn_last_metrics_line_is_skipped(tmp_path):
   _write(tmp_path, "".join(good) + "not json\n")  # a complete last line that is not JSON is damage too
   with pytest.raises(ValueError, match=r"metrics.jsonl:4: malformed"):
     logger_lib.read_metrics(str(tmp_path))
+  # The plot command says so too (exit 2, the line named), instead of drawing a curve with a hole.
+  assert plot_lib.main([str(tmp_path)]) == 2

@@ -250,8 +250,13 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
   start = latest or 0
 
   tokenizer_entry = ckpt_lib.encode_file(tokenizer_path)
-  log = logger_lib.MetricLogger(workdir, config.log, total_steps=tc.steps, start_step=start, enabled=primary,
-                                run_config=config_dict)
+  try:
+    log = logger_lib.MetricLogger(workdir, config.log, total_steps=tc.steps, start_step=start, enabled=primary,
+                                  run_config=config_dict)
+  except ValueError as e:  # a damaged metrics.jsonl (the message names the line)
+    _close(train_iter)
+    _close_checkpointer(checkpointer, raise_errors=False)
+    raise SetupError(str(e)) from None
   tokens_per_step = tc.batch_size * tc.seq_len
   flops_per_token = mfu_lib.flops_per_token(config.model, tc.seq_len)
   peak = mfu_lib.peak_flops_per_device(jax.devices(), tc.peak_tflops)

@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   try:
     path = plot(args.workdir, args.out)
-  except FileNotFoundError as e:
+  except (FileNotFoundError, ValueError) as e:  # no metrics, or a damaged line (named in the message)
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(path)
