@@ -17,16 +17,17 @@ def get_config() -> ml_collections.ConfigDict:
   c.executor = "local"  # local (multiprocessing on this machine) | ray (a Ray cluster; pip install ray)
   c.num_workers = 0  # local worker processes; 0 = one per CPU core, 1 = run in this process
   c.ray_address = ""  # Ray cluster address ("auto" to join a running cluster); "" = start a local Ray runtime
+  c.strict = False  # bad records (unparseable JSON, text field missing or not a string) fail the run, not skipped
 
   d = c.dedup = ml_collections.ConfigDict()
-  d.enabled = True  # stages 1-2: exact paragraph (line) deduplication across all shards, first occurrence wins
-  d.min_length = 300  # documents shorter than this (characters, after deduplication) are dropped; 0 keeps all
+  d.enabled = True  # stages 2-3: exact paragraph (line) dedup of the surviving documents, first occurrence wins
+  d.min_length = 300  # documents shorter than this (UTF-8 bytes, after deduplication) are dropped; 0 keeps all
   d.hash_set = "exact"  # exact (sorted uint64 arrays, 8 B per distinct paragraph) | bloom (bounded, may err)
   d.bloom_expected = 100_000_000  # bloom: expected number of distinct paragraphs (sizes the filter)
   d.bloom_error_rate = 1e-6  # bloom: false-positive rate (a false positive drops a unique paragraph)
 
   m = c.minhash = ml_collections.ConfigDict()
-  m.enabled = True  # stage 3: near-duplicate documents removed with MinHash LSH (the earliest document survives)
+  m.enabled = True  # stage 1: near-duplicate whole documents removed with MinHash LSH (the earliest survives)
   m.shingle_size = 5  # words per shingle (characters for scripts written without spaces)
   m.bands = 16  # LSH bands; bands * rows minhash permutations
   m.rows = 8  # signature rows per band; candidate threshold about (1/bands)**(1/rows)

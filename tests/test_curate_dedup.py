@@ -168,8 +168,11 @@ def test_planted_duplicates_are_removed_and_nothing_else(tmp_path):
   assert by_id["shares-one-line"]["text"] == "\n".join(originals["shares-one-line"].split("\n")[1:])
   stages = {s["stage"]: s for s in stats["stages"]}
   assert stages["read"]["docs_in"] == sum(len(s) for s in shards)
-  assert stages["minhash"]["docs_in"] - stages["minhash"]["docs_out"] == 2
-  assert stages["min_length"]["docs_out"] == len(expect) + 2
+  # Whole documents first: the three exact and two near copies go at the MinHash stage, as documents.
+  assert stages["minhash"]["docs_in"] - stages["minhash"]["docs_out"] == 5
+  assert (stats["minhash"]["exact_duplicates"], stats["minhash"]["near_duplicates"]) == (3, 2)
+  assert stages["paragraph_dedup"]["docs_in"] == stages["paragraph_dedup"]["docs_out"] == len(expect)
+  assert stats["paragraph_dedup"]["duplicates"] == 1  # the sharer's shared line
 
 
 def test_paragraph_dedup_is_first_occurrence_wins_and_min_length_applies(tmp_path):
