@@ -42,7 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   q = c.quality = ml_collections.ConfigDict()
   q.enabled = True  # stage 5: Gopher and C4 heuristic rules
-  q.min_words = 50  # Gopher: fewest words (characters in scripts without spaces)
+  q.min_words = 50  # Gopher: fewest words (in scripts without spaces: characters / spaceless_chars_per_word)
   q.max_words = 100_000  # Gopher: most words; 0 = no limit
   q.min_mean_word_length = 3.0  # Gopher: shortest mean word length (skipped for scripts without spaces)
   q.max_mean_word_length = 10.0  # Gopher: longest mean word length (skipped for scripts without spaces)
@@ -61,6 +61,7 @@ def get_config() -> ml_collections.ConfigDict:
   q.c4_curly_bracket = False  # C4: drop documents containing "{" (off: it removes all code)
   q.c4_max_policy_line_fraction = 0.3  # C4: lines mentioning javascript / cookies / terms of use / privacy policy
   q.c4_min_terminal_line_fraction = 0.0  # C4: lines ending in terminal punctuation needed (C4 drops others); 0 off
+  q.spaceless_chars_per_word = 2  # characters of scripts without spaces (zh, ja, th, ...) per word in the rules
 
   p = c.perplexity = ml_collections.ConfigDict()
   p.enabled = True  # stage 6: n-gram perplexity over sentencepiece pieces and head/middle/tail buckets
