@@ -173,7 +173,7 @@ def main(argv=None) -> int:
       "paragraphs_per_doc": round(summary["paragraph_dedup"]["paragraphs"] / args.docs, 2),
       "peak_rss_mib": {"driver": round(self_rss), "largest_worker": round(child_rss)},
       "docs_out": sum(b["docs"] for lang in summary["output"].values() for b in lang.values()),
-      "near_duplicates": summary.get("minhash", {}).get("near_duplicates"),
+      "duplicate_documents": summary.get("minhash"),
   }))
   return 0
 
