@@ -8,7 +8,7 @@ import ml_collections
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.input = ""  # input glob(s), comma-separated (also --input); one input file = one shard
+  c.input = ""  # input glob(s), local or gs://..., comma-separated (also --input); one input file = one shard
   c.output = ""  # output directory (also --output): DIR/<lang>/<bucket>/part-NNNNN.jsonl, stats.json, stats.md
   c.input_format = "auto"  # auto (from the extension) | jsonl | parquet | text | wet
   c.text_mode = "blank_line"  # plain text: blank_line (blank lines separate documents) | line | file
