@@ -23,7 +23,7 @@ import types
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import curate as curate_config  # noqa: E402
-from data.curate import dedup, langid, minhash, perplexity, pii, pipeline, quality  # noqa: E402
+from data.curate import langid, minhash, perplexity, pii, pipeline, quality  # noqa: E402
 from data.curate import text as textlib  # noqa: E402
 
 
@@ -144,13 +144,9 @@ def main(argv=None) -> int:
   rates = stage_rates(cfg, texts, models)
   # Global steps, timed alone on the finished run's intermediate files.
   n = args.shards
-  t0 = _cpu()
-  seen = dedup.make_hash_set("exact")
-  import numpy as np
-  for s in range(n):
-    dedup.keep_mask(np.load(os.path.join(cfg.output, pipeline.WORK, "hashes", f"{s:05d}.npy")), seen)
-  resolve_s = _cpu() - t0
-  lsh_s = _timed(lambda: pipeline._resolve_near_duplicates(cfg, os.path.join(cfg.output, pipeline.WORK), n))
+  work = os.path.join(cfg.output, pipeline.WORK)
+  resolve_s = _timed(lambda: pipeline._resolve_paragraphs(cfg, work, n, None))
+  lsh_s = _timed(lambda: pipeline._resolve_near_duplicates(cfg, work, n))
 
   self_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   child_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -173,7 +169,7 @@ def main(argv=None) -> int:
       "paragraphs_per_doc": round(summary["paragraph_dedup"]["paragraphs"] / args.docs, 2),
       "peak_rss_mib": {"driver": round(self_rss), "largest_worker": round(child_rss)},
       "docs_out": sum(b["docs"] for lang in summary["output"].values() for b in lang.values()),
-      "near_duplicates": summary.get("minhash", {}).get("near_duplicates"),
+      "duplicate_documents": summary.get("minhash"),
   }))
   return 0
 

@@ -8,7 +8,7 @@ import ml_collections
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.input = ""  # input glob(s), comma-separated (also --input); one input file = one shard
+  c.input = ""  # input glob(s), local or gs://..., comma-separated (also --input); one input file = one shard
   c.output = ""  # output directory (also --output): DIR/<lang>/<bucket>/part-NNNNN.jsonl, stats.json, stats.md
   c.input_format = "auto"  # auto (from the extension) | jsonl | parquet | text | wet
   c.text_mode = "blank_line"  # plain text: blank_line (blank lines separate documents) | line | file
@@ -17,16 +17,17 @@ def get_config() -> ml_collections.ConfigDict:
   c.executor = "local"  # local (multiprocessing on this machine) | ray (a Ray cluster; pip install ray)
   c.num_workers = 0  # local worker processes; 0 = one per CPU core, 1 = run in this process
   c.ray_address = ""  # Ray cluster address ("auto" to join a running cluster); "" = start a local Ray runtime
+  c.strict = False  # bad records (unparseable JSON, text field missing or not a string) fail the run, not skipped
 
   d = c.dedup = ml_collections.ConfigDict()
-  d.enabled = True  # stages 1-2: exact paragraph (line) deduplication across all shards, first occurrence wins
-  d.min_length = 300  # documents shorter than this (characters, after deduplication) are dropped; 0 keeps all
+  d.enabled = True  # stages 2-3: exact paragraph (line) dedup of the surviving documents, first occurrence wins
+  d.min_length = 300  # documents shorter than this (UTF-8 bytes, after deduplication) are dropped; 0 keeps all
   d.hash_set = "exact"  # exact (sorted uint64 arrays, 8 B per distinct paragraph) | bloom (bounded, may err)
   d.bloom_expected = 100_000_000  # bloom: expected number of distinct paragraphs (sizes the filter)
   d.bloom_error_rate = 1e-6  # bloom: false-positive rate (a false positive drops a unique paragraph)
 
   m = c.minhash = ml_collections.ConfigDict()
-  m.enabled = True  # stage 3: near-duplicate documents removed with MinHash LSH (the earliest document survives)
+  m.enabled = True  # stage 1: near-duplicate whole documents removed with MinHash LSH (the earliest survives)
   m.shingle_size = 5  # words per shingle (characters for scripts written without spaces)
   m.bands = 16  # LSH bands; bands * rows minhash permutations
   m.rows = 8  # signature rows per band; candidate threshold about (1/bands)**(1/rows)
@@ -41,7 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   q = c.quality = ml_collections.ConfigDict()
   q.enabled = True  # stage 5: Gopher and C4 heuristic rules
-  q.min_words = 50  # Gopher: fewest words (characters in scripts without spaces)
+  q.min_words = 50  # Gopher: fewest words (in scripts without spaces: characters / spaceless_chars_per_word)
   q.max_words = 100_000  # Gopher: most words; 0 = no limit
   q.min_mean_word_length = 3.0  # Gopher: shortest mean word length (skipped for scripts without spaces)
   q.max_mean_word_length = 10.0  # Gopher: longest mean word length (skipped for scripts without spaces)
@@ -60,6 +61,7 @@ def get_config() -> ml_collections.ConfigDict:
   q.c4_curly_bracket = False  # C4: drop documents containing "{" (off: it removes all code)
   q.c4_max_policy_line_fraction = 0.3  # C4: lines mentioning javascript / cookies / terms of use / privacy policy
   q.c4_min_terminal_line_fraction = 0.0  # C4: lines ending in terminal punctuation needed (C4 drops others); 0 off
+  q.spaceless_chars_per_word = 2  # characters of scripts without spaces (zh, ja, th, ...) per word in the rules
 
   p = c.perplexity = ml_collections.ConfigDict()
   p.enabled = True  # stage 6: n-gram perplexity over sentencepiece pieces and head/middle/tail buckets

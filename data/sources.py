@@ -11,20 +11,19 @@ Mixture spec (`config.data.sources`): a string of comma-separated items, or a tu
   prose=builtin:prose             Python's pydoc topics + standard-library docstrings (English prose)
   code=builtin:code               Python's standard-library source files
   text:/data/books/*.txt          one document per file (glob; local or etils.epath paths such as gs://...)
-  jsonl:/data/web/*.jsonl@0.7     one document per line, text in `config.data.text_field`
+  jsonl:/data/web/*.jsonl@0.7     one document per line, text in `config.data.text_field` (.gz read too)
   parquet:gs://bucket/x/*.parquet one document per row, text in `config.data.text_field`
   arrayrecord:/data/*.array_record one document per record (UTF-8 text)
 
 Weights are document sampling weights (normalised to sum to 1); `config.data.weights`, when set, overrides them.
+Files are opened, decompressed and decoded by `data.files`, with its rules for bad input (the same as curation's).
 """
 from __future__ import annotations
 
 import ast
 import bisect
-import collections
 import dataclasses
-import glob as glob_lib
-import json
+import io
 import logging
 import os
 import re
@@ -34,6 +33,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from data import files
+
 log = logging.getLogger(__name__)
 
 KINDS = ("builtin", "text", "jsonl", "parquet", "arrayrecord")
@@ -42,9 +43,9 @@ BUILTIN_DEFAULT = "prose=builtin:prose@0.9,code=builtin:code@0.1"
 # shuffle seed never moves a document between the training and evaluation splits.
 _EVAL_SPLIT_SEED = 0x5EED
 
-# Process-local counters of input problems (documents with invalid UTF-8, skipped records). Worker processes keep
-# their own; the warnings in the log are the cross-process record.
-COUNTERS: collections.Counter = collections.Counter()
+# Process-local counters of input problems (documents with invalid UTF-8, skipped records), kept by `data.files`.
+COUNTERS = files.COUNTERS
+_AST_LOCK = threading.Lock()
 
 
 class Source(Protocol):
@@ -111,60 +112,11 @@ def parse_spec(sources: str | Sequence[str], weights: Sequence[float] = ()) -> l
 
 def expand_glob(pattern: str) -> list[str]:
   """Sorted paths matching `pattern` (local or an etils.epath URL such as gs://b/d/*.jsonl); fails if none."""
-  if "://" in pattern:
-    from etils import epath  # lazy: only remote paths need it
-    head, rest = _split_glob(pattern)
-    paths = sorted(str(p) for p in epath.Path(head).glob(rest)) if rest else (
-        [pattern] if epath.Path(pattern).exists() else [])
-  else:
-    paths = sorted(p for p in glob_lib.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
-  if not paths:
-    raise FileNotFoundError(f"data source pattern {pattern!r} matches no files; check the path in "
-                            "config.data.sources")
-  return paths
-
-
-def _split_glob(pattern: str) -> tuple[str, str]:
-  """'gs://b/d/*/x.jsonl' -> ('gs://b/d', '*/x.jsonl'): the literal directory prefix and the glob remainder."""
-  parts = pattern.split("/")
-  for i, part in enumerate(parts):
-    if any(c in part for c in "*?["):
-      return "/".join(parts[:i]), "/".join(parts[i:])
-  return pattern, ""
-
-
-def _open(path: str, mode: str = "rb"):
-  if "://" in path:
-    from etils import epath
-    return epath.Path(path).open(mode)
-  return open(path, mode)
-
-
-def decode_utf8(data: bytes, where: str) -> str:
-  """UTF-8 text with invalid bytes replaced by U+FFFD; counts and logs (once per `where`) the replacement."""
-  try:
-    return data.decode("utf-8")
-  except UnicodeDecodeError:
-    text = data.decode("utf-8", errors="replace")
-    n = text.count("\ufffd") - data.count("\ufffd".encode())
-    COUNTERS["invalid_utf8_documents"] += 1
-    COUNTERS["invalid_utf8_sequences"] += n
-    _warn_once(f"utf8:{where}", f"{where}: {n} invalid UTF-8 sequence(s) replaced by U+FFFD")
-    return text
-
-
-_WARNED: set[str] = set()
-_AST_LOCK = threading.Lock()
-
-
-def _warn_once(key: str, message: str) -> None:
-  if key not in _WARNED:
-    _WARNED.add(key)
-    log.warning(message)
+  return files.expand([pattern], "config.data.sources")
 
 
 class TextFiles:
-  """One document per file."""
+  """One document per file (`.gz` decompressed)."""
 
   def __init__(self, name: str, pattern: str):
     self.name = name
@@ -174,16 +126,16 @@ class TextFiles:
     return len(self.paths)
 
   def __getitem__(self, index: int) -> str:
-    with _open(self.paths[index]) as f:
-      return decode_utf8(f.read(), self.paths[index])
+    return files.decode_utf8(files.read_bytes(self.paths[index]), self.paths[index])
 
 
 class JsonlFiles:
   """One document per non-blank line; the text is `record[field]`.
 
-  Indexing reads every file once to find line offsets (no parsing). An unparseable line is skipped with a warning
-  naming file:line (or raises in strict mode); records without `field` are reported once per file with the keys
-  they do have.
+  Indexing reads every file once to find line offsets (no parsing) and to count the lines with invalid UTF-8
+  (one warning per file with the count). An unparseable line, or a record whose `field` is missing or not a
+  string, is skipped with one warning per file naming the first (or raises in strict mode). A `.gz` file is held
+  decompressed in memory (random access into a gzip stream would re-read it from the start).
   """
 
   def __init__(self, name: str, pattern: str, field: str = "text", strict: bool = False):
@@ -191,7 +143,11 @@ class JsonlFiles:
     self.paths = expand_glob(pattern)
     offsets, lines, counts = [], [], []
     for path in self.paths:
-      data = _read_all(path)
+      data = files.read_bytes(path)
+      bad_lines, sequences = files.invalid_utf8_lines(data)
+      if bad_lines:
+        files.warn_once(("utf8", path), f"{path}: {bad_lines} line(s) hold invalid UTF-8 ({sequences} sequences), "
+                        "read with U+FFFD in their place")
       starts = np.concatenate([[0], np.flatnonzero(np.frombuffer(data, np.uint8) == 10) + 1])
       ends = np.append(starts[1:], len(data))
       keep = [i for i, (s, e) in enumerate(zip(starts, ends)) if data[s:e].strip()]
@@ -204,51 +160,44 @@ class JsonlFiles:
 
   def __getstate__(self):
     state = dict(self.__dict__)
-    state["_files"] = {}  # open file handles stay in their process
+    state["_files"] = {}  # open file handles (and decompressed .gz files) stay in their process
     return state
 
   def __len__(self) -> int:
     return self._cum[-1]
 
+  def _file(self, f_idx: int):
+    f = self._files.get(f_idx)
+    if f is None:
+      path = self.paths[f_idx]
+      f = self._files[f_idx] = (io.BytesIO(files.read_bytes(path)) if path.endswith(".gz")
+                                else files.open_binary(path))
+    return f
+
   def __getitem__(self, index: int) -> str:
     f_idx = bisect.bisect_right(self._cum, index) - 1
     row = index - self._cum[f_idx]
-    f = self._files.get(f_idx)
-    if f is None:
-      f = self._files[f_idx] = _open(self.paths[f_idx])
+    f = self._file(f_idx)
     f.seek(int(self._offsets[f_idx][row]))
     raw = f.readline()
-    where = f"{self.paths[f_idx]}:{int(self._lines[f_idx][row])}"
-    try:
-      record = json.loads(decode_utf8(raw, where))
-    except json.JSONDecodeError as e:
-      if self.strict:
-        raise ValueError(f"{where}: unparseable JSON ({e}); fix the line or set config.data.strict=False to skip "
-                         "it") from None
-      COUNTERS["unparseable_records"] += 1
-      _warn_once(f"json:{where}", f"{where}: unparseable JSON line skipped ({e})")
-      return ""
-    return _field(record, self.field, self.strict, self.paths[f_idx], where)
+    path = self.paths[f_idx]
+    where = f"{path}:{int(self._lines[f_idx][row])}"
+    record, error = files.parse_json(files.decode_utf8(raw, path, warn=False), where)
+    if error:
+      return self._skip("unparseable_records", path, error)
+    text, error = files.record_text(record, self.field, where)
+    if error:
+      return self._skip("records_without_text", path, error)
+    return text
 
-
-def _field(record, field: str, strict: bool, file_key: str, where: str) -> str:
-  """record[field] as text, or "" (reported once per file) when the record has no such string field."""
-  value = record.get(field) if isinstance(record, dict) else None
-  if isinstance(value, str):
-    return value
-  keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-  message = (f"{where}: record has no text field {field!r} (it has {keys}); set config.data.text_field to the "
-             "field holding the text")
-  if strict:
-    raise ValueError(message)
-  COUNTERS["records_without_text"] += 1
-  _warn_once(f"field:{file_key}", message + " -- such records are skipped")
-  return ""
-
-
-def _read_all(path: str) -> bytes:
-  with _open(path) as f:
-    return f.read()
+  def _skip(self, kind: str, path: str, message: str) -> str:
+    if self.strict:
+      raise ValueError(f"{message}; set config.data.text_field to the field holding the text, fix the line, or set "
+                       "config.data.strict=False to skip such records")
+    files.COUNTERS[kind] += 1
+    files.warn_once((kind, path), f"{message}: skipped (later such records in this file are skipped and counted in "
+                    f"data/{kind} without a warning)")
+    return ""
 
 
 class ParquetFiles:
@@ -261,12 +210,10 @@ class ParquetFiles:
     self._groups: list[tuple[int, int]] = []  # (file index, row group) per group, in order
     counts = []
     for f_idx, path in enumerate(self.paths):
-      with _open(path) as f:
+      with files.open_binary(path) as f:
         meta = pq.ParquetFile(f).metadata
-        columns = meta.schema.names
-        if field not in columns:
-          raise ValueError(f"{path}: Parquet file has no column {field!r} (it has {columns}); set "
-                           "config.data.text_field to the column holding the text")
+        files.check_parquet_column(meta.schema.names, path, field,
+                                   "set config.data.text_field to the column holding the text")
         for g in range(meta.num_row_groups):
           self._groups.append((f_idx, g))
           counts.append(meta.row_group(g).num_rows)
@@ -286,12 +233,12 @@ class ParquetFiles:
     g = bisect.bisect_right(self._cum, index) - 1
     if self._cache is None or self._cache[0] != g:
       f_idx, group = self._groups[g]
-      with _open(self.paths[f_idx]) as f:
+      with files.open_binary(self.paths[f_idx]) as f:
         column = pq.ParquetFile(f).read_row_group(group, columns=[self.field]).column(0)
       self._cache = (g, column.to_pylist())
     value = self._cache[1][index - self._cum[g]]
     if isinstance(value, bytes):
-      value = decode_utf8(value, self.paths[self._groups[g][0]])
+      value = files.decode_utf8(value, self.paths[self._groups[g][0]])
     return value if isinstance(value, str) else ""
 
 
@@ -308,7 +255,8 @@ class ArrayRecordFiles:
     return len(self._source)
 
   def __getitem__(self, index: int) -> str:
-    return decode_utf8(self._source[index], f"{self.name}[{index}]")
+    # One warning per source (its records do not say which file they came from).
+    return files.decode_utf8(self._source[index], f"arrayrecord source {self.name!r}")
 
 
 def stdlib_files() -> list[str]:
@@ -351,7 +299,7 @@ class Builtin:
     if self.kind == "prose" and index in self._prose_cache:
       return self._prose_cache[index]
     with open(path, "rb") as f:
-      source = decode_utf8(f.read(), path)
+      source = files.decode_utf8(f.read(), path)
     if self.kind == "code":
       return source
     # Parsing a module costs ~4 ms; all prose is ~2.5 MB, so keep it once parsed.

@@ -168,8 +168,11 @@ def test_planted_duplicates_are_removed_and_nothing_else(tmp_path):
   assert by_id["shares-one-line"]["text"] == "\n".join(originals["shares-one-line"].split("\n")[1:])
   stages = {s["stage"]: s for s in stats["stages"]}
   assert stages["read"]["docs_in"] == sum(len(s) for s in shards)
-  assert stages["minhash"]["docs_in"] - stages["minhash"]["docs_out"] == 2
-  assert stages["min_length"]["docs_out"] == len(expect) + 2
+  # Whole documents first: the three exact and two near copies go at the MinHash stage, as documents.
+  assert stages["minhash"]["docs_in"] - stages["minhash"]["docs_out"] == 5
+  assert (stats["minhash"]["exact_duplicates"], stats["minhash"]["near_duplicates"]) == (3, 2)
+  assert stages["paragraph_dedup"]["docs_in"] == stages["paragraph_dedup"]["docs_out"] == len(expect)
+  assert stats["paragraph_dedup"]["duplicates"] == 1  # the sharer's shared line
 
 
 def test_paragraph_dedup_is_first_occurrence_wins_and_min_length_applies(tmp_path):
@@ -179,3 +182,32 @@ def test_paragraph_dedup_is_first_occurrence_wins_and_min_length_applies(tmp_pat
                                     "dedup.bloom_expected": 10_000}))
   ids = {r["id"] for r in _outputs(tmp_path / "out")}
   assert ids == expect | {"near-copy", "near-copy-of-first"}
+
+
+def test_paragraphs_of_a_removed_near_copy_hide_nothing(tmp_path):
+  """A near copy removed as a document takes no part in paragraph dedup: a paragraph it added is still new when a
+  later document holds it (with the old order, paragraph dedup first, the copy's remnant claimed it)."""
+  rng = random.Random(5)
+  original = _doc(rng, lines=6)
+  extra = _line(rng)
+  lines = original.split("\n")
+  near = "\n".join(lines[:5] + [lines[5][:-1] + " too.", extra])  # Jaccard ~0.8 with the original
+  later = _line(rng) + "\n" + extra + "\n" + _line(rng)
+  assert 0.8 <= _shingle_jaccard(original, near) < 0.95
+  with open(tmp_path / "in-0.jsonl", "w") as f:
+    for doc_id, text in (("original", original), ("near", near), ("later", later)):
+      f.write(json.dumps({"id": doc_id, "text": text}) + "\n")
+  stats = pipeline.run(_config(tmp_path))
+  by_id = {r["id"]: r["text"] for r in _outputs(tmp_path / "out")}
+  assert set(by_id) == {"original", "later"} and by_id["later"] == later
+  assert stats["minhash"]["near_duplicates"] == 1 and stats["paragraph_dedup"]["duplicates"] == 0
+
+
+def test_documents_without_words_are_not_near_duplicates_of_each_other():
+  hasher = minhash.MinHasher(5, 4, 2)
+  texts = ["!!!\n...", "---", "a real sentence with enough words to shingle", "a real sentence with enough words to shingle"]
+  signatures = hasher.signatures(texts)
+  bands = hasher.band_hashes(signatures)
+  valid = np.array([bool(textlib.words(textlib.normalize_for_hash(t))) for t in texts])
+  assert minhash.resolve(bands, signatures, 0.8, valid=valid).tolist() == [False, False, False, True]
+  assert minhash.resolve(bands, signatures, 0.8).tolist() == [False, True, False, True]  # what `valid` prevents

@@ -77,8 +77,28 @@ def test_rules_that_depend_on_language_and_script():
   assert quality.check(no_stop_words, "de", _cfg()) is None  # the stop-word list is English
   chinese = ("图书馆每天早上九点开门，大多数学生会在第一节课之前到达。下雨的时候阅览室总是坐满了人，所以最好早点来，"
              "在窗边找一个安静的座位。图书馆的工作人员都很热情，愿意帮助大家寻找旧报纸和珍贵的地图。")
-  assert quality.check(chinese, "zh", _cfg()) is None  # no spaces: one word per character
+  assert quality.check(chinese, "zh", _cfg()) is None  # no spaces: words of characters
   assert quality.check(chinese[:30], "zh", _cfg()) == "min_words"
+
+
+def test_repetition_rules_judge_japanese_as_its_translation_and_still_catch_spam():
+  """Technical Japanese repeats a five-character katakana word ("package") as English repeats one word: the
+  n-gram rules must span words, not single characters, while a repeated sales line still fails."""
+  japanese = ("Debianでは、パッケージの管理にaptを使います。新しいパッケージをインストールするときは、まずパッケージの一覧を"
+              "更新してください。パッケージの依存関係は自動的に解決されるので、必要なパッケージもいっしょにインストールされ"
+              "ます。不要になったパッケージは、設定ファイルも含めて削除できます。古いパッケージを残しておくと、ディスクの容量"
+              "が足りなくなることがあります。")
+  english = ("On Debian, packages are managed with apt. Before you install a new package, first update the list of "
+             "packages. The dependencies of a package are resolved automatically, so the packages it needs are "
+             "installed with it. A package you no longer need can be removed together with its configuration files. "
+             "If you keep old packages around, the disk may run out of space.")
+  spam = "欢迎访问我们的网站，这里有最好的产品和最低的价格。" * 6
+  assert quality.check(english, "en", _cfg()) is None
+  assert quality.check(japanese, "ja", _cfg()) is None
+  assert quality.check(spam, "zh", _cfg()) is not None
+  per_character = _cfg()
+  per_character.spaceless_chars_per_word = 1  # the rules as they were: one word per character
+  assert quality.check(japanese, "ja", per_character) == "duplicate_5gram"
 
 
 def test_pii_masking():

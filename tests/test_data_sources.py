@@ -38,8 +38,6 @@ def test_glob_that_matches_nothing_names_the_pattern(tmp_path):
   for name in ("sub/b.txt", "a.txt", "c.md"):
     (tmp_path / name).write_text(name)
   assert sources.expand_glob(str(tmp_path / "**" / "*.txt")) == [str(tmp_path / "a.txt"), str(tmp_path / "sub/b.txt")]
-  # Remote (etils.epath) patterns are globbed below their literal directory prefix.
-  assert sources._split_glob("gs://bucket/d/*/x-*.jsonl") == ("gs://bucket/d", "*/x-*.jsonl")
 
 
 def test_text_files_and_invalid_utf8(tmp_path, caplog):

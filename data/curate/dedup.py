@@ -1,11 +1,14 @@
 """Exact paragraph deduplication across all shards (CCNet's semantics: the first occurrence of a paragraph wins).
 
 Pass 1 stores each shard's paragraph hashes (uint64). `resolve_paragraphs` then walks the shards in input order
-with one bounded set of the hashes seen so far and writes, per shard, which paragraphs to keep. Because the
-resolution is sequential in shard order, the result does not depend on the executor or the number of workers.
+with one bounded set of the hashes seen so far and writes, per shard, which paragraphs to keep. Paragraphs of
+documents already removed as near duplicates take no part: they neither survive nor hide a later paragraph.
+Because the resolution is sequential in shard order, the result does not depend on the executor or the number of
+workers.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Callable, Sequence
 
@@ -94,12 +97,24 @@ def make_hash_set(kind: str, expected: int = 0, error_rate: float = 1e-6):
   raise ValueError(f"dedup.hash_set {kind!r} unknown; use exact or bloom")
 
 
-def keep_mask(hashes: np.ndarray, seen) -> np.ndarray:
+def document_hash(paragraph_hashes: np.ndarray) -> int:
+  """A 64-bit hash of a whole normalised document from its uint64 paragraph hashes (blank paragraphs, hash 0,
+  ignored); 0 for a document with no text. Equal for documents that differ only in what normalisation drops."""
+  words = paragraph_hashes[paragraph_hashes != 0]
+  if not words.size:
+    return 0
+  return int.from_bytes(hashlib.blake2b(words.astype("<u8").tobytes(), digest_size=8).digest(), "little") or 1
+
+
+def keep_mask(hashes: np.ndarray, seen, survives: np.ndarray | None = None) -> np.ndarray:
   """bool [n] for one shard's paragraph hashes in document order: True for a paragraph whose hash is 0 (nothing
   to compare) or that occurs here for the first time (not in `seen`, not earlier in this shard). Adds the
-  shard's hashes to `seen`."""
+  shard's hashes to `seen`. `survives` (bool [n]): False for paragraphs of removed documents, which are neither
+  kept nor added."""
   keep = hashes == 0
-  nonzero = np.flatnonzero(~keep)
+  if survives is not None:
+    keep &= survives
+  nonzero = np.flatnonzero((hashes != 0) if survives is None else (hashes != 0) & survives)
   if nonzero.size:
     values = hashes[nonzero]
     uniq, first = np.unique(values, return_index=True)
@@ -109,16 +124,18 @@ def keep_mask(hashes: np.ndarray, seen) -> np.ndarray:
   return keep
 
 
-def resolve_paragraphs(load_hashes: Callable[[int], np.ndarray], num_shards: int, seen,
+def resolve_paragraphs(load_hashes: Callable[[int], tuple[np.ndarray, np.ndarray]], num_shards: int, seen,
                        save_keep: Callable[[int, np.ndarray], None]) -> dict:
-  """Sequential global resolution in shard order; returns {'paragraphs', 'duplicates', 'set_bytes'}."""
+  """Sequential global resolution in shard order. `load_hashes(shard)` -> (uint64 [n] paragraph hashes, bool [n]
+  whether the paragraph's document survives near-duplicate removal). Returns {'paragraphs' (of surviving
+  documents), 'duplicates', 'set_bytes'}."""
   total = dups = 0
   for shard in range(num_shards):
-    hashes = load_hashes(shard)
-    keep = keep_mask(hashes, seen)
+    hashes, survives = load_hashes(shard)
+    keep = keep_mask(hashes, seen, survives)
     save_keep(shard, keep)
-    total += hashes.size
-    dups += int((~keep).sum())
+    total += int(survives.sum())
+    dups += int((survives & ~keep).sum())
   return {"paragraphs": total, "duplicates": dups, "set_bytes": int(seen.nbytes)}
 
 

@@ -121,21 +121,23 @@ def _find(parent: np.ndarray, i: int) -> int:
   return i
 
 
-def resolve(band_hashes: np.ndarray, signatures, threshold: float) -> np.ndarray:
+def resolve(band_hashes: np.ndarray, signatures, threshold: float, valid: np.ndarray | None = None) -> np.ndarray:
   """bool [num_docs]: True for documents to drop as near duplicates of an earlier document.
 
   `band_hashes` uint64 [num_docs, bands], rows in global input order; `signatures` the matching uint32
   [num_docs, bands*rows] array, or a function from global row indices to those rows (so that only candidates'
-  signatures need to be in memory). Each document is compared with the first document of each of its buckets
-  (one per band)."""
+  signatures need to be in memory); `valid` bool [num_docs], False for documents that take no part (no words:
+  their empty signatures would all match). Each document is compared with the first document of each of its
+  buckets (one per band)."""
   num_docs = band_hashes.shape[0]
+  index = np.arange(num_docs) if valid is None else np.flatnonzero(valid)
   pairs = []
   for b in range(band_hashes.shape[1]):
-    _, first, inverse = np.unique(band_hashes[:, b], return_index=True, return_inverse=True)
+    _, first, inverse = np.unique(band_hashes[index, b], return_index=True, return_inverse=True)
     rep = first[inverse.ravel()]
-    later = np.flatnonzero(rep != np.arange(num_docs))
+    later = np.flatnonzero(rep != np.arange(index.size))
     if later.size:
-      pairs.append(np.stack([rep[later], later], axis=1))
+      pairs.append(np.stack([index[rep[later]], index[later]], axis=1))
   if not pairs:
     return np.zeros(num_docs, dtype=bool)
   pairs = np.unique(np.concatenate(pairs), axis=0)

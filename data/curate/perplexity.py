@@ -13,8 +13,8 @@ import re
 
 import numpy as np
 
+from data import files
 from data.curate import ngram_lm
-from data.curate import readers
 from data.curate import text as textlib
 
 log = logging.getLogger(__name__)
@@ -37,8 +37,9 @@ def reference_groups(entries) -> dict[str, list[str]]:
 
 def _reference_lines(patterns: list[str], fmt: str, max_lines: int) -> list[str]:
   lines: list[str] = []
-  for path in readers.expand_inputs(patterns):
-    for record in readers.read_shard(path, fmt, text_mode="line"):
+  for path in files.expand(patterns, "perplexity.reference"):
+    for record in files.read_documents(path, fmt, text_mode="line", format_key="perplexity.reference_format",
+                                       field_key="perplexity.reference (JSONL/Parquet: the `text` field)"):
       lines += textlib.lines_for_lm(record["text"])
       if len(lines) >= max_lines:
         return lines[:max_lines]

@@ -1,11 +1,18 @@
 """The curation pipeline: three passes over the shards with two deterministic global steps between them.
 
-  pass 1  (per shard)  paragraph hashes                             -> _work/hashes/NNNNN.npy
-  global              first occurrence wins, in shard order          -> _work/keep/NNNNN.npy
-  pass 2  (per shard)  dedup, min length, MinHash signatures, language, quality, perplexity, PII masking
-                                                                     -> _work/scored/NNNNN.jsonl (+ .npz)
-  global              near-duplicate groups, per-language perplexity cutoffs  -> _work/global.json
-  pass 3  (per shard)  apply the decisions in CCNet's stage order, bucket -> DIR/<lang>/<bucket>/part-NNNNN.jsonl
+  pass 1  (per shard)  paragraph hashes; MinHash signatures of each whole normalised document
+                                                 -> _work/hashes/NNNNN.npz, _work/signatures/NNNNN.{npz,npy}
+  global              near-duplicate documents (the earliest of each group survives), then paragraph dedup of
+                      the survivors (first occurrence wins), both in shard order
+                                                 -> _work/neardup/NNNNN.npy, _work/keep/NNNNN.npy
+  pass 2  (per shard)  dedup, min length, language, quality, perplexity, PII masking
+                                                 -> _work/scored/NNNNN.jsonl (+ .npz)
+  global              per-language perplexity cutoffs                  -> _work/global.json
+  pass 3  (per shard)  apply the decisions in stage order, bucket     -> DIR/<lang>/<bucket>/part-NNNNN.jsonl
+
+Near duplicates are decided on whole documents before any paragraph is removed (the order of RefinedWeb and
+datatrove): a near copy shares most paragraphs with its original, and once paragraph dedup has taken those, the
+remnant no longer resembles the original document.
 
 Every per-shard result is written to a temporary file and renamed, then a marker `_work/<pass>/NNNNN.done`
 (holding the shard's stage counts) is written; a re-run skips shards with a marker, so a crash loses no finished
@@ -24,13 +31,13 @@ import types
 import ml_collections
 import numpy as np
 
+from data import files as datafiles
 from data.curate import dedup
 from data.curate import executors
 from data.curate import minhash
 from data.curate import perplexity as ppl
 from data.curate import pii
 from data.curate import quality
-from data.curate import readers
 from data.curate import stats as statslib
 from data.curate import text as textlib
 
@@ -59,6 +66,14 @@ def _atomic_save(path: str, array: np.ndarray) -> None:
   os.replace(tmp, path)
 
 
+def _atomic_savez(path: str, **arrays: np.ndarray) -> None:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "wb") as f:
+    np.savez(f, **arrays)
+  os.replace(tmp, path)
+
+
 def _marker(work: str, step: str, shard: int) -> str:
   return os.path.join(work, step, f"{shard:05d}.done")
 
@@ -81,36 +96,66 @@ def _config(cfg_dict: dict) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(cfg_dict)
 
 
-def _docs(cfg, path: str):
-  return readers.read_shard(path, cfg.input_format, cfg.text_mode, cfg.id_field, cfg.text_field)
+def _docs(cfg, path: str, report: bool = True, problems: datafiles.Problems | None = None):
+  return datafiles.read_documents(path, cfg.input_format, text_mode=cfg.text_mode, id_field=cfg.id_field,
+                                  text_field=cfg.text_field, strict=cfg.strict, problems=problems, report=report)
 
 
 # ---------------------------------------------------------------------------------------------- pass 1
 def hash_shard(cfg_dict: dict, path: str, shard: int, work: str) -> dict:
-  """Pass 1: the uint64 hashes of every paragraph of the shard, in document order."""
+  """Pass 1: per document, the uint64 hashes of its paragraphs (in order), their number, a hash of the whole
+  normalised document and, with MinHash on, the signature of the whole normalised document and its band hashes."""
   cfg = _config(cfg_dict)
-  parts = [textlib.paragraph_hashes(doc["text"]) for doc in _docs(cfg, path)]
+  hasher = _hasher(cfg)
+  parts, signatures, bands = [], [], []
+  batch: list[str] = []
+
+  def flush():
+    if batch and hasher is not None:
+      signatures.append(hasher.signatures(batch))
+      bands.append(hasher.band_hashes(signatures[-1]))
+    batch.clear()
+
+  for doc in _docs(cfg, path, report=False):  # pass 2 reads the shard again and reports its problems
+    parts.append(textlib.paragraph_hashes(doc["text"]))
+    batch.append(doc["text"])
+    if len(batch) >= _BATCH:
+      flush()
+  flush()
   hashes = np.concatenate(parts) if parts else np.zeros(0, np.uint64)
-  _atomic_save(os.path.join(work, "hashes", f"{shard:05d}.npy"), hashes)
+  counts = np.array([p.size for p in parts], np.int64)
+  _atomic_savez(os.path.join(work, "hashes", f"{shard:05d}.npz"), hashes=hashes, counts=counts,
+                documents=np.array([dedup.document_hash(p) for p in parts], np.uint64))
+  if hasher is not None:
+    num_perm = hasher.bands * hasher.rows
+    _atomic_save(os.path.join(work, "signatures", f"{shard:05d}.npy"),
+                 np.concatenate(signatures or [np.zeros((0, num_perm), np.uint32)]))
+    _atomic_savez(os.path.join(work, "signatures", f"{shard:05d}.npz"),
+                  bands=np.concatenate(bands or [np.zeros((0, hasher.bands), np.uint64)]))
   return _mark(work, "hash", shard, {"documents": len(parts), "paragraphs": int(hashes.size)})
+
+
+def _hasher(cfg) -> minhash.MinHasher | None:
+  if not cfg.minhash.enabled:
+    return None
+  return minhash.MinHasher(cfg.minhash.shingle_size, cfg.minhash.bands, cfg.minhash.rows, cfg.minhash.seed)
 
 
 # ---------------------------------------------------------------------------------------------- pass 2
 def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) -> dict:
-  """Pass 2: per document, paragraph dedup and min length (stages 1-2), then for the survivors the MinHash
-  signature, language, quality verdict, perplexity and PII masking, written to _work/scored/NNNNN.jsonl."""
+  """Pass 2: per document, the near-duplicate verdict of the global step (stage 1), paragraph dedup and min length
+  (stages 2-3), then for the survivors the language, quality verdict, perplexity and PII masking, written to
+  _work/scored/NNNNN.jsonl."""
   cfg = _config(cfg_dict)
   from data.curate import langid  # fastText loads only where it is used
   identifier = langid.LanguageIdentifier(cfg.langid.model) if cfg.langid.enabled else None
-  hasher = (minhash.MinHasher(cfg.minhash.shingle_size, cfg.minhash.bands, cfg.minhash.rows, cfg.minhash.seed)
-            if cfg.minhash.enabled else None)
   scorer = ppl.Scorer(models) if cfg.perplexity.enabled else None
   keep = np.load(os.path.join(work, "keep", f"{shard:05d}.npy")) if cfg.dedup.enabled else None
   keep_flags = keep.tolist() if keep is not None else None  # list slices per document: cheaper than numpy ones
+  near = (np.load(os.path.join(work, "neardup", f"{shard:05d}.npy")).tolist() if cfg.minhash.enabled else None)
   counter = statslib.StageCounter()
   # Per scored document, in order: the decisions pass 3 applies (the JSON lines carry only the output record).
-  meta = {"language": [], "language_ok": [], "quality": [], "perplexity": [], "chars": [], "chars_out": [],
-          "bands": [], "signatures": []}
+  meta = {"language": [], "language_ok": [], "quality": [], "perplexity": [], "chars": [], "chars_out": []}
   # Plain attribute objects: ConfigDict look-ups in the per-document loops cost more than the rules themselves.
   quality_cfg = types.SimpleNamespace(**cfg.quality.to_dict()) if cfg.quality.enabled else None
   pii_cfg = types.SimpleNamespace(**cfg.pii.to_dict()) if cfg.pii.enabled else None
@@ -120,16 +165,24 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
   os.makedirs(os.path.dirname(out_path), exist_ok=True)
   tmp = f"{out_path}.tmp-{os.getpid()}"
   offset = 0
+  problems = datafiles.Problems()
   with open(tmp, "w", encoding="utf-8") as out:
     batch: list[dict] = []
-    for doc in _docs(cfg, path):
+    for i, doc in enumerate(_docs(cfg, path, problems=problems)):
       text = doc["text"]
-      if keep is not None:
-        n = text.count("\n") + 1
-        deduped = dedup.apply_keep(text, keep_flags[offset:offset + n])
+      n = text.count("\n") + 1
+      if near is not None and near[i]:
         offset += n
+        # Identified only for the per-language counts (near duplicates are a few percent of a crawl).
+        lang = identifier.identify(text)[0] if identifier is not None else "und"
+        counter.add("read", lang, len(text), len(text))
+        counter.add("minhash", lang, len(text), None)
+        continue
+      if keep is not None:
+        deduped = dedup.apply_keep(text, keep_flags[offset:offset + n])
       else:
         deduped = text
+      offset += n
       stripped = deduped.strip("\n")
       blank = not stripped.strip()
       if identifier is not None:
@@ -137,10 +190,12 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
       else:
         lang, score = "und", 0.0
       counter.add("read", lang, len(text), len(text))
+      if near is not None:
+        counter.add("minhash", lang, len(text), len(text))
       counter.add("paragraph_dedup", lang, len(text), None if blank else len(stripped))
       if blank:
         continue
-      long_enough = len(stripped) >= min_length
+      long_enough = textlib.utf8_length(stripped) >= min_length
       counter.add("min_length", lang, len(stripped), len(stripped) if long_enough else None)
       if not long_enough:
         continue
@@ -155,45 +210,34 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
       meta["chars"].append(len(stripped))
       batch.append({"doc": doc, "quality": reason, "language_ok": lang_ok})
       if len(batch) >= _BATCH:
-        _flush(batch, scorer, hasher, pii_cfg, out, meta)
+        _flush(batch, scorer, pii_cfg, out, meta)
         batch = []
-    _flush(batch, scorer, hasher, pii_cfg, out, meta)
-  if keep is not None and offset != keep.size:
-    raise ValueError(f"{path}: {offset} paragraphs read but pass 1 hashed {keep.size}; the input changed during "
+    _flush(batch, scorer, pii_cfg, out, meta)
+  expected = keep.size if keep is not None else None
+  if expected is not None and offset != expected:
+    raise ValueError(f"{path}: {offset} paragraphs read but pass 1 hashed {expected}; the input changed during "
                      "the run: delete the output directory and start again")
   os.replace(tmp, out_path)
-  _save_meta(work, shard, meta, cfg.minhash.bands, cfg.minhash.bands * cfg.minhash.rows)
-  return _mark(work, "score", shard, {"stages": counter.to_dict()})
+  _save_meta(work, shard, meta)
+  return _mark(work, "score", shard, {"stages": counter.to_dict(), "input_problems": problems.to_dict()})
 
 
-def _save_meta(work: str, shard: int, meta: dict, bands: int, num_perm: int) -> None:
-  """_work/scored/NNNNN.npz (band hashes and decisions) and NNNNN.signatures.npy (memory-mapped later)."""
-  arrays = {
-      "bands": np.concatenate(meta["bands"] or [np.zeros((0, bands), np.uint64)]),
-      "language": np.array(meta["language"], dtype=str),
-      "language_ok": np.array(meta["language_ok"], bool),
-      "quality": np.array(meta["quality"], dtype=str),
-      "perplexity": np.array(meta["perplexity"], np.float64),
-      "chars": np.array(meta["chars"], np.int64),
-      "chars_out": np.array(meta["chars_out"], np.int64),
-  }
-  _atomic_save(os.path.join(work, "scored", f"{shard:05d}.signatures.npy"),
-               np.concatenate(meta["signatures"] or [np.zeros((0, num_perm), np.uint32)]))
-  npz = os.path.join(work, "scored", f"{shard:05d}.npz")
-  with open(f"{npz}.tmp-{os.getpid()}", "wb") as f:
-    np.savez(f, **arrays)
-  os.replace(f"{npz}.tmp-{os.getpid()}", npz)
+def _save_meta(work: str, shard: int, meta: dict) -> None:
+  """_work/scored/NNNNN.npz: the per-document decisions pass 3 applies."""
+  _atomic_savez(os.path.join(work, "scored", f"{shard:05d}.npz"),
+                language=np.array(meta["language"], dtype=str),
+                language_ok=np.array(meta["language_ok"], bool),
+                quality=np.array(meta["quality"], dtype=str),
+                perplexity=np.array(meta["perplexity"], np.float64),
+                chars=np.array(meta["chars"], np.int64),
+                chars_out=np.array(meta["chars_out"], np.int64))
 
 
-def _flush(batch: list[dict], scorer, hasher, pii_cfg, out, meta: dict) -> None:
-  """MinHash signatures and perplexity for a batch (grouped by language), PII masking, then one JSON line per
-  document: the output record without its bucket."""
+def _flush(batch: list[dict], scorer, pii_cfg, out, meta: dict) -> None:
+  """Perplexity for a batch (grouped by language), PII masking, then one JSON line per document: the output
+  record without its bucket."""
   if not batch:
     return
-  if hasher is not None:
-    signatures = hasher.signatures([item["doc"]["text"] for item in batch])
-    meta["signatures"].append(signatures)
-    meta["bands"].append(hasher.band_hashes(signatures))
   values = np.full(len(batch), np.nan)
   if scorer is not None:
     by_lang: dict[str, list[int]] = {}
@@ -214,15 +258,14 @@ def _flush(batch: list[dict], scorer, hasher, pii_cfg, out, meta: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------- pass 3
 def write_shard(cfg_dict: dict, shard: int, work: str, output: str, cutoffs: dict) -> dict:
-  """Pass 3: the stage decisions in order (near duplicates, language, quality), the perplexity bucket, and the
+  """Pass 3: the stage decisions in order (language, quality), the perplexity bucket, and the
   output files DIR/<lang>/<bucket>/part-NNNNN.jsonl (all renamed into place only when complete)."""
   cfg = _config(cfg_dict)
   name = f"part-{shard:05d}.jsonl"
   for pattern in (name, name + ".tmp-*"):
     for stale in glob.glob(os.path.join(output, "*", "*", pattern)):
       os.remove(stale)  # left by an attempt that crashed between renames
-  # A list: indexing a numpy array per line returns numpy scalars, several times slower.
-  near = (np.load(os.path.join(work, "neardup", f"{shard:05d}.npy")).tolist() if cfg.minhash.enabled else None)
+  # Lists: indexing a numpy array per line returns numpy scalars, several times slower.
   with np.load(os.path.join(work, "scored", f"{shard:05d}.npz")) as z:
     meta = {k: z[k].tolist() for k in ("language", "language_ok", "quality", "perplexity", "chars", "chars_out")}
   counter = statslib.StageCounter()
@@ -237,10 +280,6 @@ def write_shard(cfg_dict: dict, shard: int, work: str, output: str, cutoffs: dic
     with open(os.path.join(work, "scored", f"{shard:05d}.jsonl"), encoding="utf-8") as f:
       for i, line in enumerate(f):
         lang, n, reason = meta["language"][i], meta["chars"][i], meta["quality"][i]
-        if near is not None:
-          counter.add("minhash", lang, n, None if near[i] else n)
-          if near[i]:
-            continue
         if langid_on:
           counter.add("langid", lang, n, n if meta["language_ok"][i] else None)
           if not meta["language_ok"][i]:
@@ -275,16 +314,21 @@ def write_shard(cfg_dict: dict, shard: int, work: str, output: str, cutoffs: dic
 
 
 # ---------------------------------------------------------------------------------------------- global steps
-def _resolve_near_duplicates(cfg, work: str, num_shards: int) -> dict:
-  """Global MinHash step: writes _work/neardup/NNNNN.npy (bool per scored document) and returns counts."""
-  bands = []
+def _resolve_near_duplicates(cfg, work: str, num_shards: int) -> tuple[dict, list[np.ndarray]]:
+  """Global MinHash step on whole documents: writes _work/neardup/NNNNN.npy (bool per document) and returns
+  (counts, the per-shard drop flags). Exact copies of an earlier document (the same normalised paragraphs) are
+  counted apart from the other near duplicates."""
+  bands, documents = [], []
   for s in range(num_shards):
-    with np.load(os.path.join(work, "scored", f"{s:05d}.npz")) as z:
+    with np.load(os.path.join(work, "signatures", f"{s:05d}.npz")) as z:
       bands.append(z["bands"])
+    with np.load(os.path.join(work, "hashes", f"{s:05d}.npz")) as z:
+      documents.append(z["documents"])
   sizes = [b.shape[0] for b in bands]
   band_hashes = np.concatenate(bands) if bands else np.zeros((0, cfg.minhash.bands), np.uint64)
+  document_hashes = np.concatenate(documents) if documents else np.zeros(0, np.uint64)
   # Signatures stay on disk (memory-mapped): only candidate pairs' rows are read.
-  signatures = [np.load(os.path.join(work, "scored", f"{s:05d}.signatures.npy"), mmap_mode="r")
+  signatures = [np.load(os.path.join(work, "signatures", f"{s:05d}.npy"), mmap_mode="r")
                 for s in range(num_shards)]
   offsets = np.cumsum([0] + sizes)
 
@@ -296,12 +340,29 @@ def _resolve_near_duplicates(cfg, work: str, num_shards: int) -> dict:
       out[mask] = signatures[s][index[mask] - offsets[s]]
     return out
 
-  drop = minhash.resolve(band_hashes, rows, cfg.minhash.threshold)
-  start = 0
-  for s, size in enumerate(sizes):
-    _atomic_save(os.path.join(work, "neardup", f"{s:05d}.npy"), drop[start:start + size])
-    start += size
-  return {"documents": int(drop.size), "near_duplicates": int(drop.sum())}
+  # A document without a word (hash 0: every paragraph normalises to nothing) has no shingle to compare.
+  drop = minhash.resolve(band_hashes, rows, cfg.minhash.threshold, valid=document_hashes != 0)
+  _, first, inverse = np.unique(document_hashes, return_index=True, return_inverse=True)
+  exact = drop & (first[inverse.ravel()] != np.arange(drop.size))
+  per_shard = np.split(drop, offsets[1:-1])
+  for s, flags in enumerate(per_shard):
+    _atomic_save(os.path.join(work, "neardup", f"{s:05d}.npy"), flags)
+  return {"documents": int(drop.size), "duplicates": int(drop.sum()), "exact_duplicates": int(exact.sum()),
+          "near_duplicates": int(drop.sum() - exact.sum())}, per_shard
+
+
+def _resolve_paragraphs(cfg, work: str, num_shards: int, near: list[np.ndarray] | None) -> dict:
+  """Global paragraph step over the documents that are not near duplicates: writes _work/keep/NNNNN.npy."""
+  seen = dedup.make_hash_set(cfg.dedup.hash_set, cfg.dedup.bloom_expected, cfg.dedup.bloom_error_rate)
+
+  def load(s: int) -> tuple[np.ndarray, np.ndarray]:
+    with np.load(os.path.join(work, "hashes", f"{s:05d}.npz")) as z:
+      hashes, counts = z["hashes"], z["counts"]
+    survives = np.repeat(~near[s], counts) if near is not None else np.ones(hashes.size, bool)
+    return hashes, survives
+
+  return dedup.resolve_paragraphs(load, num_shards, seen,
+                                  lambda s, keep: _atomic_save(os.path.join(work, "keep", f"{s:05d}.npy"), keep))
 
 
 def _perplexity_cutoffs(cfg, work: str, num_shards: int) -> dict:
@@ -312,8 +373,6 @@ def _perplexity_cutoffs(cfg, work: str, num_shards: int) -> dict:
       survive = (z["quality"] == "") | (not cfg.quality.enabled)
       if cfg.langid.enabled:
         survive &= z["language_ok"]
-      if cfg.minhash.enabled:
-        survive &= ~np.load(os.path.join(work, "neardup", f"{s:05d}.npy"))
       for lang in np.unique(z["language"][survive]):
         by_lang.setdefault(str(lang), []).append(z["perplexity"][survive & (z["language"] == lang)])
   out = {}
@@ -327,7 +386,7 @@ def _perplexity_cutoffs(cfg, work: str, num_shards: int) -> dict:
 # ---------------------------------------------------------------------------------------------- driver
 def _fingerprint(cfg, files: list[str]) -> dict:
   settings = {k: v for k, v in cfg.to_dict().items() if k not in _EXECUTION_KEYS}
-  inputs = [[f, os.path.getsize(f)] for f in files]
+  inputs = [[f, datafiles.size(f)] for f in files]
   return json.loads(json.dumps({"settings": settings, "inputs": inputs}))
 
 
@@ -350,7 +409,7 @@ def validate(cfg) -> None:
   """Clear errors for settings that cannot work, before anything runs."""
   if not cfg.output:
     raise ValueError("no output directory: pass --output DIR")
-  choices = {"input_format": ("auto",) + readers.FORMATS, "text_mode": ("blank_line", "line", "file"),
+  choices = {"input_format": ("auto",) + datafiles.FORMATS, "text_mode": datafiles.TEXT_MODES,
              "executor": ("local", "ray"), "dedup.hash_set": ("exact", "bloom"),
              "perplexity.smoothing": ("kneser_ney", "stupid_backoff")}
   for key, allowed in choices.items():
@@ -381,7 +440,19 @@ def run(cfg: ml_collections.ConfigDict, executor=None) -> dict:
   `executor`: anything with `map(fn, args)` and `close()` (`executors.LocalExecutor`, `RayExecutor`); by default
   one made from the config and closed at the end."""
   validate(cfg)
-  files = readers.expand_inputs(cfg.input)
+  notices = []
+  if cfg.perplexity.enabled and not ppl.reference_groups(cfg.perplexity.reference) and not cfg.perplexity.arpa:
+    # A model trained on the input itself would rank documents by how typical they are of the crawl, raising its
+    # most repeated boilerplate to the head: the opposite of CCNet's "close to Wikipedia". So no model: skip.
+    notices.append("perplexity stage skipped: no perplexity.reference (or perplexity.arpa) is given, so every "
+                   "document goes to bucket 'all'; give a reference corpus such as a Wikipedia dump, e.g. "
+                   "--config.perplexity.reference=\"('en=wiki/en/*.txt',)\" (see docs/curation.md)")
+    log.warning(notices[-1])
+    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    cfg.perplexity.enabled = False
+  if not cfg.input:
+    raise ValueError("no input given: pass --input GLOB (e.g. --input 'crawl/*.jsonl')")
+  files = datafiles.expand(cfg.input, "input")
   output = os.path.abspath(cfg.output)
   work = os.path.join(output, WORK)
   os.makedirs(work, exist_ok=True)
@@ -389,16 +460,16 @@ def run(cfg: ml_collections.ConfigDict, executor=None) -> dict:
   own_executor = executor is None
   executor = executor or executors.make_executor(cfg)
   try:
-    return _run(cfg, executor, files, output, work)
+    return _run(cfg, executor, files, output, work, notices)
   finally:
     if own_executor:
       executor.close()
 
 
-def _run(cfg, executor, files: list[str], output: str, work: str) -> dict:
+def _run(cfg, executor, files: list[str], output: str, work: str, notices: list[str]) -> dict:
   cfg_dict = cfg.to_dict()
   n = len(files)
-  extra: dict = {"input_files": n}
+  extra: dict = {"notices": notices, "input_files": n}
 
   models: dict = {}
   if cfg.perplexity.enabled:
@@ -409,27 +480,25 @@ def _run(cfg, executor, files: list[str], output: str, work: str) -> dict:
     with open(models_path) as f:
       models = json.load(f)
 
-  if cfg.dedup.enabled:
+  if cfg.dedup.enabled or cfg.minhash.enabled:
     _run_pass(executor, work, "hash", n, hash_shard, lambda s: (cfg_dict, files[s], s, work))
     resolved = os.path.join(work, "keep", "resolved.json")
     if not os.path.exists(resolved):
-      seen = dedup.make_hash_set(cfg.dedup.hash_set, cfg.dedup.bloom_expected, cfg.dedup.bloom_error_rate)
-      info = dedup.resolve_paragraphs(
-          lambda s: np.load(os.path.join(work, "hashes", f"{s:05d}.npy")), n, seen,
-          lambda s, keep: _atomic_save(os.path.join(work, "keep", f"{s:05d}.npy"), keep))
+      info, near = {}, None
+      if cfg.minhash.enabled:
+        info["minhash"], near = _resolve_near_duplicates(cfg, work, n)
+      if cfg.dedup.enabled:
+        info["paragraph_dedup"] = _resolve_paragraphs(cfg, work, n, near)
       _atomic_write(resolved, json.dumps(info))
     with open(resolved) as f:
-      extra["paragraph_dedup"] = json.load(f)
+      extra.update(json.load(f))
 
   _run_pass(executor, work, "score", n, score_shard, lambda s: (cfg_dict, files[s], s, work, models))
 
   global_path = os.path.join(work, "global.json")
   if not os.path.exists(global_path):
-    info = {}
-    if cfg.minhash.enabled:
-      info["minhash"] = _resolve_near_duplicates(cfg, work, n)
-    info["cutoffs"] = _perplexity_cutoffs(cfg, work, n) if cfg.perplexity.enabled else {}
-    _atomic_write(global_path, json.dumps(info))
+    cutoffs = _perplexity_cutoffs(cfg, work, n) if cfg.perplexity.enabled else {}
+    _atomic_write(global_path, json.dumps({"cutoffs": cutoffs}))
   with open(global_path) as f:
     info = json.load(f)
   extra.update(info)
@@ -446,9 +515,12 @@ def _summarise(work: str, n: int, extra: dict) -> dict:
   counter = statslib.StageCounter()
   output_counts: dict = {}
   reasons: dict = {}
+  problems: dict = {}
   for s in range(n):
     scored, written = _read_marker(work, "score", s), _read_marker(work, "write", s)
     counter.merge(statslib.StageCounter(scored["stages"]))
+    for kind, count in scored["input_problems"].items():
+      problems[kind] = problems.get(kind, 0) + count
     counter.merge(statslib.StageCounter(written["stages"]))
     for reason, count in written["quality_reasons"].items():
       reasons[reason] = reasons.get(reason, 0) + count
@@ -458,4 +530,5 @@ def _summarise(work: str, n: int, extra: dict) -> dict:
         cell["docs"] += docs
         cell["chars"] += chars
   extra["quality_reasons"] = dict(sorted(reasons.items()))
+  extra["input_problems"] = dict(sorted(problems.items()))
   return statslib.summarise(counter, {k: output_counts[k] for k in sorted(output_counts)}, extra)

@@ -1,8 +1,12 @@
 """Heuristic quality filters: Gopher's rules (Rae et al. 2021, appendix A) and C4's document-level rules.
 
-Words come from `text.words`, which counts each character of a script written without spaces (Chinese,
-Japanese, Thai, ...) as one word; for documents mostly in such scripts the mean-word-length rule is skipped, so
-those languages are not thrown away. The stop-word rule applies only to the languages it has a list for.
+Words come from `text.words`, which splits a script written without spaces (Chinese, Japanese, Thai, ...) into
+single characters. For a document mostly in such scripts, `spaceless_chars_per_word` characters count as one word
+in the word-count rules and the n-gram rules span that many times more characters (a word of Chinese or Japanese
+is about two characters: counted one per character, Japanese technical prose, where one katakana word is five
+characters, repeats 5-"grams" far more often than its translations repeat 5-word n-grams); the mean-word-length
+rule is skipped. So those languages are judged as their translations are. The stop-word rule applies only to the
+languages it has a list for.
 """
 from __future__ import annotations
 
@@ -125,12 +129,18 @@ def check(text: str, language: str, cfg) -> str | None:
     words = text.split() if spaced else textlib.words(text)
     lowered = list(map(str.lower, words))
   n = len(words)
+  # Word counts and n-gram spans in the units of a spaced language (1 for those).
+  spaceless = 0.0 if spaced else textlib.spaceless_fraction(words)
+  mostly_spaceless = spaceless >= 0.5
+  per_word = cfg.spaceless_chars_per_word if mostly_spaceless else 1
+  if mostly_spaceless:
+    n = n * (1 - spaceless) + n * spaceless / per_word
   if n < cfg.min_words:
     return "min_words"
   if cfg.max_words and n > cfg.max_words:
     return "max_words"
   total_chars = len("".join(words))
-  if spaced or textlib.spaceless_fraction(words) < 0.5:
+  if not mostly_spaceless:
     mean = total_chars / n
     if mean < cfg.min_mean_word_length or mean > cfg.max_mean_word_length:
       return "mean_word_length"
@@ -148,7 +158,7 @@ def check(text: str, language: str, cfg) -> str | None:
     with_alpha = n - len(_NO_ALPHA_TOKEN_RE.findall(text))
   else:
     with_alpha = len(list(filter(None, map(_ALPHA_RE.search, words))))
-  if with_alpha / n < cfg.min_alpha_words_fraction:
+  if with_alpha / len(words) < cfg.min_alpha_words_fraction:
     return "alpha_words"
   stop = STOP_WORDS.get(language)
   if stop is not None and cfg.min_stop_words and sum(map(stop.__contains__, lowered)) < cfg.min_stop_words:
@@ -160,14 +170,14 @@ def check(text: str, language: str, cfg) -> str | None:
   para_frac, para_char_frac = _duplicate_stats(paras)
   if para_frac > cfg.max_duplicate_paragraph_fraction or para_char_frac > cfg.max_duplicate_paragraph_char_fraction:
     return "duplicate_paragraphs"
-  top_sizes = [int(size) for size, _ in cfg.max_top_ngram_fraction]
-  dup_sizes = [(int(size), limit) for size, limit in cfg.max_duplicate_ngram_fraction]
+  top_sizes = [round(size * per_word) for size, _ in cfg.max_top_ngram_fraction]
+  dup_sizes = [(round(size * per_word), limit) for size, limit in cfg.max_duplicate_ngram_fraction]
   smallest = min(s for s, _ in dup_sizes) if dup_sizes else 0
   # The repeated n-grams of every size up to the largest either rule needs, computed once for both.
   levels = list(_repeated_ngram_levels(lowered, max(top_sizes + [smallest])))
   top = _top_ngram_fractions(lowered, top_sizes, total_chars, levels)
-  for size, limit in cfg.max_top_ngram_fraction:
-    if top[int(size)] > limit:
+  for (size, limit), span in zip(cfg.max_top_ngram_fraction, top_sizes):
+    if top[span] > limit:
       return f"top_{int(size)}gram"
   # A repeated n-gram contains a repeated shorter one: if no smallest-size n-gram repeats, none repeats.
   if dup_sizes and len(lowered) >= smallest:
@@ -177,9 +187,9 @@ def check(text: str, language: str, cfg) -> str | None:
       grams = list(zip(*(lowered[i:] for i in range(smallest))))
       repeats = len(set(grams)) < len(grams)
     if repeats:
-      for size, limit in dup_sizes:
-        if _duplicate_ngram_fraction(lowered, size, total_chars) > limit:
-          return f"duplicate_{size}gram"
+      for (size, _), (span, limit) in zip(cfg.max_duplicate_ngram_fraction, dup_sizes):
+        if _duplicate_ngram_fraction(lowered, span, total_chars) > limit:
+          return f"duplicate_{int(size)}gram"
   # C4 (Raffel et al. 2020), at the document level.
   if cfg.c4_lorem_ipsum and "lorem ipsum" in lower_text:
     return "lorem_ipsum"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-STAGES = ("read", "paragraph_dedup", "min_length", "minhash", "langid", "quality", "perplexity", "pii")
+STAGES = ("read", "minhash", "paragraph_dedup", "min_length", "langid", "quality", "perplexity", "pii")
 _FIELDS = ("docs_in", "chars_in", "docs_out", "chars_out")
 
 
@@ -56,8 +56,10 @@ def _fmt(n: int) -> str:
 def table(summary: dict) -> str:
   """Markdown tables: every stage (documents and characters in/out), documents out per language and stage, and
   the output per language and bucket."""
-  lines = ["## Stages", "", "| stage | docs in | docs out | chars in | chars out | docs kept |",
-           "|---|---:|---:|---:|---:|---:|"]
+  lines = [f"Notice: {notice}" for notice in summary.get("notices", ())]
+  lines += [""] if lines else []
+  lines += ["## Stages", "", "| stage | docs in | docs out | chars in | chars out | docs kept |",
+            "|---|---:|---:|---:|---:|---:|"]
   for s in summary["stages"]:
     kept = f"{100 * s['docs_out'] / s['docs_in']:.1f}%" if s["docs_in"] else "-"
     lines.append(f"| {s['stage']} | {_fmt(s['docs_in'])} | {_fmt(s['docs_out'])} | {_fmt(s['chars_in'])} | "

@@ -1,0 +1,345 @@
+"""Reading input files: the one layer under the training sources (`data/sources.py`) and curation (`data/curate/`).
+
+Paths are local globs (`**` works) or etils.epath URLs (`gs://bucket/dir/*.jsonl`); a file ending in `.gz` is
+decompressed on the fly. One set of rules for bad input, wherever it is read:
+
+- a pattern that matches no file: FileNotFoundError naming the pattern and the config key;
+- invalid UTF-8: replaced by U+FFFD, counted, and warned once per file with the count;
+- an unparseable JSON line, or a record whose text field is missing or not a string: skipped, counted, and warned
+  once per file (naming the first one's location and what it holds); with `strict` a ValueError instead;
+- a Parquet file without the text column: ValueError listing its columns.
+
+Counts go to `COUNTERS` (process-local) and, for streamed files, to the `Problems` object the caller passes.
+"""
+from __future__ import annotations
+
+import collections
+import glob as glob_lib
+import gzip
+import io
+import json
+import logging
+import os
+from typing import Iterator, Sequence
+
+log = logging.getLogger(__name__)
+
+# Formats of `read_documents` (streamed, one file after the other).
+FORMATS = ("jsonl", "parquet", "text", "wet")
+TEXT_MODES = ("blank_line", "line", "file")
+_REPLACEMENT = "\ufffd".encode()
+
+# Process-local counts of input problems: invalid_utf8_documents, invalid_utf8_sequences, unparseable_records,
+# records_without_text. Worker processes keep their own; the warnings in the log are the cross-process record.
+COUNTERS: collections.Counter = collections.Counter()
+_WARNED: set = set()
+
+
+def warn_once(key, message: str) -> None:
+  """Logs `message` the first time `key` is seen in this process."""
+  if key not in _WARNED:
+    _WARNED.add(key)
+    log.warning(message)
+
+
+def _split_glob(pattern: str) -> tuple[str, str]:
+  """'gs://b/d/*/x.jsonl' -> ('gs://b/d', '*/x.jsonl'): the literal directory prefix and the glob remainder."""
+  parts = pattern.split("/")
+  for i, part in enumerate(parts):
+    if any(c in part for c in "*?["):
+      return "/".join(parts[:i]), "/".join(parts[i:])
+  return pattern, ""
+
+
+def expand(patterns: str | Sequence[str], key: str) -> list[str]:
+  """Sorted, de-duplicated files matching a glob, a comma-separated string of globs, or a sequence of globs
+  (local, or etils.epath URLs such as gs://b/d/*.jsonl). `key` names the setting in errors.
+
+  Raises FileNotFoundError naming the pattern when one matches nothing (almost always a typo)."""
+  if isinstance(patterns, str):
+    patterns = patterns.split(",")
+  found: set[str] = set()
+  for pattern in (p.strip() for p in patterns):
+    if not pattern:
+      continue
+    if "://" in pattern:
+      from etils import epath  # lazy: only remote paths need it
+      head, rest = _split_glob(pattern)
+      paths = [str(p) for p in epath.Path(head).glob(rest)] if rest else (
+          [pattern] if epath.Path(pattern).exists() else [])
+    else:
+      paths = [os.path.abspath(p) for p in glob_lib.glob(os.path.expanduser(pattern), recursive=True)
+               if os.path.isfile(p)]
+    if not paths:
+      raise FileNotFoundError(f"{key}: pattern {pattern!r} matches no file; check the path (and quote the glob "
+                              "so the shell leaves it alone)")
+    found.update(paths)
+  return sorted(found)
+
+
+def open_binary(path: str):
+  """A binary file object for a local path or an etils.epath URL; `.gz` files decompressed."""
+  if "://" in path:
+    from etils import epath
+    raw = epath.Path(path).open("rb")
+  else:
+    raw = open(path, "rb")
+  return gzip.GzipFile(fileobj=raw, mode="rb") if path.endswith(".gz") else raw
+
+
+def read_bytes(path: str) -> bytes:
+  """The whole (decompressed) content of a file."""
+  with open_binary(path) as f:
+    return f.read()
+
+
+def size(path: str) -> int:
+  """Size in bytes of the file as stored (compressed size for .gz)."""
+  if "://" in path:
+    from etils import epath
+    return epath.Path(path).stat().length
+  return os.path.getsize(path)
+
+
+def detect_format(path: str, key: str = "input_format") -> str:
+  """jsonl | parquet | text | wet from the file name (a trailing .gz ignored); `key` is the setting that overrides
+  it, named in the error."""
+  name = path[:-3] if path.endswith(".gz") else path
+  if name.endswith(".wet") or name.endswith(".warc"):
+    return "wet"
+  ext = os.path.splitext(name)[1].lower()
+  if ext in (".jsonl", ".json", ".ndjson"):
+    return "jsonl"
+  if ext in (".parquet", ".pq"):
+    return "parquet"
+  if ext in (".txt", ".text", ".md", ""):
+    return "text"
+  raise ValueError(f"cannot tell the format of {path!r} from its extension; set {key} to one of {', '.join(FORMATS)}")
+
+
+def decode_utf8(data: bytes, path: str, warn: bool = True) -> str:
+  """UTF-8 text with invalid bytes replaced by U+FFFD, counted in COUNTERS; warned once per file (`path`)."""
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError:
+    text = data.decode("utf-8", errors="replace")
+    n = text.count("\ufffd") - data.count(_REPLACEMENT)
+    COUNTERS["invalid_utf8_documents"] += 1
+    COUNTERS["invalid_utf8_sequences"] += n
+    if warn:
+      warn_once(("utf8", path), f"{path}: {n} invalid UTF-8 sequence(s) replaced by U+FFFD (later ones in this "
+                f"file are replaced and counted without a warning)")
+    return text
+
+
+def invalid_utf8_lines(data: bytes) -> tuple[int, int]:
+  """(lines holding invalid UTF-8, invalid sequences in them) of a whole file's bytes; (0, 0) when valid."""
+  try:
+    data.decode("utf-8")
+    return 0, 0
+  except UnicodeDecodeError:
+    pass
+  lines = sequences = 0
+  for line in data.split(b"\n"):
+    try:
+      line.decode("utf-8")
+    except UnicodeDecodeError:
+      lines += 1
+      sequences += line.decode("utf-8", errors="replace").count("\ufffd") - line.count(_REPLACEMENT)
+  return lines, sequences
+
+
+def parse_json(line: str, where: str) -> tuple[object, str]:
+  """(the parsed value, "") or (None, why it is not JSON, naming `where`)."""
+  try:
+    return json.loads(line), ""
+  except json.JSONDecodeError as e:
+    return None, f"{where}: unparseable JSON ({e})"
+
+
+def record_text(record, field: str, where: str) -> tuple[str | None, str]:
+  """(record[field], "") when it is a string, else (None, what is wrong, naming `where`)."""
+  if not isinstance(record, dict):
+    return None, f"{where}: record is a JSON {type(record).__name__}, not an object with a text field {field!r}"
+  if field not in record:
+    return None, f"{where}: record has no text field {field!r} (it has {sorted(record)})"
+  value = record[field]
+  if not isinstance(value, str):
+    return None, f"{where}: text field {field!r} is not a string (it is {type(value).__name__} {str(value)[:40]})"
+  return value, ""
+
+
+class Problems:
+  """Counts of skipped or repaired records of streamed files, per kind (JSON-serialisable via `to_dict`)."""
+
+  def __init__(self):
+    self.counts: collections.Counter = collections.Counter()
+
+  def to_dict(self) -> dict:
+    return dict(sorted(self.counts.items()))
+
+
+class _FileTally:
+  """One streamed file's problems: counted, the first of each kind kept for the one warning at the end."""
+
+  def __init__(self, path: str, strict: bool, hint: str):
+    self.path, self.strict, self.hint = path, strict, hint
+    self.counts: collections.Counter = collections.Counter()
+    self.first: dict[str, str] = {}
+
+  def skip(self, kind: str, message: str) -> None:
+    if self.strict:
+      raise ValueError(f"{message}; {self.hint}")
+    self.counts[kind] += 1
+    self.first.setdefault(kind, message)
+
+  def decode(self, data: bytes) -> str:
+    try:
+      return data.decode("utf-8")
+    except UnicodeDecodeError:
+      text = data.decode("utf-8", errors="replace")
+      self.counts["invalid_utf8_documents"] += 1
+      self.counts["invalid_utf8_sequences"] += text.count("\ufffd") - data.count(_REPLACEMENT)
+      return text
+
+  def close(self, problems: Problems | None, report: bool) -> None:
+    COUNTERS.update(self.counts)
+    if problems is not None:
+      problems.counts.update(self.counts)
+    if not report or not self.counts:
+      return
+    parts = []
+    if self.counts["invalid_utf8_documents"]:
+      parts.append(f"{self.counts['invalid_utf8_documents']} record(s) with invalid UTF-8 "
+                   f"({self.counts['invalid_utf8_sequences']} sequences replaced by U+FFFD)")
+    for kind, label in (("unparseable_records", "unparseable record(s)"),
+                        ("records_without_text", "record(s) without a string text field")):
+      if self.counts[kind]:
+        parts.append(f"{self.counts[kind]} {label} skipped (first: {self.first[kind]})")
+    log.warning("%s: %s", self.path, "; ".join(parts))
+
+
+def read_documents(path: str, fmt: str = "auto", *, text_mode: str = "blank_line", id_field: str = "id",
+                   text_field: str = "text", strict: bool = False, problems: Problems | None = None,
+                   report: bool = True, format_key: str = "input_format",
+                   field_key: str = "text_field") -> Iterator[dict]:
+  """The documents of one file, streamed in file order: dicts with `id` (str) and `text` (str).
+
+  jsonl: a line (other fields kept; `id` from `id_field`, else `file:line`); parquet: a row (likewise,
+  `file:row`); text: a block separated by blank lines, a line, or the whole file (`text_mode`), `file:n`;
+  wet: a Common Crawl `conversion` record (`url`, `date` kept; `id` = WARC-Record-ID). Bad records follow the
+  module's rules; one warning per file at its end when `report`, counts added to `problems`. `format_key` and
+  `field_key` name the settings in errors."""
+  fmt = detect_format(path, format_key) if fmt == "auto" else fmt
+  if fmt not in FORMATS:
+    raise ValueError(f"{format_key}={fmt!r} is not one of auto, {', '.join(FORMATS)}")
+  tally = _FileTally(path, strict, f"set {field_key} to the field holding the text, or fix the file")
+  readers = {"jsonl": _read_jsonl, "parquet": _read_parquet, "text": _read_text, "wet": _read_wet}
+  yield from readers[fmt](path, tally, text_mode=text_mode, id_field=id_field, text_field=text_field)
+  tally.close(problems, report)
+
+
+def _document(record: dict, text: str, default_id: str, id_field: str, text_field: str) -> dict:
+  out = dict(record)
+  del out[text_field]
+  doc_id = out.pop(id_field, None)
+  out["id"] = str(doc_id) if doc_id is not None else default_id
+  out["text"] = text
+  return out
+
+
+def _read_jsonl(path: str, tally: _FileTally, *, id_field: str, text_field: str, **_) -> Iterator[dict]:
+  base = os.path.basename(path)
+  with open_binary(path) as f:
+    for lineno, raw in enumerate(f, 1):
+      if not raw.strip():
+        continue
+      where = f"{path}:{lineno}"
+      record, error = parse_json(tally.decode(raw), where)
+      if error:
+        tally.skip("unparseable_records", error)
+        continue
+      text, error = record_text(record, text_field, where)
+      if error:
+        tally.skip("records_without_text", error)
+        continue
+      yield _document(record, text, f"{base}:{lineno}", id_field, text_field)
+
+
+def _read_parquet(path: str, tally: _FileTally, *, id_field: str, text_field: str, **_) -> Iterator[dict]:
+  import pyarrow.parquet as pq  # lazy: heavy import
+  base = os.path.basename(path)
+  with open_binary(path) as f:
+    parquet = pq.ParquetFile(f)
+    check_parquet_column(parquet.schema_arrow.names, path, text_field, tally.hint)
+    row = 0
+    for batch in parquet.iter_batches(batch_size=1024):
+      for record in batch.to_pylist():
+        value = record[text_field]
+        if isinstance(value, bytes):
+          value = record[text_field] = tally.decode(value)
+        text, error = record_text(record, text_field, f"{path}: row {row}")
+        if error:
+          tally.skip("records_without_text", error)
+        else:
+          yield _document(record, text, f"{base}:{row}", id_field, text_field)
+        row += 1
+
+
+def check_parquet_column(columns: list[str], path: str, field: str, hint: str) -> None:
+  """ValueError listing the columns when a Parquet file has no column `field`."""
+  if field not in columns:
+    raise ValueError(f"{path}: Parquet file has no column {field!r} (it has {columns}); {hint}")
+
+
+def _read_text(path: str, tally: _FileTally, *, text_mode: str, **_) -> Iterator[dict]:
+  if text_mode not in TEXT_MODES:
+    raise ValueError(f"text_mode={text_mode!r} is not one of {', '.join(TEXT_MODES)}")
+  base = os.path.basename(path)
+  with open_binary(path) as f:
+    if text_mode == "file":
+      text = tally.decode(f.read()).replace("\r\n", "\n").strip("\n")
+      if text.strip():
+        yield {"id": f"{base}:0", "text": text}
+      return
+    block: list[str] = []
+    n = 0
+    for raw in f:
+      line = tally.decode(raw).rstrip("\r\n")
+      if text_mode == "line":
+        if line.strip():
+          yield {"id": f"{base}:{n}", "text": line}
+          n += 1
+      elif line.strip():
+        block.append(line)
+      elif block:
+        yield {"id": f"{base}:{n}", "text": "\n".join(block)}
+        n += 1
+        block = []
+    if block:
+      yield {"id": f"{base}:{n}", "text": "\n".join(block)}
+
+
+def _read_wet(path: str, tally: _FileTally, **_) -> Iterator[dict]:
+  with open_binary(path) as f:
+    f = f if isinstance(f, io.BufferedIOBase) else io.BufferedReader(f)
+    while True:
+      line = f.readline()
+      if not line:
+        return
+      if not line.strip():
+        continue
+      if not line.startswith(b"WARC/"):
+        raise ValueError(f"{path}: expected a WARC record header, got {line[:40]!r}; is this a WET file?")
+      headers = {}
+      for header in iter(f.readline, b""):
+        header = header.strip()
+        if not header:
+          break
+        key, _, value = header.decode("utf-8", "replace").partition(":")
+        headers[key.strip().lower()] = value.strip()
+      body = f.read(int(headers.get("content-length", "0")))
+      if headers.get("warc-type") != "conversion":
+        continue
+      yield {"id": headers.get("warc-record-id", "").strip("<>"), "text": tally.decode(body).strip(),
+             "url": headers.get("warc-target-uri", ""), "date": headers.get("warc-date", "")}
