@@ -181,3 +181,9 @@ def test_fastest_search_picks_the_quickest_layout_that_fits(devices):
       "train.remat"]
   # Candidates come least-recompute first: remat none is compiled before full.
   assert search["tried"][0]["overrides"]["train.remat"] == "none"
+
+
+def test_local_topology_needs_a_known_accelerator(capsys):
+  # On this CPU machine the attached devices are CPUs: no data-sheet peak, so no prediction (GPUs are listed).
+  assert aot.main(["--config=tiny", "--topology=local"]) == 2
+  assert "device kind" in capsys.readouterr().err

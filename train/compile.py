@@ -306,7 +306,8 @@ def _parser() -> argparse.ArgumentParser:
       epilog="Also takes --config=FILE (a path or a name under configs/) and --config.SECTION.KEY=VALUE overrides, "
              "as python -m train does.")
   p.add_argument("--topology", required=True,
-                 help="TPU slice: v4-32 (TensorCores; 16 chips), v5p-16, v5e-16, v6e-16 (chips), or raw v4:2x2x4")
+                 help="TPU slice: v4-32 (TensorCores; 16 chips), v5p-16, v5e-16, v6e-16 (chips), raw v4:2x2x4, or "
+                      "local (the attached GPUs, e.g. 8 x H100, compiled by XLA's GPU compiler)")
   p.add_argument("--num_slices", type=int, default=1, help="slices joined over DCN (multi-slice)")
   p.add_argument("--max_compiles", type=int, default=12, help="compile budget of the fit / fastest search")
   p.add_argument("--fastest", action="store_true",
@@ -321,10 +322,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = _parser()
   try:
     config, args = configs.parse(sys.argv[1:] if argv is None else argv, parser)
-    tpu = hardware.tpu_slice(args.topology, args.num_slices)
-    if tpu.num_slices > 1 and config.mesh.dcn_data == 1 and config.mesh.dcn_fsdp == 1:
-      configs.apply_override(config, "mesh.dcn_data", str(tpu.num_slices))  # data parallelism across slices
-    devices = abstract_devices(tpu)
+    if args.topology == "local":  # the attached GPUs (XLA's GPU compiler), predicted with their data sheet
+      import jax
+      devices = jax.devices()
+      tpu = hardware.local_slice(devices)
+    else:
+      tpu = hardware.tpu_slice(args.topology, args.num_slices)
+      if tpu.num_slices > 1 and config.mesh.dcn_data == 1 and config.mesh.dcn_fsdp == 1:
+        configs.apply_override(config, "mesh.dcn_data", str(tpu.num_slices))  # data parallelism across slices
+      devices = abstract_devices(tpu)
     if args.fastest:
       search = fastest(config, tpu, max_compiles=args.max_compiles, devices=devices)
       report = search.pop("report") if search["found"] else compile_step(config, tpu, devices)

@@ -117,7 +117,9 @@ class TpuSlice:
 
   @property
   def torus(self) -> tuple[int, ...]:
-    """Chips along each physical axis of one slice, e.g. (16, 16) for v5e:16x16."""
+    """Chips along each physical axis of one slice, e.g. (16, 16) for v5e:16x16; () for GPUs."""
+    if not self.chip.tpu_family:
+      return ()
     return tuple(int(d) for d in self.topology.split(":")[1].split("x"))
 
 
@@ -186,3 +188,13 @@ def slice_for_chips(chip: Chip | str, chips: int) -> TpuSlice:
       raise ValueError(f"{chips} {chip.tpu_family} chips: beyond one 256-chip slice use multiples of 256")
     return tpu_slice(f"{chip.tpu_family}-256", chips // 256)
   return tpu_slice(f"{chip.tpu_family}-{chips * chip.cores_per_chip}")
+
+
+def local_slice(devices: list) -> TpuSlice:
+  """The attached accelerators (e.g. 8 GPUs of one host) as a slice, for compiling and predicting on them;
+  ValueError when their peak is unknown (a CPU)."""
+  chip = chip_for_device_kind(devices[0].device_kind)
+  if chip is None:
+    raise ValueError(f"--topology=local: no data-sheet figures for device kind {devices[0].device_kind!r}; "
+                     "use a TPU topology (v5e-256, ...) or run on GPUs listed in train/hardware.py")
+  return TpuSlice(chip, f"local:{len(devices)}x{chip.name}", len(devices))
