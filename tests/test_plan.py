@@ -167,3 +167,15 @@ def test_json_numbers_are_exact(capsys):
   r = json.loads(text)
   assert r["params"] == 7e9 and r["tokens"] == 1.4e12 and r["flops"] == 6 * 7e9 * 1.4e12
   assert "000001" not in text and "999999" not in text
+
+
+def test_scale_reports_the_fastest_compiled_layout_per_size(capsys):
+  r = _run(["--config=tiny", "--config.model.dtype=bfloat16", "--chip=tpu_v5e", "--scale", "4,8",
+            "--max_compiles=2", "--json"], capsys)
+  rows = r["scaling"]
+  assert [row["chips"] for row in rows] == [4, 8] and [row["topology"] for row in rows] == ["v5e:2x2", "v5e:2x4"]
+  for row in rows:
+    fitting = [t for t in row["tried"] if t["fits"]]
+    assert row["found"] and row["step_seconds"] == pytest.approx(min(t["step_seconds"] for t in fitting))
+    tokens = row["batch_size"] * 128 / row["chips"]  # tiny: seq_len 128
+    assert row["tokens_per_sec_per_chip"] == pytest.approx(tokens / row["step_seconds"])
