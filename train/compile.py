@@ -1,11 +1,13 @@
 """Ahead-of-time compilation of the real train step for a TPU slice, on a machine without TPUs.
 
 `python -m train.compile --config=llama2_7b --topology=v4-64 [--num_slices=N] [--config.mesh.fsdp=-1 ...]
-[--json]` lowers and compiles `train.step.Trainer(config, mesh).step_fn` (the jitted step that training runs)
-for abstract TPU devices from `jax.experimental.topologies` (libtpu's compiler; no weights are allocated), and
-reports per-chip memory against the chip's HBM, model and compiled FLOPs, collectives by kind and the compile
-time, beside the planner's estimate. When the step does not fit it searches remat policies and grad_accum values
-by compiling them and exits 1 with the lightest candidate that fits. See docs/planning.md.
+[--fastest] [--json]` lowers and compiles `train.step.Trainer(config, mesh).step_fn` (the jitted step that
+training runs) for abstract TPU devices from `jax.experimental.topologies` (libtpu's compiler; no weights are
+allocated), and reports per-chip memory against the chip's HBM, model and compiled FLOPs, collectives by kind,
+the compile time, the planner's estimate, and the predicted step time and MFU (train/predict.py). When the step
+does not fit it searches remat policies and grad_accum values by compiling them and exits 1 with the lightest
+candidate that fits; `--fastest` compiles candidate meshes and remat policies and reports the predicted-fastest
+layout that fits. See docs/planning.md.
 """
 from __future__ import annotations
 
@@ -17,20 +19,33 @@ import os
 import re
 import sys
 import time
+import warnings
 from typing import Sequence
 
 import ml_collections
 
 import configs
-from train import hardware, memory
+from train import hardware, memory, predict
+from train.hlo import collective_ops, collectives  # noqa: F401  (the report's readers, re-exported)
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+class NoTpuCompiler(RuntimeError):
+  """libtpu (the TPU compiler) is missing or cannot describe the requested topology."""
+
+
+def _libtpu_installed() -> bool:
+  import importlib.util
+  return importlib.util.find_spec("libtpu") is not None
 
 
 def abstract_devices(tpu: hardware.TpuSlice) -> list:
-  """The slice's compile-only TPU devices (libtpu must be installed; no TPU needs to be attached)."""
+  """The slice's compile-only TPU devices (libtpu must be installed; no TPU needs to be attached).
+
+  Raises NoTpuCompiler naming the fix when libtpu is missing or rejects the topology.
+  """
+  install = "pip install -c constraints.txt libtpu (or the project's `tpu` extra: pip install -e '.[tpu]')"
+  if not _libtpu_installed():
+    raise NoTpuCompiler(f"ahead-of-time compilation for {tpu.topology} needs the TPU compiler, which is not "
+                        f"installed: {install}")
   from jax.experimental import topologies
   # Compile-only use never owns TPU chips, so several processes (pytest workers, a search) may load libtpu.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -38,118 +53,8 @@ def abstract_devices(tpu: hardware.TpuSlice) -> list:
     return list(topologies.get_topology_desc(platform="tpu", topology_name=tpu.topology,
                                              **tpu.topology_kwargs()).devices)
   except RuntimeError as e:
-    raise RuntimeError(f"cannot build TPU topology {tpu.topology!r}: {e}. Ahead-of-time compilation needs the "
-                       "TPU compiler: pip install -c constraints.txt libtpu") from e
-
-
-# ---- reading the compiled HLO --------------------------------------------------------------------------
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
-_CALLED = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-
-
-def _shape_bytes(shape: str) -> list[int]:
-  """Bytes of each array in an HLO shape string (one entry per tuple element)."""
-  out = []
-  for dtype, dims in _ARRAY.findall(shape):
-    if dtype in _DTYPE_BYTES:
-      out.append(_DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d))
-  return out
-
-
-def _parse_hlo(text: str):
-  comps: dict[str, list[tuple[str, str, str, str]]] = {}
-  entry, current = None, None
-  for line in text.splitlines():
-    m = _COMPUTATION.match(line)
-    if m:
-      current = m.group(1)
-      comps[current] = []
-      if line.startswith("ENTRY"):
-        entry = current
-      continue
-    m = _INSTRUCTION.match(line)
-    if m and current is not None:
-      comps[current].append(m.groups())
-  return comps, entry
-
-
-def _trip_count(condition: list[tuple[str, str, str, str]]) -> int:
-  """Iterations of a while loop whose condition is `counter < constant` (scan's form); 1 when unknown."""
-  constants = [int(m.group(1)) for _, _, op, rest in condition if op == "constant"
-               for m in [re.match(r"(-?\d+)\)", rest)] if m]
-  compares = [rest for _, _, op, rest in condition if op == "compare" and "direction=LT" in rest]
-  return constants[0] if len(constants) == 1 and len(compares) == 1 and constants[0] > 0 else 1
-
-
-def _collective_kind(opcode: str, rest: str) -> str | None:
-  base = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
-  if base in KINDS:
-    return base
-  if opcode == "fusion":  # TPU fuses reduce-scatter as all-reduce + slice inside a custom fusion
-    m = re.search(r"calls=%([\w\-]+)", rest)
-    if m and m.group(1).startswith("all-reduce-scatter"):
-      return "reduce-scatter"
-  return None
-
-
-def collective_ops(hlo_text: str) -> list[dict]:
-  """Every collective of a compiled program: [{"kind", "name", "shapes", "bytes", "per_step"}].
-
-  `per_step` counts executions: ops inside while loops (scan over layers, gradient accumulation) are multiplied
-  by the loops' trip counts. `bytes` is the per-device result size (the gathered array for all-gather, the
-  shard for reduce-scatter). Cross-slice (DCN) collectives, which libtpu lowers to megascale host transfers,
-  have kind `dcn-<kind>`.
-  """
-  comps, entry = _parse_hlo(hlo_text)
-  ops: dict[tuple[str, str], dict] = {}
-
-  def visit(name: str, mult: int, depth: int = 0):
-    if depth > 64 or name not in comps:
-      return
-    for instr, shape, opcode, rest in comps[name]:
-      kind = _collective_kind(opcode, rest)
-      sizes = _shape_bytes(shape)
-      if kind is None and opcode == "send" and "xla_megascale_runtime" in rest:
-        m = re.search(r'_xla_host_transfer_rendezvous="([a-z\-]+)', rest)
-        kind = "dcn-" + (m.group(1).rstrip("-.") if m else "transfer")
-        sizes = sizes[:1]
-      if kind is not None:
-        if opcode.endswith("-start") and len(sizes) > 1:
-          # async forms return (operands..., results...) or, for permutes, (operand, result, context...)
-          sizes = sizes[1:2] if kind == "collective-permute" else sizes[len(sizes) // 2:]
-        op = ops.setdefault((name, instr), {"kind": kind, "name": instr, "shapes": shape, "bytes": sum(sizes),
-                                            "per_step": 0})
-        op["per_step"] += mult
-        if opcode == "fusion":
-          continue  # the all-reduce inside a reduce-scatter fusion is the same collective
-      called = [c for _, c in _CALLED.findall(rest)]
-      for group in _BRANCHES.findall(rest):
-        called += [c.strip().lstrip("%") for c in group.split(",")]
-      for callee in called:
-        factor = 1
-        if opcode == "while" and f"body=%{callee}" in rest:
-          cond = re.search(r"condition=%([\w.\-]+)", rest)
-          factor = _trip_count(comps.get(cond.group(1), [])) if cond else 1
-        visit(callee, mult * factor, depth + 1)
-
-  if entry is not None:
-    visit(entry, 1)
-  return list(ops.values())
-
-
-def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-  """Collectives by kind: {kind: {"ops": instructions in the program, "per_step": executions per step,
-  "bytes_per_step": per-device bytes moved per step}} (see collective_ops)."""
-  out: dict[str, dict[str, int]] = {}
-  for op in collective_ops(hlo_text):
-    s = out.setdefault(op["kind"], {"ops": 0, "per_step": 0, "bytes_per_step": 0})
-    s["ops"] += 1
-    s["per_step"] += op["per_step"]
-    s["bytes_per_step"] += op["per_step"] * op["bytes"]
-  return dict(sorted(out.items()))
+    raise NoTpuCompiler(f"cannot build TPU topology {tpu.topology!r}: {e}. Ahead-of-time compilation needs the "
+                        f"TPU compiler: {install}") from e
 
 
 # ---- compiling -----------------------------------------------------------------------------------------
@@ -214,7 +119,7 @@ def _report(config, tpu, sizes, devices, seconds, *, fits, memory_, flops, hlo) 
 
   t = config.train
   model_flops = mfu.flops_per_step(config.model, t.seq_len, t.batch_size) / devices
-  return {
+  report = {
       "topology": tpu.topology, "num_slices": tpu.num_slices, "chip": tpu.chip.name, "num_devices": devices,
       "mesh": sizes, "remat": t.remat, "grad_accum": t.grad_accum, "batch_size": t.batch_size,
       "micro_batch": t.batch_size // t.grad_accum, "seq_len": t.seq_len,
@@ -224,6 +129,8 @@ def _report(config, tpu, sizes, devices, seconds, *, fits, memory_, flops, hlo) 
       "collectives": collectives(hlo),
       "compile_seconds": seconds,
   }
+  report["predicted"] = predict.for_report(hlo, report, tpu.chip, tpu.torus) if hlo else None
+  return report
 
 
 def _estimate(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> dict:
@@ -246,12 +153,18 @@ def _with(config: ml_collections.ConfigDict, **train) -> ml_collections.ConfigDi
 
 
 def _policies_light_to_heavy(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> list[str]:
-  """Remat policies ordered by the planner's activation estimate, most memory (least recompute) first."""
+  """Every remat policy of model.remat, ordered by the planner's activation estimate, most memory (least
+  recompute) first; `full` last. A policy the planner has no activation model for is still searched, placed just
+  before `full`, with a warning naming it."""
   from model import remat
   micro = config.train.batch_size // config.train.grad_accum
-  names = [p for p in remat.POLICIES if p != "full" and p in memory.SAVED_BY_POLICY]
-  names.sort(key=lambda p: -memory.activation_memory(config, micro, remat=p, sizes=sizes)["total"])
-  return names + ["full"]
+  known = [p for p in remat.POLICIES if p != "full" and p in memory.SAVED_BY_POLICY]
+  unknown = [p for p in remat.POLICIES if p != "full" and p not in memory.SAVED_BY_POLICY]
+  if unknown:
+    warnings.warn(f"remat policies {unknown} have no activation estimate in train/memory.py; the fit search "
+                  "tries them just before 'full'", stacklevel=2)
+  known.sort(key=lambda p: -memory.activation_memory(config, micro, remat=p, sizes=sizes)["total"])
+  return known + unknown + ["full"]
 
 
 def _grad_accum_candidates(config: ml_collections.ConfigDict, rows: int) -> list[int]:
@@ -308,28 +221,123 @@ def suggest(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, *, max_co
   return {"found": False, "tried": tried}
 
 
+# ---- the fastest layout that fits -----------------------------------------------------------------------
+# Recomputed forward FLOPs per layer (fraction of one forward) by remat policy, for ordering candidates only:
+# `full` recomputes the whole layer, the name-saving policies part of it, `none` nothing.
+_RECOMPUTE_ORDER = ("none", "save_dots", "save_qkv_mlp_in", "save_attn", "minimal", "save_qkv_proj",
+                    "save_out_proj", "full")
+
+
+def layouts(config: ml_collections.ConfigDict, num_devices: int, *,
+            remats: Sequence[str] = ("none", "save_dots", "minimal", "full")) -> list[dict]:
+  """Candidate layouts for `num_devices` chips as config overrides ({"mesh.data", "mesh.fsdp", "mesh.tensor",
+  "train.remat"}), in the order the search compiles them: least recomputation first, then least tensor
+  parallelism, then least pure data parallelism. Meshes: fsdp over all chips; tensor = 2, 4, 8 (when heads,
+  kv heads and mlp divide) with fsdp over the rest; data = 2, 4, ... with fsdp over the rest; every mesh's
+  data x fsdp must divide the micro-batch. Layouts whose planner estimate exceeds the chip's HBM are left out
+  (the estimate is a lower bound of the compiled figure)."""
+  m, t = config.model, config.train
+  micro = t.batch_size // t.grad_accum
+  meshes = []
+  for tensor in (1, 2, 4, 8):
+    if num_devices % tensor or (tensor > 1 and (m.num_heads % tensor or m.num_kv_heads % tensor
+                                                or m.mlp_dim % tensor)):
+      continue
+    rest = num_devices // tensor
+    data = 1
+    while data <= rest:
+      if rest % data == 0 and micro % rest == 0 and (tensor == 1 or data == 1):
+        meshes.append({"mesh.data": data, "mesh.fsdp": rest // data, "mesh.tensor": tensor})
+      data *= 2
+  out = []
+  for remat in sorted(remats, key=_RECOMPUTE_ORDER.index):
+    for mesh in sorted(meshes, key=lambda x: (x["mesh.tensor"], x["mesh.data"])):
+      out.append({**mesh, "train.remat": remat})
+  return out
+
+
+def _apply(config: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+  c = copy.deepcopy(config)
+  with c.unlocked():
+    for key, value in overrides.items():
+      section, name = key.split(".")
+      c[section][name] = value
+    c.mesh.sequence, c.mesh.dcn_fsdp = 1, 1
+  return c
+
+
+def fastest(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, *, max_compiles: int = 8,
+            devices: list | None = None, remats: Sequence[str] = ("none", "save_dots", "minimal", "full")) -> dict:
+  """Compiles candidate layouts (see `layouts`) and picks the one with the smallest predicted step time that
+  fits. Returns {"found", "overrides" (of the winner), "report" (its compile report), "tried": [{"overrides",
+  "fits", "total_bytes", "step_seconds", "mfu"}]}; at most `max_compiles` compiles."""
+  devices = abstract_devices(tpu) if devices is None else devices
+  import model
+  chips = len(devices) // max(tpu.num_slices, 1)
+  tried, best = [], None
+  state = memory.meshlm_state  # the planner's state estimate, to skip layouts that cannot fit
+  for overrides in layouts(config, chips, remats=remats):
+    if len(tried) >= max_compiles:
+      break
+    candidate = _apply(config, overrides)
+    with candidate.unlocked():
+      candidate.mesh.dcn_data = tpu.num_slices
+    sizes = memory.mesh_sizes(candidate, len(devices))
+    micro = candidate.train.batch_size // candidate.train.grad_accum
+    need = (state(candidate, model.count_params(candidate.model)["total"], sizes)["total"]
+            + memory.activation_memory(candidate, micro, sizes=sizes)["total"])
+    if need > tpu.chip.hbm_bytes:
+      continue
+    r = compile_step(candidate, tpu, devices)
+    p = r.get("predicted") or {}
+    tried.append({"overrides": overrides, "fits": r["fits"], "total_bytes": r["memory"]["total_bytes"],
+                  "step_seconds": p.get("step_seconds"), "mfu": p.get("mfu")})
+    if r["fits"] and p and (best is None or p["step_seconds"] < best[1]["predicted"]["step_seconds"]):
+      best = (overrides, r)
+  if best is None:
+    return {"found": False, "tried": tried}
+  return {"found": True, "overrides": best[0], "report": best[1], "tried": tried}
+
+
 # ---- command line --------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m train.compile", description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(
+      prog="python -m train.compile", description=__doc__.split("\n\n")[0],
+      epilog="Also takes --config=FILE (a path or a name under configs/) and --config.SECTION.KEY=VALUE overrides, "
+             "as python -m train does.")
   p.add_argument("--topology", required=True,
-                 help="TPU slice: v4-32 (TensorCores; 16 chips), v5p-16, v5e-16 (chips), or raw v4:2x2x4")
+                 help="TPU slice: v4-32 (TensorCores; 16 chips), v5p-16, v5e-16, v6e-16 (chips), raw v4:2x2x4, or "
+                      "local (the attached GPUs, e.g. 8 x H100, compiled by XLA's GPU compiler)")
   p.add_argument("--num_slices", type=int, default=1, help="slices joined over DCN (multi-slice)")
-  p.add_argument("--max_compiles", type=int, default=12, help="compile budget of the fit search")
+  p.add_argument("--max_compiles", type=int, default=12, help="compile budget of the fit / fastest search")
+  p.add_argument("--fastest", action="store_true",
+                 help="compile candidate meshes and remat policies and report the predicted-fastest that fits")
   p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
   return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Exit status: 0 fits, 1 does not fit (a suggestion is printed when one was found), 2 bad input."""
+  """Exit status: 0 fits, 1 does not fit (a suggestion is printed when one was found), 2 bad input or no TPU
+  compiler."""
   parser = _parser()
   try:
     config, args = configs.parse(sys.argv[1:] if argv is None else argv, parser)
-    tpu = hardware.tpu_slice(args.topology, args.num_slices)
-    if tpu.num_slices > 1 and config.mesh.dcn_data == 1 and config.mesh.dcn_fsdp == 1:
-      configs.apply_override(config, "mesh.dcn_data", str(tpu.num_slices))  # data parallelism across slices
-    devices = abstract_devices(tpu)
-    report = compile_step(config, tpu, devices)
-  except (configs.ConfigError, ValueError) as e:
+    if args.topology == "local":  # the attached GPUs (XLA's GPU compiler), predicted with their data sheet
+      import jax
+      devices = jax.devices()
+      tpu = hardware.local_slice(devices)
+    else:
+      tpu = hardware.tpu_slice(args.topology, args.num_slices)
+      if tpu.num_slices > 1 and config.mesh.dcn_data == 1 and config.mesh.dcn_fsdp == 1:
+        configs.apply_override(config, "mesh.dcn_data", str(tpu.num_slices))  # data parallelism across slices
+      devices = abstract_devices(tpu)
+    if args.fastest:
+      search = fastest(config, tpu, max_compiles=args.max_compiles, devices=devices)
+      report = search.pop("report") if search["found"] else compile_step(config, tpu, devices)
+      report["fastest"] = search
+    else:
+      report = compile_step(config, tpu, devices)
+  except (configs.ConfigError, ValueError, NoTpuCompiler) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if not report["fits"]:
@@ -373,6 +381,18 @@ def format_report(r: dict) -> str:
       lines.append(f"  {kind:20}{c['ops']:7d}{c['per_step']:10d}{c['bytes_per_step'] / 2**20:14.2f}")
     if not r["collectives"]:
       lines.append("  (none)")
+    lines += format_prediction(r["predicted"])
+  fast = r.get("fastest")
+  if fast is not None:
+    lines.append("fastest-layout search (compiled; predicted step time):")
+    for t in fast["tried"]:
+      o = t["overrides"]
+      time_ = f"{t['step_seconds']:.3f} s, MFU {t['mfu']:.1%}" if t["step_seconds"] else "-"
+      lines.append(f"  data={o['mesh.data']:<4d} fsdp={o['mesh.fsdp']:<5d} tensor={o['mesh.tensor']:<3d} "
+                   f"remat={o['train.remat']:10} {t['total_bytes'] / gib:8.3f} GiB  "
+                   f"{'fits' if t['fits'] else 'no  '}  {time_}")
+    if fast["found"]:
+      lines.append("fastest that fits: " + " ".join(f"--config.{k}={v}" for k, v in fast["overrides"].items()))
   sug = r.get("suggestion")
   if sug is not None:
     for t in sug["tried"]:
@@ -390,3 +410,19 @@ def format_report(r: dict) -> str:
 
 if __name__ == "__main__":
   sys.exit(main())
+
+
+def format_prediction(p: dict | None) -> list[str]:
+  """Lines of the predicted step time (train/predict.py) for a report."""
+  if not p:
+    return []
+  lines = [f"predicted step {p['step_seconds']:.3f} s: MFU {p['mfu']:.1%}, {p['tokens_per_sec_per_chip']:,.0f} "
+           f"tokens/s per chip (matmul efficiency {p['matmul_efficiency']:.2f}; dominant: {p['dominant']})",
+           f"  compute-bound kernels {p['compute_seconds']:.3f} s, memory-bound kernels "
+           f"{p['memory_bound_seconds']:.3f} s, collectives {p['collective_seconds']:.3f} s of which exposed "
+           f"{p['exposed_collective_seconds']:.3f} s",
+           "  top ops                      seconds  per step  bound       what"]
+  for o in p["top_ops"][:8]:
+    lines.append(f"  {o['name'][:26]:26}{o['seconds']:10.4f}{o['per_step']:10.4g}  {o['bound'][:10]:10}  "
+                 f"{o['op_name'][-60:]}")
+  return lines

@@ -7,6 +7,7 @@ memory in bytes (GiB = 2^30 bytes in the printed table).
 from __future__ import annotations
 
 import argparse
+import decimal
 import json
 import math
 import sys
@@ -102,6 +103,7 @@ def optimum(*, flops: float | None = None, params: float | None = None, tokens: 
     c = flops if flops is not None else for_params(params) if params is not None else for_tokens(tokens)
     n, d = from_flops(c)
     out[name] = allocation(n, d)
+    out[name]["training"] = "compute-optimal"  # each approach's own optimum, whatever its tokens per parameter
   return out
 
 
@@ -188,17 +190,25 @@ def plan_config(config: ml_collections.ConfigDict, *, chip: str = "tpu_v4", num_
 
 
 def _count(text: str) -> float:
-  """'7e9', '7B', '1.4T', '300G' -> float (K, M, B/G, T, P suffixes)."""
-  scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "p": 1e15}
+  """'7e9', '7B', '1.4T', '300G' -> float (K, M, B/G, T, P suffixes), scaled in decimal so that 7B is exactly
+  7e9 (binary 7.0 * 1e9 would print as 7000000000.000001)."""
+  scale = {"k": 3, "m": 6, "b": 9, "g": 9, "t": 12, "p": 15}
   s = text.strip().lower().replace("_", "")
   try:
-    return float(s[:-1]) * scale[s[-1]] if s and s[-1] in scale else float(s)
-  except ValueError:
+    if s and s[-1] in scale:
+      return float(decimal.Decimal(s[:-1]).scaleb(scale[s[-1]]))
+    return float(s)
+  except (ValueError, decimal.InvalidOperation):
     raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 7e9, 7B, 1.4T)") from None
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m train.plan", description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(
+      prog="python -m train.plan", description=__doc__.split("\n\n")[0],
+      epilog="With --config=FILE (a path or a name under configs/, e.g. llama2_7b) and any "
+             "--config.SECTION.KEY=VALUE overrides (as python -m train takes them): the plan of that run -- "
+             "parameters, FLOPs, wall time, per-device memory; add --compile (TPU chips) for the compiled program's "
+             "memory and predicted step time, or --scale N,N,... for predicted scaling over slice sizes.")
   p.add_argument("--flops", type=_count, help="compute budget in FLOPs: the compute-optimal N and D")
   p.add_argument("--params", type=_count, help="model size: optimal tokens (or, with --tokens, the verdict)")
   p.add_argument("--tokens", type=_count, help="dataset size: the compute-optimal model for it")
@@ -206,8 +216,25 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--chips", type=int, help="accelerator count (budget with --days; devices with --config)")
   p.add_argument("--days", type=float, help="with --chip/--chips/--mfu: the compute budget of that many days")
   p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation (default 0.4)")
+  p.add_argument("--compile", action="store_true",
+                 help="with --config and a TPU --chip/--chips: compile the step (train.compile) and predict its time")
+  p.add_argument("--scale", type=_sizes, help="with --config and a TPU --chip: chip counts, e.g. 64,128,256: "
+                 "the predicted step time and MFU of the fastest layout that fits, per slice size (compiled)")
+  p.add_argument("--batch_per_chip", type=int, default=0,
+                 help="with --scale: global batch = this x chips (weak scaling); 0 keeps train.batch_size")
+  p.add_argument("--max_compiles", type=int, default=6, help="with --scale: compiles per slice size")
   p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
   return p
+
+
+def _sizes(text: str) -> list[int]:
+  try:
+    sizes = [int(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"--scale {text!r}: give chip counts separated by commas, e.g. 64,128,256")
+  if not sizes or min(sizes) < 1:
+    raise argparse.ArgumentTypeError(f"--scale {text!r}: chip counts must be positive")
+  return sizes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -217,14 +244,69 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(a == "--config" or a.startswith("--config.") or a.startswith("--config=") for a in argv):
       config, args = configs.parse(argv, parser)
       result = plan_config(config, chip=args.chip, num_devices=args.chips, mfu=args.mfu)
+      if args.compile:
+        result["compiled"] = compile_plan(config, args.chip, args.chips or result["num_devices"])
+      if args.scale:
+        result["scaling"] = scaling(config, args.chip, args.scale, batch_per_chip=args.batch_per_chip,
+                                    max_compiles=args.max_compiles)
     else:
       args = parser.parse_args(argv)
+      if args.compile or args.scale:
+        parser.error("--compile and --scale need --config")
       result = _plan_sizes(args, parser)
-  except (configs.ConfigError, ValueError) as e:
+  except (configs.ConfigError, ValueError, RuntimeError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(json.dumps(result) if args.json else format_table(result))
+  print(json.dumps(_clean(result)) if args.json else format_table(result))
   return 0
+
+
+def _clean(x):
+  """JSON-ready copy with floats rounded to 12 significant digits (no 7000000000.000001 noise)."""
+  if isinstance(x, float):
+    return float(f"{x:.12g}") if math.isfinite(x) else x
+  if isinstance(x, dict):
+    return {k: _clean(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_clean(v) for v in x]
+  return x
+
+
+def compile_plan(config: ml_collections.ConfigDict, chip: str, chips: int) -> dict:
+  """train.compile's report (memory, collectives, predicted step time) of `config` on `chips` TPU chips."""
+  from train import compile as aot
+  tpu = hardware.slice_for_chips(chip, chips)
+  return aot.compile_step(config, tpu, aot.abstract_devices(tpu))
+
+
+def scaling(config: ml_collections.ConfigDict, chip: str, sizes: Sequence[int], *, batch_per_chip: int = 0,
+            max_compiles: int = 6) -> list[dict]:
+  """Predicted step time and MFU per slice size: for each chip count, the fastest layout that fits
+  (train.compile.fastest: compiled candidate meshes and remat policies, each program analysed whole -- the
+  scanned layer body is compiled once and counted num_layers times). Returns one row per size: {"chips",
+  "topology", "num_slices", "batch_size", "found", "overrides", "step_seconds", "mfu", "tokens_per_sec_per_chip",
+  "compiles"}."""
+  from train import compile as aot
+  rows = []
+  for n in sizes:
+    tpu = hardware.slice_for_chips(chip, n)
+    c = _with_batch(config, batch_per_chip * n) if batch_per_chip else config
+    search = aot.fastest(c, tpu, max_compiles=max_compiles, devices=aot.abstract_devices(tpu))
+    p = search["report"]["predicted"] if search["found"] else {}
+    rows.append({"chips": n, "topology": tpu.topology, "num_slices": tpu.num_slices,
+                 "batch_size": c.train.batch_size, "found": search["found"], "overrides": search.get("overrides"),
+                 "step_seconds": p.get("step_seconds"), "mfu": p.get("mfu"),
+                 "tokens_per_sec_per_chip": p.get("tokens_per_sec_per_chip"), "compiles": len(search["tried"]),
+                 "tried": search["tried"]})
+  return rows
+
+
+def _with_batch(config: ml_collections.ConfigDict, batch: int) -> ml_collections.ConfigDict:
+  import copy
+  c = copy.deepcopy(config)
+  with c.unlocked():
+    c.train.batch_size = batch
+  return c
 
 
 def _plan_sizes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
@@ -272,25 +354,38 @@ def format_table(r: dict) -> str:
   lines += [f"wall time         {r['wall_days']:.3g} days on {r['num_devices']} x {r['chip']} at "
             f"{r['mfu']:.0%} MFU",
             f"mesh              {mesh}; micro-batch {r['micro_batch']} sequences, remat {r['remat']}", "",
-            f"per-device memory (GiB)  weights    grads optimizer    total"]
-  own = r["state"]["meshlm"]
-  lines.append(f"  {'meshlm (as run)':22}{own['weights'] / GIB:9.3f}{own['gradients'] / GIB:9.3f}"
-               f"{own['optimizer'] / GIB:10.3f}{own['total'] / GIB:9.3f}")
-  for p in (*memory.PRECISIONS, "seeds"):
-    for z in range(4):
-      s = r["state"][p][f"zero{z}"]
-      lines.append(f"  {p + ' ZeRO-' + str(z):22}{s['weights'] / GIB:9.3f}{s['gradients'] / GIB:9.3f}"
-                   f"{s['optimizer'] / GIB:10.3f}{s['total'] / GIB:9.3f}")
-  lines.append("activations (GiB)  per layer  all layers  recompute  logits  total")
+            f"per-device memory (GiB)  {'weights':>10} {'grads':>10} {'optimizer':>10} {'total':>10}"]
+  rows = [("meshlm (as run)", r["state"]["meshlm"])] + [
+      (f"{p} ZeRO-{z}", r["state"][p][f"zero{z}"]) for p in (*memory.PRECISIONS, "seeds") for z in range(4)]
+  for label, st in rows:
+    lines.append(f"  {label:22} {st['weights'] / GIB:10.3f} {st['gradients'] / GIB:10.3f} "
+                 f"{st['optimizer'] / GIB:10.3f} {st['total'] / GIB:10.3f}")
+  lines.append(f"activations (GiB)   {'per layer':>10} {'all layers':>11} {'recompute':>10} {'logits':>9} "
+               f"{'total':>10}")
   for name, a in r["activations"].items():
-    lines.append(f"  remat {name:12}{a['per_layer_saved'] / GIB:10.4f}{a['layers'] / GIB:12.3f}"
-                 f"{a['recompute_peak'] / GIB:11.3f}{a['logits'] / GIB:8.3f}{a['total'] / GIB:7.3f}")
+    lines.append(f"  remat {name:12} {a['per_layer_saved'] / GIB:10.4f} {a['layers'] / GIB:11.3f} "
+                 f"{a['recompute_peak'] / GIB:10.3f} {a['logits'] / GIB:9.3f} {a['total'] / GIB:10.3f}")
   verdict = "fits" if r["fits"] else "does NOT fit"
   lines += [f"total per device  {r['memory_per_device'] / GIB:.3f} GiB: {verdict} on {r['chip']}", "",
             "largest micro-batch (global sequences) per chip:  remat none  remat full"]
   for name, c in r["per_chip"].items():
     mb = c["max_micro_batch"]
-    lines.append(f"  {name:12} {c['hbm_gib']:6.0f} GiB {mb['none']:20d}{mb['full']:12d}")
+    lines.append(f"  {name:12} {c['hbm_gib']:6.0f} GiB {mb['none']:20d} {mb['full']:11d}")
+  if r.get("compiled"):
+    from train import compile as aot
+    lines += ["", "compiled (train.compile):", aot.format_report(r["compiled"])]
+  if r.get("scaling"):
+    lines += ["", "scaling (fastest layout that fits per size; compiled programs, predicted times):",
+              f"  {'chips':>6} {'topology':12} {'slices':>6} {'batch':>6} {'step s':>9} {'MFU':>7} "
+              f"{'tok/s/chip':>11}  layout"]
+    for row in r["scaling"]:
+      if not row["found"]:
+        lines.append(f"  {row['chips']:6d} {row['topology']:12} {row['num_slices']:6d} {row['batch_size']:6d}  "
+                     f"nothing tried fits ({row['compiles']} compiles)")
+        continue
+      layout = " ".join(f"{k.split('.')[1]}={v}" for k, v in row["overrides"].items())
+      lines.append(f"  {row['chips']:6d} {row['topology']:12} {row['num_slices']:6d} {row['batch_size']:6d} "
+                   f"{row['step_seconds']:9.3f} {row['mfu']:7.1%} {row['tokens_per_sec_per_chip']:11,.0f}  {layout}")
   return "\n".join(lines)
 
 

@@ -1,0 +1,134 @@
+"""Calibration of the performance model (train/predict.py) against MaxText's published TPU v5e-256 MFUs.
+
+  python benchmarks/predict_maxtext.py [--rows 16b,32b,64b,128b] [--hlo_dir DIR] [--fit]
+
+For each row, compiles meshlm's step for the MaxText-equivalent preset (configs/maxtext_*.py: MaxText's
+global_parameter_scale model, per-device batch and remat of MaxText/configs/v5e/*.sh) on an abstract v5e-256
+(libtpu, no TPU needed) and predicts its step time. `--hlo_dir` keeps each compiled program's HLO text there and
+reuses it on the next run (a 16B-64B compile takes minutes on a small CPU machine). With `--fit`, the matmul
+efficiency is fitted on the 16B row (bisection on the predicted MFU in MaxText's convention, capped at 1.0) and
+then used unchanged on every row; otherwise train.predict.MATMUL_EFFICIENCY is used.
+
+MFU is shown in two FLOP conventions, both over the 197 TFLOP/s bf16 peak of a v5e chip:
+- MaxText's of the time (max_utils.calculate_tflops_training_per_device): 6 x all parameters (input embedding
+  included) x tokens + the causal attention 12 x heads x layers x head_dim x seq^2 per sequence, halved for the mask;
+- meshlm's (model.flops_per_token): 6 x (non-embedding parameters + d_model x vocab) + 12 x heads x head_dim x
+  the mean attended length (seq + 1) / 2, per layer and token.
+Prints one JSON object: the rows (published MFU, predicted MFU in both conventions, relative error, step-time
+terms, the dominant term) and the efficiency used.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import configs
+import model
+from train import compile as aot
+from train import hardware, mfu, predict
+
+# MaxText/configs/v5e/README.md, one v5e-256 slice (MFU) and the recipes' layouts (MaxText/configs/v5e/*.sh).
+ROWS = {
+    "16b": {"config": "maxtext_16b", "overrides": {}, "published_mfu": 0.6110},
+    "32b": {"config": "maxtext_32b", "overrides": {}, "published_mfu": 0.6686},
+    "64b": {"config": "maxtext_64b", "overrides": {}, "published_mfu": 0.5990},
+    # 128b.sh: ici_fsdp 16 x ici_tensor 16, per-device batch 1, remat minimal_offloaded (activations offloaded to
+    # host memory, which meshlm does not do): compiled here with remat `minimal` kept on the chip.
+    "128b": {"config": "maxtext_128b", "overrides": {"mesh.fsdp": 16, "mesh.tensor": 16, "train.remat": "minimal"},
+             "published_mfu": 0.5606},
+}
+V5E_256 = hardware.tpu_slice("v5e-256")
+
+
+def maxtext_flops_per_chip(c) -> float:
+  """MaxText's training FLOPs per chip per step (its MFU numerator at the time of the v5e table)."""
+  m, t = c.model, c.train
+  per_device_batch = t.batch_size / V5E_256.num_chips
+  weights = 6 * model.count_params(m)["total"] * t.seq_len * per_device_batch
+  attention = 12 * m.num_heads * m.num_layers * m.head_dim * t.seq_len**2 * per_device_batch / 2
+  return weights + attention
+
+
+def compiled_hlo(name: str, row: dict, hlo_dir: str | None, devices) -> tuple[str, dict | None]:
+  """(HLO text, compile report or None when read from --hlo_dir)."""
+  path = os.path.join(hlo_dir, f"maxtext_{name}.hlo") if hlo_dir else None
+  if path and os.path.exists(path):
+    with open(path) as f:
+      return f.read(), None
+  c = configs.load(row["config"], **row["overrides"])
+  trainer, compiled = aot.compile_trainer(c, devices)
+  text = compiled.as_text()
+  report = aot.summarize(c, V5E_256, trainer, 0.0)
+  if path:
+    os.makedirs(hlo_dir, exist_ok=True)
+    with open(path, "w") as f:
+      f.write(text)
+  return text, report
+
+
+def predict_row(text: str, c, efficiency: float) -> dict:
+  t = c.train
+  meshlm_flops = mfu.flops_per_step(c.model, t.seq_len, t.batch_size) / V5E_256.num_chips
+  p = predict.predict(text, V5E_256.chip, num_devices=V5E_256.num_chips, torus=V5E_256.torus,
+                      model_flops_per_chip=meshlm_flops, tokens_per_chip=t.batch_size * t.seq_len / 256,
+                      efficiency=efficiency)
+  p["mfu_maxtext_convention"] = maxtext_flops_per_chip(c) / (p["step_seconds"] * V5E_256.chip.peak_tflops * 1e12)
+  return p
+
+
+def fit_efficiency(text: str, c, target_mfu: float) -> tuple[float, bool]:
+  """The efficiency whose predicted MFU (MaxText's convention) equals `target_mfu`, by bisection on (0.05, 1];
+  (1.0, False) when even the peak cannot reach it."""
+  if predict_row(text, c, 1.0)["mfu_maxtext_convention"] < target_mfu:
+    return 1.0, False
+  lo, hi = 0.05, 1.0
+  for _ in range(30):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if predict_row(text, c, mid)["mfu_maxtext_convention"] < target_mfu else (lo, mid)
+  return hi, True
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--rows", default="16b,32b,64b,128b")
+  p.add_argument("--hlo_dir", default="")
+  p.add_argument("--fit", action="store_true", help="fit the matmul efficiency on the 16B row")
+  args = p.parse_args(argv)
+  names = [r for r in args.rows.split(",") if r]
+  devices = aot.abstract_devices(V5E_256)
+  programs = {}
+  for name in names:
+    text, report = compiled_hlo(name, ROWS[name], args.hlo_dir or None, devices)
+    programs[name] = (text, report)
+    print(f"compiled {name}", file=sys.stderr)
+  efficiency, reached = predict.MATMUL_EFFICIENCY, None
+  if args.fit:
+    c16 = configs.load(ROWS["16b"]["config"], **ROWS["16b"]["overrides"])
+    text16 = programs["16b"][0] if "16b" in programs else compiled_hlo("16b", ROWS["16b"], args.hlo_dir, devices)[0]
+    efficiency, reached = fit_efficiency(text16, c16, ROWS["16b"]["published_mfu"])
+  rows = []
+  for name in names:
+    row = ROWS[name]
+    c = configs.load(row["config"], **row["overrides"])
+    text, report = programs[name]
+    pr = predict_row(text, c, efficiency)
+    rows.append({
+        "row": name, "published_mfu": row["published_mfu"],
+        "predicted_mfu_maxtext_convention": pr["mfu_maxtext_convention"], "predicted_mfu_meshlm_convention": pr["mfu"],
+        "relative_error": pr["mfu_maxtext_convention"] / row["published_mfu"] - 1,
+        "step_seconds": pr["step_seconds"], "published_step_seconds":
+            maxtext_flops_per_chip(c) / (row["published_mfu"] * V5E_256.chip.peak_tflops * 1e12),
+        "compute_seconds": pr["compute_seconds"], "memory_bound_seconds": pr["memory_bound_seconds"],
+        "collective_seconds": pr["collective_seconds"], "exposed_collective_seconds": pr["exposed_collective_seconds"],
+        "dominant": pr["dominant"], "compiled_bytes_per_chip": report["memory"]["total_bytes"] if report else None,
+        "overrides": row["overrides"], "batch_size": c.train.batch_size, "remat": c.train.remat,
+    })
+  print(json.dumps({"matmul_efficiency": efficiency, "fitted_on_16b": args.fit, "fit_reached_target": reached,
+                    "rows": rows}, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

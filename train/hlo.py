@@ -1,0 +1,212 @@
+"""Reading the optimised HLO text of a compiled program: computations, executed instructions with their loop
+multiplicities, and collectives (kind, bytes, group size). Used by `train.compile` and `train.predict`.
+
+Sizes are bytes per device (the program is the SPMD-partitioned one that every device runs).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Iterator
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s4": 1, "u4": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+_CALLED = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  name: str
+  shape: str  # the result shape text, e.g. "bf16[8,128]{1,0:T(8,128)}" or a tuple "(f32[2], s32[])"
+  opcode: str
+  rest: str  # everything after "opcode(": operands, then attributes
+  line: str  # the whole line as printed
+
+
+@dataclasses.dataclass
+class Program:
+  computations: dict[str, list[Instruction]]
+  text: dict[str, str]  # computation name -> its full text (header to closing brace)
+  entry: str | None
+
+
+def shape_bytes(shape: str) -> list[int]:
+  """Bytes of each array in an HLO shape string (one entry per tuple element)."""
+  out = []
+  for dtype, dims in _ARRAY.findall(shape):
+    if dtype in _DTYPE_BYTES:
+      out.append(_DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d))
+  return out
+
+
+def parse(text: str) -> Program:
+  """Splits HLO module text into computations of instructions."""
+  comps: dict[str, list[Instruction]] = {}
+  blocks: dict[str, list[str]] = {}
+  entry, current = None, None
+  for line in text.splitlines():
+    m = _COMPUTATION.match(line)
+    if m:
+      current = m.group(1)
+      comps[current], blocks[current] = [], [line]
+      if line.startswith("ENTRY"):
+        entry = current
+      continue
+    if current is None:
+      continue
+    blocks[current].append(line)
+    if line.startswith("}"):
+      current = None
+      continue
+    m = _INSTRUCTION.match(line)
+    if m:
+      comps[current].append(Instruction(*m.groups(), line=line))
+  return Program(comps, {k: "\n".join(v) for k, v in blocks.items()}, entry)
+
+
+def trip_count(condition: list[Instruction]) -> int:
+  """Iterations of a while loop whose condition is `counter < constant` (scan's form); 1 when unknown."""
+  constants = [int(m.group(1)) for i in condition if i.opcode == "constant"
+               for m in [re.match(r"(-?\d+)\)", i.rest)] if m]
+  compares = [i for i in condition if i.opcode == "compare" and "direction=LT" in i.rest]
+  return constants[0] if len(constants) == 1 and len(compares) == 1 and constants[0] > 0 else 1
+
+
+def collective_kind(opcode: str, rest: str) -> str | None:
+  """The collective an instruction performs ("all-gather", ...), or None."""
+  base = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
+  if base in KINDS:
+    return base
+  if opcode == "fusion":  # TPU fuses reduce-scatter as all-reduce + slice inside a custom fusion
+    m = re.search(r"calls=%([\w\-]+)", rest)
+    if m and m.group(1).startswith("all-reduce-scatter"):
+      return "reduce-scatter"
+  return None
+
+
+def group_size(rest: str, num_devices: int) -> int:
+  """Devices in each replica group of a collective, from any of the printed forms: `{{0,1},{2,3}}`,
+  the iota form `[groups,size]<=[n]`, or the mesh form `mesh['axis_0'=8,'axis_1'=2] {'axis_0'}`; all devices
+  when the groups are empty or absent."""
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+  if m:
+    sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+    return math.prod(sizes[a] for a in re.findall(r"'([^']+)'", m.group(2)) if a in sizes)
+  m = re.search(r"replica_groups=\[([\d,]+)\]<=", rest)
+  if m:
+    return int(m.group(1).split(",")[-1])
+  m = re.search(r"replica_groups=\{\{([\d,]*)\}", rest)
+  if m and m.group(1):
+    return len(m.group(1).split(","))
+  m = re.search(r"source_target_pairs=\{", rest)
+  if m:
+    return 2
+  return num_devices
+
+
+def executed(program: Program, *, into_fusions: bool = False) -> Iterator[tuple[str, Instruction, float]]:
+  """(computation, instruction, executions per step) for every instruction the program runs.
+
+  While bodies count their trip count; each branch of a conditional counts 1 / branches (the predicate is unknown
+  at compile time: the mean branch); calls and async wrappers count once. Fused computations are entered only
+  with `into_fusions` (their instructions run inside the fusion, not as separate kernels).
+  """
+  comps = program.computations
+
+  def visit(name: str, mult: float, depth: int):
+    if depth > 64 or name not in comps:
+      return
+    for instr in comps[name]:
+      yield name, instr, mult
+      op, rest = instr.opcode, instr.rest
+      if op == "while":
+        body = re.search(r"body=%([\w.\-]+)", rest)
+        cond = re.search(r"condition=%([\w.\-]+)", rest)
+        trips = trip_count(comps.get(cond.group(1), [])) if cond else 1
+        if body:
+          yield from visit(body.group(1), mult * trips, depth + 1)
+      elif op == "conditional":
+        branches = [c for _, c in _CALLED.findall(rest) if _ in ("true_computation", "false_computation")]
+        for group in _BRANCHES.findall(rest):
+          branches += [c.strip().lstrip("%") for c in group.split(",")]
+        for b in branches:
+          yield from visit(b, mult / max(len(branches), 1), depth + 1)
+      elif op in ("call", "async-start") or (op == "fusion" and into_fusions):
+        for _, callee in _CALLED.findall(rest):
+          yield from visit(callee, mult, depth + 1)
+
+  if program.entry is not None:
+    yield from visit(program.entry, 1.0, 0)
+
+
+def collective_ops(hlo_text: str, num_devices: int = 1) -> list[dict]:
+  """Every collective of a compiled program: [{"kind", "name", "shapes", "bytes", "per_step", "group",
+  "async", "scope"}].
+
+  `per_step` counts executions: ops inside while loops (scan over layers, gradient accumulation) are multiplied
+  by the loops' trip counts. `bytes` is the per-device result size (the gathered array for all-gather, the
+  shard for reduce-scatter). `group` is the replica-group size; `async` whether the schedule issues it as a
+  start/done pair or inside a TPU async collective fusion (so compute may run while it is in flight); `scope`
+  the computation (entry or loop body) that issues it. Cross-slice (DCN) collectives, which libtpu
+  lowers to megascale host transfers, have kind `dcn-<kind>`.
+  """
+  program = parse(hlo_text)
+  ops: dict[tuple[str, str], dict] = {}
+  inside_collective: set[str] = set()  # fused computations of reduce-scatter fusions (one collective already)
+  parent: dict[str, tuple[str, bool]] = {}  # fused computation -> (the computation issuing it, async?)
+  for comp, instr, mult in executed(program, into_fusions=True):
+    if comp in inside_collective:
+      continue
+    scope, is_async = parent.get(comp, (comp, False))
+    if instr.opcode == "fusion":
+      for _, callee in _CALLED.findall(instr.rest):
+        starts = "AsyncCollectiveStart" in program.text.get(callee, "")
+        parent.setdefault(callee, (scope, is_async or starts))
+    kind = collective_kind(instr.opcode, instr.rest)
+    sizes = shape_bytes(instr.shape)
+    if kind is None and instr.opcode == "send" and "xla_megascale_runtime" in instr.rest:
+      m = re.search(r'_xla_host_transfer_rendezvous="([a-z\-]+)', instr.rest)
+      kind = "dcn-" + (m.group(1).rstrip("-.") if m else "transfer")
+      sizes = sizes[:1]
+    if kind is None:
+      continue
+    if instr.opcode.endswith("-start") and len(sizes) > 1:
+      # async forms return (operands..., results...) or, for permutes, (operand, result, context...)
+      sizes = sizes[1:2] if kind == "collective-permute" else sizes[len(sizes) // 2:]
+    # An async collective that the TPU compiler advances in steps appears once per step fusion (start,
+    # continuations fused with compute, done), always with the same channel id: one collective.
+    channel = re.search(r"channel_id=(\d+)", instr.rest)
+    key = (scope, "channel " + channel.group(1)) if channel else (comp, instr.name)
+    is_async = is_async or instr.opcode.endswith("-start")
+    if key in ops:
+      ops[key]["async"] |= is_async
+      if ops[key]["name"] == instr.name:  # the same instruction reached again (a computation called twice)
+        ops[key]["per_step"] += mult
+      continue
+    op = ops[key] = {"kind": kind, "name": instr.name, "shapes": instr.shape, "bytes": sum(sizes), "per_step": mult,
+                     "group": group_size(instr.rest, num_devices), "async": is_async, "scope": scope}
+    if instr.opcode == "fusion":  # the all-reduce inside a reduce-scatter fusion is the same collective
+      called = re.search(r"calls=%([\w.\-]+)", instr.rest)
+      if called:
+        inside_collective.add(called.group(1))
+  for op in ops.values():
+    op["per_step"] = int(round(op["per_step"]))
+  return list(ops.values())
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+  """Collectives by kind: {kind: {"ops": instructions in the program, "per_step": executions per step,
+  "bytes_per_step": per-device bytes moved per step}} (see collective_ops)."""
+  out: dict[str, dict[str, int]] = {}
+  for op in collective_ops(hlo_text):
+    s = out.setdefault(op["kind"], {"ops": 0, "per_step": 0, "bytes_per_step": 0})
+    s["ops"] += 1
+    s["per_step"] += op["per_step"]
+    s["bytes_per_step"] += op["per_step"] * op["bytes"]
+  return dict(sorted(out.items()))

@@ -1,0 +1,305 @@
+"""Predicted step time and MFU of a compiled train step, from its optimised HLO: TPU performance without a TPU.
+
+The model (docs/planning.md):
+- every kernel the program runs (a fusion, convolution, copy, ...; loop bodies times their trip counts, each
+  branch of a conditional weighted 1 / branches) costs its roofline time
+      max(FLOPs / (MATMUL_EFFICIENCY x peak), bytes accessed / HBM bandwidth),
+  with FLOPs and bytes from XLA's own cost analysis (HloCostAnalysis) of that one instruction;
+- every collective costs its ring time: bytes moved per chip / ring bandwidth, where an all-gather or
+  reduce-scatter over a group of n chips moves (n - 1) / n of the full array per chip, an all-reduce twice that,
+  and the ring bandwidth is 2 directions x link bandwidth x the torus axes the group spans (ICI), NVLink within a
+  GPU node, or the per-chip DCN / InfiniBand bandwidth beyond;
+- overlap: collectives the schedule issues asynchronously (start/done pairs, TPU async collective fusions) hide
+  behind the kernels of the same computation (the loop body they are issued in); the excess and every
+  synchronous collective are exposed. Step time = kernel time + exposed collective time.
+
+Units: seconds, bytes, FLOP/s; figures are per chip per optimizer step.
+"""
+from __future__ import annotations
+
+import re
+
+from train import hardware, hlo
+
+# One global factor: the fraction of the data-sheet bf16 peak that FLOP-bound kernels reach. Fitted once, on the
+# MaxText 16B / v5e-256 row of the calibration table (benchmarks/predict_maxtext.py --fit, docs/planning.md): the
+# fit wants more than the peak (meshlm's blockwise attention is HBM-bound where MaxText's Pallas flash kernel is
+# not), so it is capped at 1.0, and used unchanged for every other model, chip and mesh.
+MATMUL_EFFICIENCY = 1.0
+
+# Instructions that launch no kernel of their own (bookkeeping, control flow, asynchronous copies and slices,
+# whose DMA overlaps compute), or whose cost is counted as a collective.
+_FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while", "conditional", "call",
+         "after-all", "partition-id", "replica-id", "opt-barrier", "copy-start", "copy-done", "slice-start",
+         "slice-done", "async-start", "async-done", "async-update", "send", "send-done", "recv", "recv-done",
+         "add-dependency", "domain", "all-gather-done", "all-reduce-done", "collective-permute-done"}
+_FREE_CUSTOM_CALLS = ("AllocateBuffer", "AssumeGatherIndicesInBound", "ConcatBitcast", "AsyncCollectiveStart",
+                      "AsyncCollectiveDone")
+_DROP_ATTRS = ("metadata", "backend_config", "frontend_attributes", "control-predecessors", "statistics")
+
+
+# ---- collectives -----------------------------------------------------------------------------------------
+def ring_bandwidth(group: int, chip: hardware.Chip, torus: tuple[int, ...] = ()) -> float:
+  """Bytes/s per chip that a ring collective over `group` chips gets.
+
+  TPU: bidirectional rings over each torus axis the group spans (the fewest largest axes whose product reaches
+  the group size), so 2 x link bandwidth per axis. GPU: NVLink within the node (ici_domain chips), otherwise the
+  per-GPU InfiniBand bandwidth.
+  """
+  if chip.ici_domain:
+    return (chip.ici_link_gbps if group <= chip.ici_domain else chip.dcn_gbps) * 1e9
+  axes, covered = 0, 1
+  for d in sorted(torus or (group,), reverse=True):
+    if covered >= group:
+      break
+    covered *= d
+    axes += 1
+  return 2 * max(axes, 1) * chip.ici_link_gbps * 1e9
+
+
+def collective_seconds(kind: str, nbytes: float, group: int, bandwidth: float) -> float:
+  """Ring-algorithm time of one collective: `nbytes` is the per-chip result (the gathered array of an
+  all-gather, the shard of a reduce-scatter, the reduced array of an all-reduce), `group` the chips in each
+  replica group, `bandwidth` bytes/s per chip (ring_bandwidth)."""
+  if group <= 1 or nbytes <= 0:
+    return 0.0
+  frac = (group - 1) / group
+  moved = {"all-gather": frac * nbytes, "reduce-scatter": (group - 1) * nbytes, "all-reduce": 2 * frac * nbytes,
+           "all-to-all": frac * nbytes, "collective-permute": nbytes}.get(kind, nbytes)
+  return moved / bandwidth
+
+
+# ---- per-kernel cost from XLA's cost analysis ------------------------------------------------------------
+def _matching_paren(text: str, start: int = 0) -> int:
+  depth = 0
+  for i in range(start, len(text)):
+    if text[i] in "({":
+      depth += 1
+    elif text[i] in ")}":
+      if depth == 0:
+        return i
+      depth -= 1
+  return len(text)
+
+
+def _strip_attr(text: str, key: str) -> str:
+  """Removes `, key=...` (a braced value or a plain token) from an instruction's attribute text."""
+  while True:
+    i = text.find(f", {key}=")
+    if i < 0:
+      return text
+    j = i + len(key) + 3
+    if j < len(text) and text[j] == "{":
+      end = _matching_paren(text, j + 1) + 1
+    else:
+      m = re.match(r"[^,]*", text[j:])
+      end = j + m.end()
+    text = text[:i] + text[end:]
+
+
+def _callees(program: hlo.Program, names: list[str]) -> list[str]:
+  """The computations called from `names`, transitively, callees first."""
+  out: list[str] = []
+
+  def add(name: str):
+    if name in out or name not in program.text:
+      return
+    for _, c in hlo._CALLED.findall(program.text[name]):
+      if c != name:
+        add(c)
+    out.append(name)
+
+  for n in names:
+    add(n)
+  return out
+
+
+def _instruction_module(program: hlo.Program, shapes: dict[str, str], instr: hlo.Instruction) -> str:
+  """HLO text of a module whose entry runs `instr` alone on parameters of its operands' shapes."""
+  close = _matching_paren(instr.rest)
+  operands = [o.strip() for o in re.sub(r"/\*.*?\*/", "", instr.rest[:close]).split(",") if o.strip()]
+  attrs = instr.rest[close + 1:]
+  for key in _DROP_ATTRS:
+    attrs = _strip_attr(attrs, key)
+  params, args = [], []
+  for i, operand in enumerate(operands):
+    name = operand.split()[-1].lstrip("%")
+    params.append(f"  %p{i} = {shapes[name]} parameter({i})")
+    args.append(f"%p{i}")
+  called = [c for _, c in hlo._CALLED.findall(attrs)]
+  for group in hlo._BRANCHES.findall(attrs):
+    called += [c.strip().lstrip("%") for c in group.split(",")]
+  # Metadata is dropped: it only names source lines, and its stack-frame ids refer to the whole module's table.
+  deps = ["\n".join(_strip_attr(line, "metadata") for line in program.text[c].splitlines())
+          for c in _callees(program, called)]
+  body = "\n".join(params + [f"  ROOT %op = {instr.shape} {instr.opcode}({', '.join(args)}){attrs}"])
+  return "HloModule op\n\n" + "\n\n".join(deps + [f"ENTRY %main {{\n{body}\n}}"]) + "\n"
+
+
+def _split_tuple(shape: str) -> list[str]:
+  """The element shapes of a tuple shape string (the shape itself when it is an array)."""
+  if not shape.startswith("("):
+    return [shape]
+  out, depth, start = [], 0, 1
+  for i, ch in enumerate(shape):
+    if ch in "({[":
+      depth += 1
+    elif ch in ")}]":
+      depth -= 1
+      if depth == 0:
+        out.append(shape[start:i])
+    elif ch == "," and depth == 1:
+      out.append(shape[start:i])
+      start = i + 1
+  return [re.sub(r"/\*.*?\*/", "", e).strip() for e in out if e.strip()]
+
+
+def _on_chip(shape: str) -> bool:
+  """Whether an array lives outside HBM: the TPU layout's memory space S(n), n > 0 (VMEM, SMEM, ...)."""
+  m = re.search(r":[^}]*S\((\d+)\)", shape)
+  return bool(m) and int(m.group(1)) > 0
+
+
+def _on_chip_bytes(cost: dict, instr: hlo.Instruction, shapes: dict[str, str]) -> float:
+  """The part of XLA's "bytes accessed" of one instruction that stays in on-chip memory (TPU memory spaces
+  S(1) and up): its per-operand and per-output entries whose layout names such a space. HBM time counts the rest."""
+  close = _matching_paren(instr.rest)
+  operands = [o.strip().split()[-1].lstrip("%") for o in re.sub(r"/\*.*?\*/", "", instr.rest[:close]).split(",")
+              if o.strip()]
+  out = 0.0
+  for i, name in enumerate(operands):
+    if _on_chip(shapes.get(name, "")):
+      out += sum(float(v) for k, v in cost.items() if k.startswith(f"bytes accessed{i}{{"))
+  elements = _split_tuple(instr.shape)
+  for j, element in enumerate(elements):
+    if _on_chip(element):
+      key = "bytes accessedout{}" if len(elements) == 1 and not instr.shape.startswith("(") else \
+          f"bytes accessedout{{{j}}}"
+      out += float(cost.get(key, 0.0))
+  return out
+
+
+def _is_free(instr: hlo.Instruction) -> bool:
+  if instr.opcode in _FREE or hlo.collective_kind(instr.opcode, instr.rest):
+    return True
+  if instr.opcode == "custom-call":
+    return any(f'"{t}"' in instr.rest for t in _FREE_CUSTOM_CALLS)
+  return instr.opcode == "fusion" and "async-collective" in instr.name
+
+
+def kernel_costs(hlo_text: str) -> list[dict]:
+  """Every kernel the program runs with XLA's cost of one execution: [{"name", "opcode", "computation",
+  "per_step", "flops", "bytes", "op_name", "costed"}]; "costed" False marks an instruction XLA's cost analysis
+  could not take alone (its bytes then are its operands' and result's sizes, its FLOPs 0)."""
+  import jax
+  from jax._src.lib import _jax
+  from jaxlib import _hlo
+
+  client = jax.devices("cpu")[0].client
+  program = hlo.parse(hlo_text)
+  shapes = {c: {i.name: i.shape for i in instrs} for c, instrs in program.computations.items()}
+  by_key: dict[tuple[str, str], dict] = {}
+  for comp, instr, mult in hlo.executed(program):
+    if _is_free(instr):
+      continue
+    key = (comp, instr.name)
+    if key in by_key:
+      by_key[key]["per_step"] += mult
+      continue
+    m = re.search(r'op_name="([^"]*)"', instr.line)
+    entry = {"name": instr.name, "opcode": instr.opcode, "computation": comp, "per_step": mult,
+             "op_name": m.group(1) if m else "", "costed": True}
+    try:
+      module = _hlo.hlo_module_from_text(_instruction_module(program, shapes[comp], instr))
+      cost = _jax.hlo_module_cost_analysis(client, module)
+      entry["flops"] = float(cost.get("flops", 0.0))
+      entry["bytes"] = float(cost.get("bytes accessed", 0.0)) - _on_chip_bytes(cost, instr, shapes[comp])
+    except Exception:  # noqa: BLE001 -- an op the CPU parser cannot take alone: counted by its sizes, flagged
+      operands = re.findall(r"%([\w.\-]+)", instr.rest[:_matching_paren(instr.rest)])
+      entry["flops"] = 0.0
+      entry["bytes"] = float(sum(sum(hlo.shape_bytes(shapes[comp].get(o, ""))) for o in operands)
+                             + sum(hlo.shape_bytes(instr.shape)))
+      entry["costed"] = False
+    by_key[key] = entry
+  return list(by_key.values())
+
+
+# ---- the prediction --------------------------------------------------------------------------------------
+def predict(hlo_text: str, chip: hardware.Chip, *, num_devices: int, torus: tuple[int, ...] = (),
+            model_flops_per_chip: float, tokens_per_chip: float, efficiency: float = MATMUL_EFFICIENCY,
+            top: int = 10) -> dict:
+  """Predicted time of one step of a compiled program (per chip; see the module docstring).
+
+  Args:
+    hlo_text: `compiled.as_text()` of the SPMD-partitioned step.
+    chip: the accelerator (peak, HBM and interconnect bandwidths from train/hardware.py).
+    num_devices: chips the program runs on (for collectives whose groups are not printed).
+    torus: chips along each physical axis of one slice (TpuSlice.torus); empty for GPUs.
+    model_flops_per_chip: model FLOPs per chip per step (the MFU numerator).
+    tokens_per_chip: tokens per chip per step.
+    efficiency: fraction of the peak that FLOP-bound kernels reach.
+  Returns:
+    {"step_seconds", "mfu", "tokens_per_sec_per_chip", "compute_seconds" (FLOP-bound kernels),
+    "memory_bound_seconds" (HBM-bound kernels), "collective_seconds" (all collectives, as if serial),
+    "exposed_collective_seconds", "hardware_flops_per_chip", "dominant", "matmul_efficiency",
+    "uncosted_kernels", "top_ops": the `top` most expensive kernels and collectives}.
+  """
+  peak = chip.peak_tflops * 1e12 * efficiency
+  hbm = chip.hbm_gbps * 1e9
+  rows, scope_kernels = [], {}
+  compute = memory_bound = hw_flops = 0.0
+  kernels = kernel_costs(hlo_text)
+  for k in kernels:
+    t_flops, t_bytes = k["flops"] / peak, k["bytes"] / hbm
+    seconds = max(t_flops, t_bytes) * k["per_step"]
+    bound = "compute" if t_flops >= t_bytes else "memory"
+    if bound == "compute":
+      compute += seconds
+    else:
+      memory_bound += seconds
+    hw_flops += k["flops"] * k["per_step"]
+    scope_kernels[k["computation"]] = scope_kernels.get(k["computation"], 0.0) + seconds
+    rows.append({"name": k["name"], "op": k["opcode"], "op_name": k["op_name"], "per_step": k["per_step"],
+                 "seconds": seconds, "bound": bound, "flops": k["flops"], "bytes": k["bytes"]})
+  collective = exposed_sync = 0.0
+  scope_async: dict[str, float] = {}
+  for c in hlo.collective_ops(hlo_text, num_devices):
+    dcn = c["kind"].startswith("dcn-")
+    kind = c["kind"][4:] if dcn else c["kind"]
+    bw = chip.dcn_gbps * 1e9 if dcn else ring_bandwidth(c["group"], chip, torus)
+    seconds = (c["bytes"] / bw if dcn else collective_seconds(kind, c["bytes"], c["group"], bw)) * c["per_step"]
+    collective += seconds
+    if c["async"]:
+      scope_async[c["scope"]] = scope_async.get(c["scope"], 0.0) + seconds
+    else:
+      exposed_sync += seconds
+    rows.append({"name": c["name"], "op": c["kind"], "op_name": f"group {c['group']}", "per_step": c["per_step"],
+                 "seconds": seconds, "bound": "collective" + (" (async)" if c["async"] else ""),
+                 "flops": 0.0, "bytes": float(c["bytes"])})
+  exposed = exposed_sync + sum(max(0.0, t - scope_kernels.get(s, 0.0)) for s, t in scope_async.items())
+  step = compute + memory_bound + exposed
+  terms = {"compute": compute, "memory": memory_bound, "collective": exposed}
+  rows.sort(key=lambda r: -r["seconds"])
+  return {
+      "step_seconds": step,
+      "mfu": model_flops_per_chip / (step * chip.peak_tflops * 1e12) if step > 0 else None,
+      "tokens_per_sec_per_chip": tokens_per_chip / step if step > 0 else None,
+      "compute_seconds": compute, "memory_bound_seconds": memory_bound, "collective_seconds": collective,
+      "exposed_collective_seconds": exposed, "hardware_flops_per_chip": hw_flops,
+      "dominant": max(terms, key=terms.get), "matmul_efficiency": efficiency,
+      "uncosted_kernels": sum(1 for k in kernels if not k["costed"]),
+      "top_ops": rows[:top],
+  }
+
+
+def for_report(hlo_text: str, report: dict, chip: hardware.Chip, torus: tuple[int, ...]) -> dict:
+  """`predict` for a train.compile report (model FLOPs per chip and tokens from the report's own fields)."""
+  tokens = report["batch_size"] * report["seq_len"] / report["num_devices"]
+  return predict(hlo_text, chip, num_devices=report["num_devices"], torus=torus,
+                 model_flops_per_chip=report["flops"]["model_per_chip"], tokens_per_chip=tokens)
+
+
+def roofline_seconds(flops: float, nbytes: float, chip: hardware.Chip,
+                     efficiency: float = MATMUL_EFFICIENCY) -> float:
+  """The roofline time of one kernel: max(flops / (efficiency x peak), bytes / HBM bandwidth)."""
+  return max(flops / (chip.peak_tflops * 1e12 * efficiency), nbytes / (chip.hbm_gbps * 1e9))
