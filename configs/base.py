@@ -38,6 +38,14 @@ def get_config() -> ml_collections.ConfigDict:
   m.dtype = "float32"  # computation dtype (bfloat16 on accelerators); logits and softmax statistics stay float32
   m.param_dtype = "float32"  # parameter (master weight) dtype
   m.init_std = 0.02  # standard deviation of the normal initialiser for weights
+  m.num_experts = 0  # routed experts per Mixture-of-Experts layer; 0 = dense feed-forward in every layer
+  m.experts_per_token = 2  # top-k: routed experts per token
+  m.moe_every = 1  # layers k-1, 2k-1, ... are MoE and the rest dense (1 = all); num_layers must be a multiple
+  m.num_shared_experts = 0  # always-on experts (DeepSeekMoE), each expert_mlp_dim wide, beside the routed ones
+  m.expert_mlp_dim = 0  # hidden width of each expert; 0 = mlp_dim
+  m.capacity_factor = 0.0  # 0 = dropless; > 0: an expert takes at most ceil(cf * k * seq / E) tokens per sequence
+  m.router = "topk_softmax"  # topk_softmax (Mixtral: softmax over the k best logits) | softmax_topk (top k of softmax)
+  m.moe_impl = "ragged"  # grouped expert matmul: ragged (jax.lax.ragged_dot) | tiled (sorted rows in tiles, batched)
 
   mesh = c.mesh = ml_collections.ConfigDict()
   # Devices per axis inside a slice/host (ICI); -1 = all remaining. ICI x DCN products must equal the device count.
@@ -45,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.fsdp = 1  # data parallelism with parameters, gradients and optimizer state sharded (ZeRO-3)
   mesh.tensor = 1  # tensor (Megatron) parallelism over heads / mlp / vocab
   mesh.sequence = 1  # sequence (context) parallelism over the length axis of activations
-  mesh.expert = 1  # reserved: expert parallelism (MoE)
+  mesh.expert = 1  # expert parallelism: MoE experts split over it; outside MoE layers it splits the batch
   mesh.stage = 1  # reserved: pipeline parallelism
   # Across slices/hosts (DCN); the product of dcn_* is the number of slices (or hosts). Tensor/sequence stay in ICI.
   mesh.dcn_data = -1  # data parallelism across slices/hosts; -1 = all slices (or hosts) not used by dcn_fsdp
@@ -78,6 +86,8 @@ def get_config() -> ml_collections.ConfigDict:
   t.init_from = ""  # start from weights only: a meshlm run directory / checkpoint, or a Hugging Face directory
   t.debug_nan_steps = ()  # fault injection for tests: steps whose loss mask is NaN (the step must skip and count)
   t.peak_tflops = 0.0  # hardware peak per device for MFU; 0 = look up the device kind (CPU: MFU omitted)
+  t.moe_aux_loss = 0.01  # coefficient of the MoE load-balancing loss (Switch: E * sum_e f_e P_e, mean over MoE layers)
+  t.router_z_loss = 0.001  # coefficient of the MoE router z-loss (mean logsumexp(router logits)^2, ST-MoE)
 
   d = c.data = ml_collections.ConfigDict()
   d.sources = "builtin"  # builtin (Python's own docs + stdlib source) or a mixture spec; see data/sources.py

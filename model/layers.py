@@ -7,6 +7,7 @@ from flax import nnx
 
 from model import attention as attention_lib
 from model import axes
+from model import moe as moe_lib
 from model import remat
 from model import rope
 from model.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, KV_LENGTH, LENGTH, MLP, VOCAB
@@ -122,23 +123,32 @@ class Mlp(nnx.Module):
 class Block(nnx.Module):
   """One pre-norm layer: sequential x += attn(norm x); x += mlp(norm x), or parallel x + attn(n x) + mlp(n x)."""
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs):
+  def __init__(self, cfg, *, rngs: nnx.Rngs, moe: bool = False):
     self.parallel = cfg.block_type == "parallel"
     self.attn_norm = Norm(cfg, rngs=rngs)
     self.attn = Attention(cfg, rngs=rngs)
     if not self.parallel:
       self.mlp_norm = Norm(cfg, rngs=rngs)
-    self.mlp = Mlp(cfg, rngs=rngs)
+    if moe:  # a Mixture-of-Experts feed-forward (model/moe.py) in place of the MLP
+      self.moe = moe_lib.MoE(cfg, rngs=rngs)
+    else:
+      self.mlp = Mlp(cfg, rngs=rngs)
 
-  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window) -> jax.Array:
+  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window) -> tuple[jax.Array, dict]:
+    """-> (x_BLD, stats): stats are the MoE layer's router statistics (model.moe.router_stats), {} when dense."""
     h_BLD = self.attn_norm(x_BLD)
     attn_BLD = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window)
+    stats = {}
     if self.parallel:
       x_BLD = x_BLD + attn_BLD + self.mlp(h_BLD)
     else:
       x_BLD = x_BLD + attn_BLD
-      x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
-    return axes.constrain(x_BLD, (BATCH, LENGTH, EMBED))
+      if hasattr(self, "moe"):
+        y_BLD, stats = self.moe(self.mlp_norm(x_BLD), segment_ids_BL > 0)
+      else:
+        y_BLD = self.mlp(self.mlp_norm(x_BLD))
+      x_BLD = x_BLD + y_BLD
+    return axes.constrain(x_BLD, (BATCH, LENGTH, EMBED)), stats
 
 
 class Embed(nnx.Module):
@@ -155,3 +165,19 @@ class Embed(nnx.Module):
   def attend(self, x_BLD) -> jax.Array:
     return jnp.einsum("bld,vd->blv", x_BLD, _value(self.embedding, self.dtype),
                       preferred_element_type=jnp.float32)
+
+
+class LayerGroup(nnx.Module):
+  """moe_every consecutive blocks, the last one MoE: the unit the layer scan repeats when moe_every > 1, so that
+  compile time stays independent of depth. `group(x, ..., windows_U) -> (x, the MoE block's stats)`."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    n = cfg.moe_every
+    self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=j == n - 1) for j in range(n)])
+
+  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U) -> tuple[jax.Array, dict]:
+    stats = {}
+    for j, block in enumerate(self.blocks):
+      x_BLD, block_stats = block(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U[j])
+      stats = block_stats or stats
+    return x_BLD, stats

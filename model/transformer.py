@@ -41,20 +41,26 @@ class Transformer(nnx.Module):
     self.remat = remat
     with axes.creation_context():
       self.embed = layers.Embed(cfg, rngs=rngs)
+      unit = config_lib.layers_per_unit(cfg)  # the scan repeats units: one block, or a group with one MoE
       if cfg.scan_layers:
-        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.split_rngs(splits=cfg.num_layers // unit)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
         def make_stack(rngs):
-          return layers.Block(cfg, rngs=rngs)
+          if unit > 1:
+            return layers.LayerGroup(cfg, rngs=rngs)
+          return layers.Block(cfg, rngs=rngs, moe=config_lib.is_moe_layer(cfg, 0))
         self.layers = make_stack(rngs)
       else:
-        self.layers = nnx.List([layers.Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([layers.Block(cfg, rngs=rngs, moe=config_lib.is_moe_layer(cfg, i))
+                                for i in range(cfg.num_layers)])
       self.final_norm = layers.Norm(cfg, rngs=rngs)
       if not cfg.tie_embeddings:
         self.unembed = layers.param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB), cfg)
 
   def __call__(self, tokens_BL: jax.Array, segment_ids_BL: jax.Array | None = None,
-               positions_BL: jax.Array | None = None) -> jax.Array:
+               positions_BL: jax.Array | None = None, *, return_aux: bool = False):
+    """-> logits_BLV float32; with return_aux, (logits_BLV, aux): aux holds the MoE router statistics
+    (model.moe.STATS, float32 scalars averaged over the MoE layers; {} for a dense model)."""
     if tokens_BL.ndim != 2 or not jnp.issubdtype(tokens_BL.dtype, jnp.integer):
       raise ValueError(f"tokens must be integer [batch, seq]; got {tokens_BL.dtype}{list(tokens_BL.shape)}")
     if segment_ids_BL is None:
@@ -68,19 +74,26 @@ class Transformer(nnx.Module):
     def apply_block(graphdef, state, x_BLD, window):
       return nnx.merge(graphdef, state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window)
 
+    windows = jnp.asarray(config_lib.layer_windows(self.cfg), jnp.int32)
     if self.cfg.scan_layers:
       graphdef, state = nnx.split(self.layers)
       def body(x_BLD, xs):
         layer_state, window = xs
-        return apply_block(graphdef, layer_state, x_BLD, window), None
+        return apply_block(graphdef, layer_state, x_BLD, window)
       body = remat_lib.wrap(body, self.remat, prevent_cse=False)
-      x_BLD, _ = jax.lax.scan(body, x_BLD, (state, jnp.asarray(config_lib.layer_windows(self.cfg), jnp.int32)))
+      unit = config_lib.layers_per_unit(self.cfg)
+      windows = windows.reshape(-1, unit) if unit > 1 else windows
+      x_BLD, stats = jax.lax.scan(body, x_BLD, (state, windows))  # stats: [units] per MoE statistic
     else:
+      stats = []
       for block, window in zip(self.layers, config_lib.layer_windows(self.cfg)):
         graphdef, state = nnx.split(block)
         step = remat_lib.wrap(lambda s, x, graphdef=graphdef, window=window: apply_block(graphdef, s, x, window),
                               self.remat)
-        x_BLD = step(state, x_BLD)
+        x_BLD, block_stats = step(state, x_BLD)
+        stats += [block_stats] if block_stats else []
+      stats = jax.tree.map(lambda *v: jnp.stack(v), *stats) if stats else {}
+    aux = {k: jnp.mean(v) for k, v in stats.items()}  # mean over MoE layers (MaxText, Levanter)
 
     x_BLD = self.final_norm(x_BLD)
     if self.cfg.tie_embeddings:
@@ -88,4 +101,5 @@ class Transformer(nnx.Module):
     else:
       logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, self.unembed[...].astype(config_lib.DTYPES[self.cfg.dtype]),
                               preferred_element_type=jnp.float32)
-    return axes.constrain(logits_BLV.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
+    logits_BLV = axes.constrain(logits_BLV.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
+    return (logits_BLV, aux) if return_aux else logits_BLV
