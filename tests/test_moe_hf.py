@@ -112,3 +112,19 @@ def test_shape_mismatch_names_config_fields(mixtral_dir, tmp_path):
   (tmp_path / "config.json").write_text(json.dumps({**conf, "intermediate_size": 32}))
   with pytest.raises(ValueError, match=r"experts\.0\.w1\.weight.*\[40, 48\].*\[32, 48\].*intermediate_size=32"):
     hf.load(str(tmp_path))
+
+
+def test_greedy_generation_equals_transformers_generate(mixtral_dir):
+  """Prompts of different lengths (left-padded in one batch by model.generate) decode token for token as
+  transformers' greedy `generate` decodes each prompt alone."""
+  from model import generate
+  ref, path = mixtral_dir
+  model = hf.load(str(path), dtype="float32")
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(1, V, size=n).tolist() for n in (5, 11)]
+  got = generate.generate(model, prompts, max_new_tokens=8)
+  for prompt, tokens in zip(prompts, got):
+    with torch.no_grad():
+      out = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)
+    assert tokens == out[0, len(prompt):].tolist()
