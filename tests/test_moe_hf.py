@@ -11,6 +11,7 @@ from transformers.models.mixtral import modeling_mixtral
 
 from model import hf
 from model import moe
+from test_hf import _hf_logits, _random_hf_model  # tests/ is on sys.path under pytest
 
 TOL = 1e-4
 SEQ = 24
@@ -18,21 +19,8 @@ V = 96
 
 
 def _random_mixtral(seed, **overrides):
-  base = dict(vocab_size=V, hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, num_local_experts=4,
-              num_experts_per_tok=2, rope_theta=1e6)
-  base.update(overrides)
-  torch.manual_seed(seed)
-  model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**base)).float().eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
-  return model
-
-
-def _hf_logits(model, tokens):
-  with torch.no_grad():
-    return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+  return _random_hf_model("mixtral", seed, **{"intermediate_size": 40, "num_local_experts": 4,
+                                             "num_experts_per_tok": 2, "rope_theta": 1e6, **overrides})
 
 
 @pytest.fixture(scope="module")
