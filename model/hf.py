@@ -220,7 +220,8 @@ def _layer_slots(model, cfg) -> list[tuple[Any, int | None]]:
 
 
 def _entries(model, cfg):
-  """Yields (HF name, variable, index into the variable or (), expert index or None) for every HF tensor."""
+  """Yields (table entry, HF name, variable, index of the tensor inside the variable) for every HF tensor; the
+  index selects the layer in stacked parameters and the expert for `{j}` names (() = the whole variable)."""
   slots = _layer_slots(model, cfg)
   for e in name_table(cfg):
     if not e.path.startswith("layers/"):

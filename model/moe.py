@@ -101,10 +101,6 @@ def router_stats(logits_BLE: jax.Array, experts_BLK: jax.Array, keep_BLK: jax.Ar
   }
 
 
-def _grouped_ragged(x_AD, w_EDF, sizes_E):
-  return jax.lax.ragged_dot(x_AD, w_EDF, sizes_E)
-
-
 def _tile_layout(sizes_E: jax.Array, rows: int, tile: int):
   """Where the rows of each expert go when every expert's rows are padded to whole tiles.
 
@@ -142,7 +138,7 @@ def expert_ffn(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, ke
   sizes_E = jnp.bincount(group_A, length=E_loc + 1)[:E_loc].astype(jnp.int32)
   xs_AD = x_TD[order_A // K]
   if impl == "ragged":
-    mm = lambda a, w: _grouped_ragged(a, w, sizes_E)
+    mm = lambda a_AX, w_EXY: jax.lax.ragged_dot(a_AX, w_EXY, sizes_E)
   else:
     dest_A, tile_expert_N, padded = _tile_layout(sizes_E, T * K, TILE_ROWS)
     def mm(a_AX, w_EXY):
