@@ -45,7 +45,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.expert_mlp_dim = 0  # hidden width of each expert; 0 = mlp_dim
   m.capacity_factor = 0.0  # 0 = dropless; > 0: an expert takes at most ceil(cf * k * seq / E) tokens per sequence
   m.router = "topk_softmax"  # topk_softmax (Mixtral: softmax over the k best logits) | softmax_topk (top k of softmax)
-  m.moe_impl = "ragged"  # grouped expert matmul: ragged (jax.lax.ragged_dot) | tiled (sorted rows in tiles, batched)
+  m.moe_impl = "ragged"  # grouped expert matmul: ragged (jax.lax.ragged_dot) | tiled (row tiles, batched; small models/CPU)
 
   mesh = c.mesh = ml_collections.ConfigDict()
   # Devices per axis inside a slice/host (ICI); -1 = all remaining. ICI x DCN products must equal the device count.
