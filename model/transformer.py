@@ -31,7 +31,8 @@ class Transformer(nnx.Module):
 
   segment_ids_BL > 0 mark packed documents (0 = padding); a token attends causally within its segment only.
   positions_BL (RoPE positions) default to the index inside each segment. `remat` names a policy in
-  `model.remat.POLICIES`. The config is validated here (ValueError naming the key).
+  `model.remat.POLICIES`. The config is validated here (ValueError naming the key). Decoding uses
+  `features(..., cache=)` and `logits` (model.generate).
   """
 
   def __init__(self, cfg_model: Mapping[str, Any], *, rngs: nnx.Rngs, remat: str = "none"):
