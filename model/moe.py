@@ -31,7 +31,7 @@ from model.axes import BATCH, EMBED, EXPERTS, LENGTH, MLP
 from model.config import DTYPES
 
 TILE_ROWS = 128  # rows per tile of the `tiled` grouped matmul (its padding waste is < E * TILE_ROWS rows)
-STATS = ("moe_aux_loss", "router_z_loss", "moe_load_max_mean", "moe_dropped_frac")
+STATS = ("moe_aux_loss", "router_z_loss", "moe_load_max_mean", "moe_dropped_frac", "moe_expert_load")
 
 
 def route(logits_BLE: jax.Array, k: int, kind: str) -> tuple[jax.Array, jax.Array]:
@@ -76,7 +76,7 @@ def keep_mask(experts_BLK: jax.Array, valid_BL: jax.Array, num_experts: int, cap
 
 def router_stats(logits_BLE: jax.Array, experts_BLK: jax.Array, keep_BLK: jax.Array,
                  valid_BL: jax.Array) -> dict[str, jax.Array]:
-  """Float32 scalars of one MoE layer over the valid (non-padding) tokens.
+  """Float32 statistics of one MoE layer over the valid (non-padding) tokens (scalars, and one [E] vector).
 
     moe_aux_loss      E * sum_e f_e * P_e (Switch Transformer eq. 4-6 with top-k counting, as transformers'
                       `load_balancing_loss_func`): f_e = assignments to e per token (sums to k over e),
@@ -84,6 +84,7 @@ def router_stats(logits_BLE: jax.Array, experts_BLK: jax.Array, keep_BLK: jax.Ar
     router_z_loss     mean over tokens of logsumexp(router logits)^2 (ST-MoE).
     moe_load_max_mean max_e n_e / mean_e n_e with n_e the assignments to expert e (1 = balanced).
     moe_dropped_frac  assignments dropped by the capacity limit / all assignments.
+    moe_expert_load   [E]: n_e / sum_e n_e, each expert's share of the assignments (before drops).
   """
   E = logits_BLE.shape[-1]
   K = experts_BLK.shape[-1]
@@ -98,6 +99,7 @@ def router_stats(logits_BLE: jax.Array, experts_BLK: jax.Array, keep_BLK: jax.Ar
       "router_z_loss": jnp.sum(jnp.square(z_BL) * valid_BL) / tokens,
       "moe_load_max_mean": jnp.max(load_E) / jnp.maximum(jnp.mean(load_E), 1e-9),
       "moe_dropped_frac": 1.0 - jnp.sum(keep_BLK.astype(jnp.float32)) / (tokens * K),
+      "moe_expert_load": load_E / (tokens * K),
   }
 
 

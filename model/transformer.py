@@ -62,7 +62,7 @@ class Transformer(nnx.Module):
   def __call__(self, tokens_BL: jax.Array, segment_ids_BL: jax.Array | None = None,
                positions_BL: jax.Array | None = None, *, return_aux: bool = False):
     """-> logits_BLV float32; with return_aux, (logits_BLV, aux): aux holds the MoE router statistics
-    (model.moe.STATS, float32 scalars averaged over the MoE layers; {} for a dense model)."""
+    (model.moe.STATS, float32 scalars and the [E] expert load, averaged over the MoE layers; {} when dense)."""
     x_BLD, aux = self.features(tokens_BL, segment_ids_BL, positions_BL, return_aux=True)
     logits_BLV = self.logits(x_BLD)
     return (logits_BLV, aux) if return_aux else logits_BLV
@@ -110,7 +110,7 @@ class Transformer(nnx.Module):
         x_BLD, block_stats = step(state, x_BLD)
         stats += [block_stats] if block_stats else []
       stats = jax.tree.map(lambda *v: jnp.stack(v), *stats) if stats else {}
-    aux = {k: jnp.mean(v) for k, v in stats.items()}  # mean over MoE layers (MaxText, Levanter)
+    aux = {k: jnp.mean(v, axis=0) for k, v in stats.items()}  # mean over MoE layers (MaxText, Levanter)
     x_BLD = self.final_norm(x_BLD)
     return (x_BLD, aux) if return_aux else x_BLD
 

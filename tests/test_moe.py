@@ -105,6 +105,7 @@ def test_balance_loss_is_k_at_uniform_routing():
   np.testing.assert_allclose(stats["router_z_loss"], np.log(E) ** 2, rtol=1e-6)
   # Ties all choose experts 0 and 1: E/K times the mean load, nothing dropped without a capacity.
   np.testing.assert_allclose(stats["moe_load_max_mean"], E / K, rtol=1e-6)
+  np.testing.assert_allclose(stats["moe_expert_load"], [0.5, 0.5] + [0.0] * (E - 2), atol=1e-7)
   assert float(stats["moe_dropped_frac"]) == 0.0
 
 
@@ -146,6 +147,7 @@ def test_grouped_scan_equals_unrolled_layers():
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
   for k in moe.STATS:
     np.testing.assert_allclose(got_aux[k], want_aux[k], atol=1e-6, rtol=0)
+  assert got_aux["moe_expert_load"].shape == (4,) and abs(float(got_aux["moe_expert_load"].sum()) - 1) < 1e-6
   assert 0 < float(got_aux["moe_dropped_frac"]) < 1  # capacity 1.0 with random routing drops some
 
 

@@ -45,7 +45,8 @@ def reference():
 
 def _compare(got, want):
   for a, b in zip(got[1], want[1]):
-    for k in ("loss", "moe_aux_loss", "router_z_loss", "moe_load_max_mean", "moe_dropped_frac", "grad_norm"):
+    for k in ("loss", "moe_aux_loss", "router_z_loss", "moe_load_max_mean", "moe_dropped_frac", "grad_norm",
+              *(f"moe_load/{e}" for e in range(8))):
       np.testing.assert_allclose(a[k], b[k], atol=1e-5, rtol=0, err_msg=k)
   # Parameters after 3 AdamW steps: Adam divides each gradient by its own RMS, so a near-zero gradient entry that
   # differs in the last float bits moves its update visibly; the losses above are the <= 1e-5 criterion.

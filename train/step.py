@@ -38,6 +38,7 @@ BATCH_KEYS = {"inputs": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int3
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 METRICS = ("loss", "z_loss", "total_loss", "grad_norm", "param_norm", "lr", "tokens", "nonfinite")
 MOE_METRICS = model_lib.moe.STATS  # MoE models add these (means over MoE layers and microbatches)
+EXPERT_LOAD = "moe_expert_load"  # the [E] vector among them, logged as moe_load/<expert> (share of assignments)
 
 
 def _tree_add(a, b):
@@ -82,7 +83,10 @@ class Trainer:
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, self.state_shardings)
     self.batch_sharding = parallel.sharding.logical_sharding(mesh, self.rules, ("batch", "length"))
     batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
-    self.metric_names = METRICS + (MOE_METRICS if config.model.num_experts else ())
+    self.metric_names = METRICS
+    if config.model.num_experts:
+      self.metric_names += tuple(k for k in MOE_METRICS if k != EXPERT_LOAD)
+      self.metric_names += tuple(f"moe_load/{e}" for e in range(config.model.num_experts))
     metric_shardings = {k: self._replicated for k in self.metric_names}
     jit = functools.partial(jax.jit, compiler_options=compiler_options)
     self._init_fn = jit(self._init_state, out_shardings=self.state_shardings)
@@ -175,8 +179,9 @@ class Trainer:
     if self.config.train.grad_accum == 1:
       return grad_fn(params, batch, tokens)
     zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), self.param_shardings)
-    zero_sums = {k: jnp.zeros((), jnp.float32)
-                 for k in ("ce", "z", "tokens") + (MOE_METRICS if self.config.model.num_experts else ())}
+    m = self.config.model
+    zero_sums = {k: jnp.zeros((m.num_experts,) if k == EXPERT_LOAD else (), jnp.float32)
+                 for k in ("ce", "z", "tokens") + (MOE_METRICS if m.num_experts else ())}
     def body(carry, microbatch):
       grads, sums = grad_fn(params, microbatch, tokens)
       grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
@@ -209,7 +214,8 @@ class Trainer:
                  "param_norm": optax.tree.norm(new_params), "lr": lr, "tokens": sums["tokens"],
                  "nonfinite": 1.0 - finite.astype(jnp.float32)}
       if self.config.model.num_experts:
-        metrics.update({k: sums[k] for k in MOE_METRICS})
+        metrics.update({k: sums[k] for k in MOE_METRICS if k != EXPERT_LOAD})
+        metrics.update({f"moe_load/{e}": load for e, load in enumerate(sums[EXPERT_LOAD])})
         t = self.config.train
         metrics["total_loss"] += t.moe_aux_loss * sums["moe_aux_loss"] + t.router_z_loss * sums["router_z_loss"]
       new_state = {"params": new_params, "opt_state": opt_state, "step": step + 1, "rng": state["rng"]}
