@@ -21,7 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.fsdp = 1  # data parallelism with parameters, gradients and optimizer state sharded (ZeRO-3)
   mesh.tensor = 1  # tensor (Megatron) parallelism over heads / mlp / vocab
   mesh.sequence = 1  # sequence (context) parallelism over the length axis of activations
-  mesh.expert = 1  # reserved: expert parallelism (MoE)
+  mesh.expert = 1  # expert parallelism: MoE experts split over it; outside MoE layers it splits the batch
   mesh.stage = 1  # reserved: pipeline parallelism
   # Across slices/hosts (DCN); the product of dcn_* is the number of slices (or hosts). Tensor/sequence stay in ICI.
   mesh.dcn_data = -1  # data parallelism across slices/hosts; -1 = all slices (or hosts) not used by dcn_fsdp
@@ -55,6 +55,8 @@ def get_config() -> ml_collections.ConfigDict:
   t.debug_nan_steps = ()  # fault injection for tests: steps whose loss mask is NaN (the step must skip and count)
   t.peak_tflops = 0.0  # hardware peak per device for MFU; 0 = look up the device kind (CPU: MFU omitted)
   t.schedule_steps = 0  # learning-rate schedule horizon in steps; 0 = train.steps (a resumed run keeps its own)
+  t.moe_aux_loss = 0.01  # coefficient of the MoE load-balancing loss (Switch: E * sum_e f_e P_e, mean over MoE layers)
+  t.router_z_loss = 0.001  # coefficient of the MoE router z-loss (mean logsumexp(router logits)^2, ST-MoE)
 
   d = c.data = ml_collections.ConfigDict()
   d.sources = "builtin"  # builtin (Python's own docs + stdlib source) or a mixture spec; see data/sources.py

@@ -74,6 +74,8 @@ RANGES: dict[str, Range] = {
     "train.debug_nan_steps": _AT_LEAST_1,
     "train.peak_tflops": Range(lo=0, lo_open=True, special=((0, "look the device up"),)),
     "train.schedule_steps": Range(lo=1, special=((0, "train.steps"),)),
+    "train.moe_aux_loss": _AT_LEAST_0,
+    "train.router_z_loss": _AT_LEAST_0,
     "data.weights": _POSITIVE,
     "data.tokenizer_vocab_size": Range(lo=1, special=((0, "model.vocab_size"),)),
     "data.tokenizer_character_coverage": Range(lo=0, hi=1, lo_open=True),

@@ -33,7 +33,8 @@ HEAD_DIM = "head_dim"
 MLP = "mlp"
 VOCAB = "vocab"
 LAYERS = "layers"  # the stacked scan-over-layers dimension
-LOGICAL_NAMES = (BATCH, LENGTH, KV_LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS)
+EXPERTS = "experts"  # the expert dimension of MoE weights (expert parallelism)
+LOGICAL_NAMES = (BATCH, LENGTH, KV_LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS, EXPERTS)
 
 Rules = Sequence[tuple[str, Any]]
 

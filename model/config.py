@@ -15,6 +15,8 @@ CHOICES = {
     "attention_impl": ("xla", "dot_product", "blockwise"),
     "dtype": tuple(DTYPES),
     "param_dtype": tuple(DTYPES),
+    "router": ("topk_softmax", "softmax_topk"),
+    "moe_impl": ("ragged", "tiled"),
 }
 _POSITIVE_INTS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
                   "max_seq_len", "attention_block_size", "rope_original_max_len")
@@ -54,6 +56,14 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.dtype = "float32"  # computation dtype (bfloat16 on accelerators); logits and softmax statistics stay float32
   c.param_dtype = "float32"  # parameter (master weight) dtype
   c.init_std = 0.02  # standard deviation of the normal initialiser for weights
+  c.num_experts = 0  # routed experts per Mixture-of-Experts layer; 0 = dense feed-forward in every layer
+  c.experts_per_token = 2  # top-k: routed experts per token
+  c.moe_every = 1  # layers k-1, 2k-1, ... are MoE and the rest dense (1 = all); num_layers must be a multiple
+  c.num_shared_experts = 0  # always-on experts (DeepSeekMoE), each expert_mlp_dim wide, beside the routed ones
+  c.expert_mlp_dim = 0  # hidden width of each expert; 0 = mlp_dim
+  c.capacity_factor = 0.0  # 0 = dropless; > 0: an expert takes at most ceil(cf * k * seq / E) tokens per sequence
+  c.router = "topk_softmax"  # topk_softmax (Mixtral: softmax over the k best logits) | softmax_topk (top k of softmax)
+  c.moe_impl = "ragged"  # grouped expert matmul: ragged (jax.lax.ragged_dot) | tiled (row tiles, batched; small models/CPU)
   return c
 
 
@@ -96,7 +106,42 @@ def validate(cfg: Mapping[str, Any]) -> ml_collections.ConfigDict:
                      f"model.rope_low_freq_factor={c.rope_low_freq_factor} for llama3 rope scaling")
   if c.init_std < 0:
     raise ValueError(f"model.init_std={c.init_std} must be >= 0")
+  _validate_moe(c)
   return c
+
+
+def _validate_moe(c: ml_collections.ConfigDict) -> None:
+  for k in ("num_experts", "num_shared_experts", "expert_mlp_dim"):
+    if not isinstance(c[k], int) or isinstance(c[k], bool) or c[k] < 0:
+      raise ValueError(f"model.{k}={c[k]!r} must be an integer >= 0")
+  for k in ("experts_per_token", "moe_every"):
+    if not isinstance(c[k], int) or isinstance(c[k], bool) or c[k] < 1:
+      raise ValueError(f"model.{k}={c[k]!r} must be a positive integer")
+  if not isinstance(c.capacity_factor, (int, float)) or c.capacity_factor < 0:
+    raise ValueError(f"model.capacity_factor={c.capacity_factor!r} must be >= 0 (0 = dropless)")
+  if not c.num_experts:
+    return
+  if c.experts_per_token > c.num_experts:
+    raise ValueError(f"model.experts_per_token={c.experts_per_token} exceeds model.num_experts={c.num_experts}")
+  if c.num_layers % c.moe_every:
+    raise ValueError(f"model.num_layers={c.num_layers} is not a multiple of model.moe_every={c.moe_every}: the "
+                     "layer scan repeats groups of moe_every layers")
+  if c.mlp_type == "gelu":
+    raise ValueError("model.mlp_type='gelu' with model.num_experts > 0: experts are gated (swiglu or geglu)")
+  if c.block_type != "sequential":
+    raise ValueError(f"model.block_type={c.block_type!r} with model.num_experts > 0: MoE layers are sequential")
+  if c.use_bias:
+    raise ValueError("model.use_bias=True with model.num_experts > 0: experts and router have no biases")
+
+
+def is_moe_layer(c: ml_collections.ConfigDict, i: int) -> bool:
+  """Layer i (0-based) has a Mixture-of-Experts feed-forward: layers moe_every-1, 2*moe_every-1, ..."""
+  return bool(c.num_experts) and (i + 1) % c.moe_every == 0
+
+
+def layers_per_unit(c: ml_collections.ConfigDict) -> int:
+  """Layers in one repeated unit of the layer stack (what the layer scan iterates over)."""
+  return c.moe_every if c.num_experts else 1
 
 
 def layer_windows(c: ml_collections.ConfigDict) -> tuple[int, ...]:

@@ -10,17 +10,24 @@ from model import config as config_lib
 
 
 def count_params(cfg_model: Mapping[str, Any]) -> dict[str, int]:
-  """{"total": all parameters, "non_embedding": total minus the embedding matrices}.
+  """{"total": all parameters, "non_embedding": total minus the embedding matrices}; MoE models add "active".
 
   Embedding matrices (Kaplan et al. 2020) are the input table [V, D] and, when untied, the output projection
-  [D, V]. Shapes come from `nnx.eval_shape` of the real model, so nothing is allocated.
+  [D, V]. "active" = parameters used per token: total minus the (E - k) unchosen experts' weights
+  (3 * D * expert_mlp_dim each) in every MoE layer. Shapes come from `nnx.eval_shape` of the real model, so
+  nothing is allocated.
   """
   from model.transformer import Transformer  # local: transformer imports this package's siblings
   cfg = config_lib.validate(cfg_model)
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   total = sum(int(x.size) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
   embedding = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
-  return {"total": total, "non_embedding": total - embedding}
+  counts = {"total": total, "non_embedding": total - embedding}
+  if cfg.num_experts:
+    moe_layers = sum(config_lib.is_moe_layer(cfg, i) for i in range(cfg.num_layers))
+    per_expert = 3 * cfg.d_model * (cfg.expert_mlp_dim or cfg.mlp_dim)
+    counts["active"] = total - moe_layers * (cfg.num_experts - cfg.experts_per_token) * per_expert
+  return counts
 
 
 def mean_attended_length(window: int, seq_len: int) -> float:
@@ -39,6 +46,7 @@ def flops_per_token(cfg_model: Mapping[str, Any], seq_len: int) -> float:
 
     6 * (N_non_embedding + D * V)  +  12 * H * K * sum_layers mean_attended_length(window_l, T)
 
+  with N_non_embedding counting active parameters for MoE models (a token runs k of the E experts).
   The first term is 2 FLOPs per multiply-add for every weight matmul, times 3 for forward + backward; it includes
   the output projection (D * V, a real matmul, tied or not) but not the input embedding lookup (no FLOPs).
   The second is QK^T and PV (2 matmuls * 2 FLOPs * H * K per attended key, times 3 for the backward); for full
@@ -47,6 +55,8 @@ def flops_per_token(cfg_model: Mapping[str, Any], seq_len: int) -> float:
   cfg = config_lib.validate(cfg_model)
   if seq_len < 1:
     raise ValueError(f"seq_len={seq_len} must be >= 1")
-  n = count_params(cfg)["non_embedding"] + cfg.d_model * cfg.vocab_size
+  counts = count_params(cfg)
+  embedding = counts["total"] - counts["non_embedding"]
+  n = counts.get("active", counts["total"]) - embedding + cfg.d_model * cfg.vocab_size
   attended = sum(mean_attended_length(w, seq_len) for w in config_lib.layer_windows(cfg))
   return 6.0 * n + 12.0 * cfg.num_heads * cfg.head_dim * attended

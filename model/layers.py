@@ -8,6 +8,7 @@ from flax import nnx
 from model import attention as attention_lib
 from model import axes
 from model import kv_cache
+from model import moe as moe_lib
 from model import remat
 from model import rope
 from model.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, KV_LENGTH, LENGTH, MLP, VOCAB
@@ -135,28 +136,40 @@ class Mlp(nnx.Module):
 class Block(nnx.Module):
   """One pre-norm layer: sequential x += attn(norm x); x += mlp(norm x), or parallel x + attn(n x) + mlp(n x)."""
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs):
+  def __init__(self, cfg, *, rngs: nnx.Rngs, moe: bool = False):
     self.parallel = cfg.block_type == "parallel"
     self.attn_norm = Norm(cfg, rngs=rngs)
     self.attn = Attention(cfg, rngs=rngs)
     if not self.parallel:
       self.mlp_norm = Norm(cfg, rngs=rngs)
-    self.mlp = Mlp(cfg, rngs=rngs)
+    if moe:  # a Mixture-of-Experts feed-forward (model/moe.py) in place of the MLP
+      self.moe = moe_lib.MoE(cfg, rngs=rngs)
+    else:
+      self.mlp = Mlp(cfg, rngs=rngs)
 
   def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None):
-    """-> x_BLD, or (x_BLD, updated layer cache) when `cache` is given (see Attention)."""
+    """-> (x_BLD, stats), or (x_BLD, updated layer cache) when `cache` is given (see Attention).
+
+    stats are the MoE layer's router statistics (model.moe.router_stats), {} for a dense block; decoding with a
+    cache drops them.
+    """
     h_BLD = self.attn_norm(x_BLD)
     if cache is None:
       attn_BLD = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window)
     else:
       attn_BLD, cache = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache)
+    stats = {}
     if self.parallel:
       x_BLD = x_BLD + attn_BLD + self.mlp(h_BLD)
     else:
       x_BLD = x_BLD + attn_BLD
-      x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
+      if hasattr(self, "moe"):
+        y_BLD, stats = self.moe(self.mlp_norm(x_BLD), segment_ids_BL > 0)
+      else:
+        y_BLD = self.mlp(self.mlp_norm(x_BLD))
+      x_BLD = x_BLD + y_BLD
     x_BLD = axes.constrain(x_BLD, (BATCH, LENGTH, EMBED))
-    return x_BLD if cache is None else (x_BLD, cache)
+    return (x_BLD, stats) if cache is None else (x_BLD, cache)
 
 
 class Embed(nnx.Module):
@@ -173,3 +186,26 @@ class Embed(nnx.Module):
   def attend(self, x_BLD) -> jax.Array:
     return jnp.einsum("bld,vd->blv", x_BLD, _value(self.embedding, self.dtype),
                       preferred_element_type=jnp.float32)
+
+
+class LayerGroup(nnx.Module):
+  """moe_every consecutive blocks, the last one MoE: the unit the layer scan repeats when moe_every > 1, so that
+  compile time stays independent of depth. `group(x, ..., windows_U) -> (x, the MoE block's stats)`."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    n = cfg.moe_every
+    self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=j == n - 1) for j in range(n)])
+
+  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U, cache: kv_cache.KVCache | None = None):
+    """-> (x_BLD, the MoE block's stats), or (x_BLD, updated cache) when `cache` (k/v: [moe_every, ...]) is given."""
+    stats, ks, vs = {}, [], []
+    for j, block in enumerate(self.blocks):
+      if cache is None:
+        x_BLD, block_stats = block(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U[j])
+        stats = block_stats or stats
+      else:
+        x_BLD, layer = block(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U[j],
+                             cache._replace(k=cache.k[j], v=cache.v[j]))
+        ks.append(layer.k)
+        vs.append(layer.v)
+    return (x_BLD, stats) if cache is None else (x_BLD, cache._replace(k=jnp.stack(ks), v=jnp.stack(vs)))

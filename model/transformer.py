@@ -35,25 +35,35 @@ class Transformer(nnx.Module):
     self.remat = remat
     with axes.creation_context():
       self.embed = layers.Embed(cfg, rngs=rngs)
+      unit = config_lib.layers_per_unit(cfg)  # the scan repeats units: one block, or a group with one MoE
       if cfg.scan_layers:
-        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.split_rngs(splits=cfg.num_layers // unit)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
         def make_stack(rngs):
-          return layers.Block(cfg, rngs=rngs)
+          if unit > 1:
+            return layers.LayerGroup(cfg, rngs=rngs)
+          return layers.Block(cfg, rngs=rngs, moe=config_lib.is_moe_layer(cfg, 0))
         self.layers = make_stack(rngs)
       else:
-        self.layers = nnx.List([layers.Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([layers.Block(cfg, rngs=rngs, moe=config_lib.is_moe_layer(cfg, i))
+                                for i in range(cfg.num_layers)])
       self.final_norm = layers.Norm(cfg, rngs=rngs)
       if not cfg.tie_embeddings:
         self.unembed = layers.param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB), cfg)
 
   def __call__(self, tokens_BL: jax.Array, segment_ids_BL: jax.Array | None = None,
-               positions_BL: jax.Array | None = None) -> jax.Array:
-    return self.logits(self.features(tokens_BL, segment_ids_BL, positions_BL))
+               positions_BL: jax.Array | None = None, *, return_aux: bool = False):
+    """-> logits_BLV float32; with return_aux, (logits_BLV, aux): aux holds the MoE router statistics
+    (model.moe.STATS, float32 scalars and the [E] expert load, averaged over the MoE layers; {} when dense)."""
+    x_BLD, aux = self.features(tokens_BL, segment_ids_BL, positions_BL, return_aux=True)
+    logits_BLV = self.logits(x_BLD)
+    return (logits_BLV, aux) if return_aux else logits_BLV
 
   def features(self, tokens_BL: jax.Array, segment_ids_BL: jax.Array | None = None,
-               positions_BL: jax.Array | None = None, cache: kv_cache.KVCache | None = None):
-    """The final-normed residual stream x_BLD; with a `cache` (model.kv_cache), (x_BLD, cache advanced by L).
+               positions_BL: jax.Array | None = None, cache: kv_cache.KVCache | None = None, *,
+               return_aux: bool = False):
+    """The final-normed residual stream x_BLD; with a `cache` (model.kv_cache), (x_BLD, cache advanced by L);
+    with return_aux (no cache), (x_BLD, MoE statistics as in __call__).
 
     `logits(features(...))` is `__call__`; decoding projects only the positions it samples from.
     """
@@ -78,16 +88,23 @@ class Transformer(nnx.Module):
       graphdef, state = nnx.split(self.layers)
       def body(x_BLD, xs):
         layer_state, window = xs
-        return apply_block(graphdef, layer_state, x_BLD, window), None
+        return apply_block(graphdef, layer_state, x_BLD, window)
       body = remat_lib.wrap(body, self.remat, prevent_cse=False)
-      x_BLD, _ = jax.lax.scan(body, x_BLD, (state, jnp.asarray(windows, jnp.int32)))
+      unit = config_lib.layers_per_unit(self.cfg)
+      windows_U = jnp.asarray(windows, jnp.int32).reshape(-1, unit) if unit > 1 else jnp.asarray(windows, jnp.int32)
+      x_BLD, stats = jax.lax.scan(body, x_BLD, (state, windows_U))  # stats: [units] per MoE statistic
     else:
+      stats = []
       for block, window in zip(self.layers, windows):
         graphdef, state = nnx.split(block)
         step = remat_lib.wrap(lambda s, x, graphdef=graphdef, window=window: apply_block(graphdef, s, x, window),
                               self.remat)
-        x_BLD = step(state, x_BLD)
-    return self.final_norm(x_BLD)
+        x_BLD, block_stats = step(state, x_BLD)
+        stats += [block_stats] if block_stats else []
+      stats = jax.tree.map(lambda *v: jnp.stack(v), *stats) if stats else {}
+    aux = {k: jnp.mean(v, axis=0) for k, v in stats.items()}  # mean over MoE layers (MaxText, Levanter)
+    x_BLD = self.final_norm(x_BLD)
+    return (x_BLD, aux) if return_aux else x_BLD
 
   def _cached_layers(self, apply_block, x_BLD, windows, cache):
     """The layer stack with each layer's slice of the cache as scan input and its update as scan output."""
@@ -100,7 +117,11 @@ class Transformer(nnx.Module):
         layer_state, window, k, v = xs
         x_BLD, layer = apply_block(graphdef, layer_state, x_BLD, window, layer_view(k, v))
         return x_BLD, (layer.k, layer.v)
-      x_BLD, (k, v) = jax.lax.scan(body, x_BLD, (state, jnp.asarray(windows, jnp.int32), cache.k, cache.v))
+      unit = config_lib.layers_per_unit(self.cfg)  # MoE layer groups: the cache scanned as [units, unit, ...]
+      by_unit = lambda a: a.reshape(a.shape[0] // unit, unit, *a.shape[1:]) if unit > 1 else a
+      x_BLD, (k, v) = jax.lax.scan(body, x_BLD, (state, by_unit(jnp.asarray(windows, jnp.int32)),
+                                                 by_unit(cache.k), by_unit(cache.v)))
+      k, v = k.reshape(cache.k.shape), v.reshape(cache.v.shape)
     else:
       ks, vs = [], []
       for i, (block, window) in enumerate(zip(self.layers, windows)):

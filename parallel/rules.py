@@ -1,8 +1,8 @@
 """The one table mapping the model's logical axis names to mesh axes, and the checks that a model fits a mesh.
 
-Default layout (docs/parallel.md, "The rules table"): batch over data+fsdp; embed over fsdp for parameters (FSDP / ZeRO-3: gradients and
+Default layout: batch over data+fsdp+expert (outside MoE layers the expert axis is more data parallelism); embed over fsdp for parameters (FSDP / ZeRO-3: gradients and
 optimizer state follow the parameters, so ZeRO-1/2 savings come with it); heads, kv_heads, mlp, vocab over
-tensor (Megatron); length over sequence for activations, with kv_length unsharded so that under sequence
+tensor (Megatron); the expert dimension of MoE weights over expert; length over sequence for activations, with kv_length unsharded so that under sequence
 parallelism attention gathers K/V while queries stay split. `config.mesh.rules` overrides entries.
 
 The table is ordered and read with flax `logical_to_mesh_axes` semantics (`model.axes.spec`): when two dimensions
@@ -24,7 +24,7 @@ MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 
 DEFAULT_RULES: Rules = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),  # expert: MoE layers gather the tokens of an expert group
     ("length", "sequence"),
     ("kv_length", None),
     ("embed", "fsdp"),

@@ -17,7 +17,8 @@ def _random_hf_model(model_type, seed, **overrides):
   base = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
   base.update(overrides)
-  config_cls = transformers.MistralConfig if model_type == "mistral" else transformers.LlamaConfig
+  config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                "mixtral": transformers.MixtralConfig}[model_type]
   config = config_cls(**base)
   torch.manual_seed(seed)
   model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()

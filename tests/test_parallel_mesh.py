@@ -53,8 +53,8 @@ def test_impossible_mesh_names_axis_and_numbers(shape, axis, numbers):
 
 def test_reserved_axes_must_stay_one():
   c = _config()
-  c.mesh.expert = 2
-  with pytest.raises(mesh_lib.MeshError, match="expert"):
+  c.mesh.stage = 2
+  with pytest.raises(mesh_lib.MeshError, match="stage"):
     mesh_lib.make_mesh(c.mesh)
 
 
@@ -75,11 +75,13 @@ def test_default_rules_table():
   mesh = mesh_lib.make_mesh(c.mesh)
   rules = rules_lib.logical_rules(c.mesh)
   assert set(dict(rules)) >= set(model.axes.LOGICAL_NAMES)
-  # Activations: batch over data+fsdp, embed left whole (fsdp is taken by batch), length over sequence.
-  assert model.axes.spec(("batch", "length", "embed"), rules) == P(("data", "fsdp"), "sequence", None)
-  assert model.axes.spec(("batch", "length", "vocab"), rules) == P(("data", "fsdp"), "sequence", "tensor")
-  assert model.axes.spec(("batch", "kv_length", "kv_heads", "head_dim"), rules) == P(("data", "fsdp"), None,
-                                                                                  "tensor", None)
+  # Activations: batch over data+fsdp+expert, embed left whole (fsdp is taken by batch), length over sequence.
+  batch = ("data", "fsdp", "expert")
+  assert model.axes.spec(("batch", "length", "embed"), rules) == P(batch, "sequence", None)
+  assert model.axes.spec(("batch", "length", "vocab"), rules) == P(batch, "sequence", "tensor")
+  assert model.axes.spec(("batch", "kv_length", "kv_heads", "head_dim"), rules) == P(batch, None, "tensor", None)
+  # MoE expert weights: experts over expert, then like a dense MLP kernel.
+  assert model.axes.spec(("experts", "embed", "mlp"), rules) == P("expert", "fsdp", "tensor")
   # Parameters: embed over fsdp (ZeRO-3), heads / mlp / vocab over tensor.
   assert model.axes.spec(("embed", "mlp"), rules) == P("fsdp", "tensor")
   assert model.axes.spec(("vocab", "embed"), rules) == P("tensor", "fsdp")

@@ -202,7 +202,7 @@ def suggest(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, *, max_co
                     "fits": r["fits"]})
     return reports[(remat, ga)]["fits"]
 
-  for ga in _grad_accum_candidates(config, sizes["data"] * sizes["fsdp"]):
+  for ga in _grad_accum_candidates(config, memory.batch_shards(sizes)):
     ok = fits("full", ga)
     if ok is None:
       break

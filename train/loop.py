@@ -433,6 +433,10 @@ def _init_from(trainer, path: str) -> dict[str, Any]:
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from model import hf  # pylint: disable=g-import-not-at-top
   m = trainer.config.model
+  try:
+    hf.check_compatible(m, path)  # names the differing config fields (hidden_size, ...) with both values
+  except ValueError as e:
+    raise TrainingError(f"train.init_from={path!r}: {e}") from None
   loaded = hf.load(path, dtype=m.param_dtype, compute_dtype=m.dtype, scan_layers=m.scan_layers)
   params = nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
   want = jax.tree.map(lambda a: (a.shape, a.dtype), abstract)

@@ -57,9 +57,24 @@ def state_memory(params: float, precision: str = "fp32", *, zero_stage: int = 3,
 
 def meshlm_state(config: ml_collections.ConfigDict, params: float, sizes: dict[str, int]) -> dict:
   """Per-device state as meshlm's train step holds it: weights, gradients and AdamW m, v all in
-  model.param_dtype, sharded over fsdp (ZeRO-3) and tensor, replicated over data."""
+  model.param_dtype, sharded over fsdp (ZeRO-3) and tensor, replicated over data; MoE expert weights are
+  split over the expert axis as well."""
   precision = {"float32": "fp32"}.get(config.model.param_dtype, "bf16")
+  expert = expert_params(config.model)
+  params = params - expert + expert / sizes.get("expert", 1)
   return state_memory(params, precision, zero_stage=3, fsdp=sizes["fsdp"], tensor=sizes["tensor"])
+
+
+def expert_params(m: ml_collections.ConfigDict) -> int:
+  """Parameters of the routed experts (3 * D * expert_mlp_dim each, E per MoE layer); 0 for dense models."""
+  if not m.num_experts:
+    return 0
+  return (m.num_layers // m.moe_every) * m.num_experts * 3 * m.d_model * (m.expert_mlp_dim or m.mlp_dim)
+
+
+def batch_shards(sizes: dict[str, int]) -> int:
+  """Devices the batch is split over (the default rules' batch axes: data x fsdp x expert)."""
+  return sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)
 
 
 def mesh_sizes(config: ml_collections.ConfigDict, num_devices: int | None = None) -> dict[str, int]:
@@ -73,7 +88,7 @@ def mesh_sizes(config: ml_collections.ConfigDict, num_devices: int | None = None
   return {a: ici[a] * dcn_sizes[a] for a in mesh_lib.AXES}
 
 
-def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int) -> dict[str, float]:
+def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int, expert: int = 1) -> dict[str, float]:
   """Bytes per token of what one layer (model/layers.py) keeps for its backward pass, as one device holds it
   (head and mlp widths divided by `tensor`), grouped by what the remat policies can choose to save.
 
@@ -85,6 +100,13 @@ def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int) -> dict
   """
   c = BYTES[m.dtype]
   h, g, k, f, d = m.num_heads / tensor, m.num_kv_heads / tensor, m.head_dim, m.mlp_dim / tensor, m.d_model
+  if m.num_experts:
+    # An MoE layer holds F-wide rows for the k choices of every token of its expert group (`expert` devices'
+    # tokens gathered; an upper bound, each device computes only its own experts' share) plus shared experts;
+    # averaged with the dense layers of each moe_every group.
+    fe = m.expert_mlp_dim or m.mlp_dim
+    moe_f = (m.experts_per_token * expert + m.num_shared_experts) * fe / tensor
+    f = ((m.moe_every - 1) * f + moe_f) / m.moe_every
   mlp_inputs = 2 if m.mlp_type in ("swiglu", "geglu") else 1
   if m.attention_impl == "blockwise":
     scores = 2 * h * 4  # flash-style custom VJP: only float32 running max and sum per query head are kept
@@ -129,9 +151,8 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
   if remat not in SAVED_BY_POLICY:
     raise ValueError(f"remat={remat!r}: no activation model for it; known: {', '.join(SAVED_BY_POLICY)}")
   sizes = sizes or mesh_sizes(config)
-  batch_shards = sizes["data"] * sizes["fsdp"]
-  tokens = micro_batch * t.seq_len / (batch_shards * sizes["sequence"])
-  per_token = _layer_bytes(m, t.seq_len, sizes["tensor"])
+  tokens = micro_batch * t.seq_len / (batch_shards(sizes) * sizes["sequence"])
+  per_token = _layer_bytes(m, t.seq_len, sizes["tensor"], sizes.get("expert", 1))
 
   def nbytes(names):
     return sum(per_token[n] for n in names) * tokens
@@ -153,6 +174,6 @@ def max_micro_batch(config: ml_collections.ConfigDict, hbm_bytes: float, state_b
   """The largest global micro-batch (sequences, a multiple of the data-parallel ranks) whose activations fit in
   `hbm_bytes` per device beside `state_bytes` of model state; 0 when not even one sequence per rank fits."""
   sizes = sizes or mesh_sizes(config)
-  ranks = sizes["data"] * sizes["fsdp"]
+  ranks = batch_shards(sizes)
   per_step = activation_memory(config, ranks, remat=remat, sizes=sizes)["total"]  # one sequence per rank
   return max(int((hbm_bytes - state_bytes) // per_step), 0) * ranks

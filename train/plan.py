@@ -185,6 +185,8 @@ def plan_config(config: ml_collections.ConfigDict, *, chip: str = "tpu_v4", num_
       "state": {"meshlm": own, **state}, "activations": acts,
       "memory_per_device": needed, "fits": per_chip[acc.name]["fits"], "per_chip": per_chip,
   })
+  if "active" in counts:  # MoE: FLOPs above count these; memory counts all parameters
+    out["params_active"] = counts["active"]
   out["chinchilla_optimal"] = optimum(tokens=tokens)["approach1"]
   return out
 

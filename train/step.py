@@ -39,6 +39,8 @@ BATCH_KEYS = {"inputs": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int3
 # XLA options trading run time for compile time (tiny test models compile ~2x faster on CPU).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 METRICS = ("loss", "z_loss", "total_loss", "grad_norm", "param_norm", "lr", "tokens", "nonfinite")
+MOE_METRICS = model_lib.moe.STATS  # MoE models add these (means over MoE layers and microbatches)
+EXPERT_LOAD = "moe_expert_load"  # the [E] vector among them, logged as moe_load/<expert> (share of assignments)
 
 
 def _tree_add(a, b):
@@ -84,7 +86,11 @@ class Trainer:
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, self.state_shardings)
     self.batch_sharding = parallel.sharding.logical_sharding(mesh, self.rules, ("batch", "length"))
     batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
-    metric_shardings = {k: self._replicated for k in METRICS}
+    self.metric_names = METRICS
+    if config.model.num_experts:
+      self.metric_names += tuple(k for k in MOE_METRICS if k != EXPERT_LOAD)
+      self.metric_names += tuple(f"moe_load/{e}" for e in range(config.model.num_experts))
+    metric_shardings = {k: self._replicated for k in self.metric_names}
     jit = functools.partial(jax.jit, compiler_options=compiler_options)
     self._init_fn = jit(self._init_state, out_shardings=self.state_shardings)
     self.step_fn = jit(self._step, in_shardings=(self.state_shardings, batch_shardings),
@@ -96,15 +102,16 @@ class Trainer:
   # ---- checks -------------------------------------------------------------------------------------------
   def _check_batch(self):
     t, shape = self.config.train, self.mesh.shape
-    rows = shape["data"] * shape["fsdp"]
+    rows = rules_lib.axis_size(self.mesh, dict(self.rules)["batch"])
     if t.grad_accum < 1 or t.batch_size % t.grad_accum:
       raise ValueError(f"config.train.grad_accum={t.grad_accum} must be >= 1 and divide "
                        f"config.train.batch_size={t.batch_size}")
     micro = t.batch_size // t.grad_accum
     if micro % rows:
       raise ValueError(f"microbatch of {micro} rows (config.train.batch_size={t.batch_size} / grad_accum="
-                       f"{t.grad_accum}) is not divisible by mesh data x fsdp = {shape['data']} x "
-                       f"{shape['fsdp']} = {rows}; change the batch size, grad_accum or config.mesh")
+                       f"{t.grad_accum}) is not divisible by the {rows} batch shards (mesh axes "
+                       f"{dict(self.rules)['batch']}, data x fsdp x expert = {shape['data']} x {shape['fsdp']} x "
+                       f"{shape['expert']} by default); change the batch size, grad_accum or config.mesh")
     row_axes = model_lib.axes.spec(("batch",), self.rules)[0] or ()
     parallel.sharding.check_rows_per_process(self.mesh, (row_axes,) if isinstance(row_axes, str) else row_axes)
     if t.seq_len % shape["sequence"]:
@@ -152,11 +159,21 @@ class Trainer:
 
   # ---- step ---------------------------------------------------------------------------------------------
   def _sums(self, params, batch, tokens=1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """((ce + z) sums / tokens, {ce, z, tokens} sums) for one (micro)batch; `tokens` = the global batch's."""
+    """((ce + z) sums / tokens + MoE losses, {ce, z, tokens, MoE statistics} sums) for one (micro)batch;
+    `tokens` = the global batch's.
+
+    MoE: + moe_aux_loss * balance + router_z_loss * z_router, each a mean over MoE layers of this microbatch
+    (model.moe.router_stats), divided by grad_accum so the accumulated objective averages the microbatches.
+    """
     model = self._merge(params)
-    logits_BLV = model(batch["inputs"], batch["segment_ids"], batch["positions"])
-    sums = loss_lib.loss_sums(logits_BLV, batch["targets"], batch["loss_mask"], self.config.train.z_loss)
-    return (sums["ce"] + sums["z"]) / tokens, sums
+    t = self.config.train
+    logits_BLV, aux = model(batch["inputs"], batch["segment_ids"], batch["positions"], return_aux=True)
+    sums = loss_lib.loss_sums(logits_BLV, batch["targets"], batch["loss_mask"], t.z_loss)
+    objective = (sums["ce"] + sums["z"]) / tokens
+    if aux:
+      sums.update({k: aux[k] / t.grad_accum for k in MOE_METRICS})
+      objective += t.moe_aux_loss * sums["moe_aux_loss"] + t.router_z_loss * sums["router_z_loss"]
+    return objective, sums
 
   def _microbatches(self, batch):
     """[B, L] -> [A, B/A, L] with microbatch a = rows a, a+A, ...: each device keeps its own rows (no
@@ -174,7 +191,9 @@ class Trainer:
     if self.config.train.grad_accum == 1:
       return grad_fn(params, batch, tokens)
     zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), self.param_shardings)
-    zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("ce", "z", "tokens")}
+    m = self.config.model
+    zero_sums = {k: jnp.zeros((m.num_experts,) if k == EXPERT_LOAD else (), jnp.float32)
+                 for k in ("ce", "z", "tokens") + (MOE_METRICS if m.num_experts else ())}
     def body(carry, microbatch):
       grads, sums = grad_fn(params, microbatch, tokens)
       grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
@@ -206,6 +225,11 @@ class Trainer:
       metrics = {"loss": loss, "z_loss": z_loss, "total_loss": loss + z_loss, "grad_norm": grad_norm,
                  "param_norm": optax.tree.norm(new_params), "lr": lr, "tokens": sums["tokens"],
                  "nonfinite": 1.0 - finite.astype(jnp.float32)}
+      if self.config.model.num_experts:
+        metrics.update({k: sums[k] for k in MOE_METRICS if k != EXPERT_LOAD})
+        metrics.update({f"moe_load/{e}": load for e, load in enumerate(sums[EXPERT_LOAD])})
+        t = self.config.train
+        metrics["total_loss"] += t.moe_aux_loss * sums["moe_aux_loss"] + t.router_z_loss * sums["router_z_loss"]
       new_state = {"params": new_params, "opt_state": opt_state, "step": step + 1, "rng": state["rng"]}
       return new_state, {k: v.astype(jnp.float32) for k, v in metrics.items()}
 

@@ -1,0 +1,234 @@
+"""Mixture-of-Experts feed-forward: a float32 top-k router, dropless or capacity-limited grouped expert matmuls,
+expert parallelism under `jax.shard_map`, and the per-layer statistics the training losses read.
+
+Shapes: B batch, L length, D model width, E experts (E_loc: on this device), F expert hidden width, K experts per
+token (top-k), T tokens (flattened B*L on one device), A = T*K token-expert assignments, C capacity per sequence.
+
+Compute: the A assignments are sorted by expert so each expert's tokens are contiguous, then one grouped matmul
+per projection (`jax.lax.ragged_dot`, or `tiled`: each expert's rows padded to whole tiles and the tiles
+multiplied as one batched matmul, which is what runs fast on CPUs), then un-sorted and mixed with the routing
+weights. No Python loop over experts.
+
+Expert parallelism: expert weights [E, D, F] carry the logical name `experts` (mesh axis `expert` by default) and
+the batch is split over `expert` outside MoE layers too. Inside `shard_map` each device all-gathers the tokens of
+its `expert` group, runs its E/ep local experts on them (the others' assignments are masked out), and a
+reduce-scatter sums the experts' contributions and returns each device its own tokens (MaxText's
+ring-of-experts; CPUs have no `ragged_all_to_all`). D sharded over fsdp is all-gathered like FSDP weights;
+F sharded over tensor gives partial sums, added by a psum.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model import axes
+from model import remat
+from model.axes import BATCH, EMBED, EXPERTS, LENGTH, MLP
+from model.config import DTYPES
+
+TILE_ROWS = 128  # rows per tile of the `tiled` grouped matmul (its padding waste is < E * TILE_ROWS rows)
+STATS = ("moe_aux_loss", "router_z_loss", "moe_load_max_mean", "moe_dropped_frac", "moe_expert_load")
+
+
+def route(logits_BLE: jax.Array, k: int, kind: str) -> tuple[jax.Array, jax.Array]:
+  """Top-k routing in float32 -> (weights_BLK float32, experts_BLK int32).
+
+  topk_softmax (Mixtral): the k largest logits, softmax over those k (= softmax over all E, keep the top k and
+  renormalise them to sum 1). softmax_topk (Switch, DeepSeek-V2): softmax over all E, keep the k largest
+  probabilities without renormalising.
+  """
+  logits_BLE = logits_BLE.astype(jnp.float32)
+  if kind == "topk_softmax":
+    top_BLK, experts_BLK = jax.lax.top_k(logits_BLE, k)
+    return jax.nn.softmax(top_BLK, axis=-1), experts_BLK.astype(jnp.int32)
+  weights_BLK, experts_BLK = jax.lax.top_k(jax.nn.softmax(logits_BLE, axis=-1), k)
+  return weights_BLK, experts_BLK.astype(jnp.int32)
+
+
+def capacity(capacity_factor: float, k: int, seq_len: int, num_experts: int) -> int:
+  """Assignments an expert takes per sequence: ceil(capacity_factor * k * seq_len / E); 0 = unlimited."""
+  if capacity_factor <= 0:
+    return 0
+  return max(1, math.ceil(capacity_factor * k * seq_len / num_experts))
+
+
+def keep_mask(experts_BLK: jax.Array, valid_BL: jax.Array, num_experts: int, cap: int) -> jax.Array:
+  """bool [B, L, K]: which assignments an expert accepts under capacity `cap` per sequence (0 = all).
+
+  Priority (GShard): every token's first choice before any token's second choice, then token order; padding
+  (valid 0) never takes a place. The mask depends only on each sequence's own routing, so it is the same on any
+  mesh and under gradient accumulation.
+  """
+  keep_BLK = jnp.broadcast_to(valid_BL[..., None], experts_BLK.shape)
+  if not cap:
+    return keep_BLK
+  B, L, K = experts_BLK.shape
+  onehot_BLKE = jax.nn.one_hot(experts_BLK, num_experts, dtype=jnp.int32) * keep_BLK[..., None]
+  onehot_BKLE = jnp.swapaxes(onehot_BLKE, 1, 2).reshape(B, K * L, num_experts)
+  before_BKLE = jnp.cumsum(onehot_BKLE, axis=1) - onehot_BKLE  # assignments ahead in the expert's queue
+  place_BLK = jnp.swapaxes(jnp.sum(before_BKLE * onehot_BKLE, -1).reshape(B, K, L), 1, 2)
+  return keep_BLK & (place_BLK < cap)
+
+
+def router_stats(logits_BLE: jax.Array, experts_BLK: jax.Array, keep_BLK: jax.Array,
+                 valid_BL: jax.Array) -> dict[str, jax.Array]:
+  """Float32 statistics of one MoE layer over the valid (non-padding) tokens (scalars, and one [E] vector).
+
+    moe_aux_loss      E * sum_e f_e * P_e (Switch Transformer eq. 4-6 with top-k counting, as transformers'
+                      `load_balancing_loss_func`): f_e = assignments to e per token (sums to k over e),
+                      P_e = mean router probability of e. Equals k at uniform routing.
+    router_z_loss     mean over tokens of logsumexp(router logits)^2 (ST-MoE).
+    moe_load_max_mean max_e n_e / mean_e n_e with n_e the assignments to expert e (1 = balanced).
+    moe_dropped_frac  assignments dropped by the capacity limit / all assignments.
+    moe_expert_load   [E]: n_e / sum_e n_e, each expert's share of the assignments (before drops).
+  """
+  E = logits_BLE.shape[-1]
+  K = experts_BLK.shape[-1]
+  logits_BLE = logits_BLE.astype(jnp.float32)
+  valid_BL = valid_BL.astype(jnp.float32)
+  tokens = jnp.maximum(jnp.sum(valid_BL), 1.0)
+  probs_E = jnp.sum(jax.nn.softmax(logits_BLE, -1) * valid_BL[..., None], axis=(0, 1)) / tokens
+  load_E = jnp.sum(jax.nn.one_hot(experts_BLK, E) * valid_BL[..., None, None], axis=(0, 1, 2))
+  z_BL = jax.nn.logsumexp(logits_BLE, -1)
+  return {
+      "moe_aux_loss": E * jnp.sum(load_E / tokens * probs_E),
+      "router_z_loss": jnp.sum(jnp.square(z_BL) * valid_BL) / tokens,
+      "moe_load_max_mean": jnp.max(load_E) / jnp.maximum(jnp.mean(load_E), 1e-9),
+      "moe_dropped_frac": 1.0 - jnp.sum(keep_BLK.astype(jnp.float32)) / (tokens * K),
+      "moe_expert_load": load_E / (tokens * K),
+  }
+
+
+def _tile_layout(sizes_E: jax.Array, rows: int, tile: int):
+  """Where the rows of each expert go when every expert's rows are padded to whole tiles.
+
+  Returns (dest_A: row of each sorted assignment in the padded buffer, tile_expert_N: expert of each tile,
+  padded_rows). padded_rows = rows + E * tile, rounded up to a tile: enough for any sizes summing to <= rows.
+  """
+  E = sizes_E.shape[0]
+  padded_rows = -(-(rows + E * tile) // tile) * tile
+  padded_E = -(-sizes_E // tile) * tile
+  start_E = jnp.cumsum(sizes_E) - sizes_E
+  pstart_E = jnp.cumsum(padded_E) - padded_E
+  expert_A = jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(rows), side="right")
+  expert_A = jnp.minimum(expert_A, E - 1)
+  dest_A = pstart_E[expert_A] + jnp.arange(rows) - start_E[expert_A]
+  dest_A = jnp.where(jnp.arange(rows) < jnp.sum(sizes_E), dest_A, padded_rows)  # unused rows: dropped
+  tile_start_N = jnp.arange(padded_rows // tile) * tile
+  tile_expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_E), tile_start_N, side="right"), E - 1)
+  return dest_A, tile_expert_N, padded_rows
+
+
+def expert_ffn(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, keep_TK: jax.Array,
+               gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array, first_expert, act: Callable,
+               impl: str = "ragged") -> jax.Array:
+  """sum_k weights_tk * down_e(act(gate_e x_t) * up_e x_t) over the kept assignments of the local experts.
+
+  Local experts are first_expert .. first_expert + E_loc - 1 (E_loc = gate_EDF.shape[0]); other experts'
+  assignments and dropped ones (keep 0) contribute nothing. Returns [T, D] in x's dtype.
+  """
+  T, K = experts_TK.shape
+  E_loc = gate_EDF.shape[0]
+  expert_A = experts_TK.reshape(-1) - first_expert
+  ok_A = keep_TK.reshape(-1) & (expert_A >= 0) & (expert_A < E_loc)
+  group_A = jnp.where(ok_A, expert_A, E_loc)  # E_loc: a sentinel group sorted last and never computed
+  order_A = jnp.argsort(group_A, stable=True)
+  sizes_E = jnp.bincount(group_A, length=E_loc + 1)[:E_loc].astype(jnp.int32)
+  xs_AD = x_TD[order_A // K]
+  if impl == "ragged":
+    mm = lambda a_AX, w_EXY: jax.lax.ragged_dot(a_AX, w_EXY, sizes_E)
+  else:
+    dest_A, tile_expert_N, padded = _tile_layout(sizes_E, T * K, TILE_ROWS)
+    def mm(a_AX, w_EXY):
+      a_NRX = jnp.zeros((padded, a_AX.shape[-1]), a_AX.dtype).at[dest_A].set(a_AX, mode="drop")
+      a_NRX = a_NRX.reshape(padded // TILE_ROWS, TILE_ROWS, -1)
+      y_NRY = jnp.einsum("nrx,nxy->nry", a_NRX, w_EXY[tile_expert_N])
+      return y_NRY.reshape(padded, -1).at[dest_A].get(mode="fill", fill_value=0)
+  h_AF = act(remat.tag(mm(xs_AD, gate_EDF), remat.MLP_IN)) * remat.tag(mm(xs_AD, up_EDF), remat.MLP_IN)
+  y_AD = mm(remat.tag(h_AF, remat.MLP_HIDDEN), down_EFD)
+  y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD)  # back to (token, k) order
+  coef_A = jnp.where(ok_A, weights_TK.reshape(-1), 0.0).astype(y_AD.dtype)
+  return jnp.sum((y_AD * coef_A[:, None]).reshape(T, K, -1), axis=1)
+
+
+def _flat(spec_entry) -> tuple[str, ...]:
+  return () if spec_entry is None else (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
+
+
+def dispatch(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_EFD, act, impl) -> jax.Array:
+  """`expert_ffn` on the whole batch: directly without a mesh, else under `jax.shard_map` (module docstring)."""
+  if not axes.active():
+    B, L, D = x_BLD.shape
+    y_TD = expert_ffn(x_BLD.reshape(B * L, D), experts_BLK.reshape(B * L, -1), weights_BLK.reshape(B * L, -1),
+                      keep_BLK.reshape(B * L, -1), gate_EDF, up_EDF, down_EFD, 0, act, impl)
+    return y_TD.reshape(B, L, D)
+  tok_spec = axes.spec((BATCH, LENGTH, None))
+  w_spec, down_spec = axes.spec((EXPERTS, EMBED, MLP)), axes.spec((EXPERTS, MLP, EMBED))
+  ep_axes, d_axes, f_axes = _flat(w_spec[0]), _flat(w_spec[1]), _flat(w_spec[2])
+  tok_axes = set(_flat(tok_spec[0])) | set(_flat(tok_spec[1]))
+  gather_axes = tuple(a for a in ep_axes if a in tok_axes)  # tokens split over these: gather, reduce-scatter
+  sum_axes = tuple(a for a in ep_axes if a not in tok_axes)  # tokens replicated over these: psum
+
+  def local(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_EFD):
+    B, L, D = x_BLD.shape
+    def tokens(a):  # [b, l, ...] -> [T, ...] with T all tokens of this device's expert group
+      a = a.reshape(B * L, *a.shape[2:])
+      return jax.lax.all_gather(a, gather_axes, axis=0, tiled=True) if gather_axes else a
+    if d_axes:  # FSDP: whole rows of D for the matmuls
+      gate_EDF = jax.lax.all_gather(gate_EDF, d_axes, axis=1, tiled=True)
+      up_EDF = jax.lax.all_gather(up_EDF, d_axes, axis=1, tiled=True)
+      down_EFD = jax.lax.all_gather(down_EFD, d_axes, axis=2, tiled=True)
+    first = jax.lax.axis_index(ep_axes) * gate_EDF.shape[0] if ep_axes else 0
+    y_TD = expert_ffn(tokens(x_BLD), tokens(experts_BLK), tokens(weights_BLK), tokens(keep_BLK),
+                      gate_EDF, up_EDF, down_EFD, first, act, impl)
+    if f_axes:  # tensor-split F: partial sums of the down projection
+      y_TD = jax.lax.psum(y_TD, f_axes)
+    if sum_axes:
+      y_TD = jax.lax.psum(y_TD, sum_axes)
+    if gather_axes:
+      y_TD = jax.lax.psum_scatter(y_TD, gather_axes, scatter_dimension=0, tiled=True)
+    return y_TD.reshape(B, L, D)
+
+  x_BLD = axes.constrain(x_BLD, (BATCH, LENGTH, None))
+  return jax.shard_map(local, in_specs=(tok_spec, tok_spec, tok_spec, tok_spec, w_spec, w_spec, down_spec),
+                       out_specs=tok_spec)(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_EFD)
+
+
+class MoE(nnx.Module):
+  """Routed experts (plus optional shared experts) replacing a block's MLP.
+
+  `moe(x_BLD, valid_BL) -> (y_BLD, stats)`: valid_BL marks real tokens (padding neither counts in the statistics
+  nor takes an expert's capacity); stats are `router_stats`' float32 scalars.
+  """
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    from model import layers  # local: layers builds blocks from this module's MoE
+    D, E, F = cfg.d_model, cfg.num_experts, cfg.expert_mlp_dim or cfg.mlp_dim
+    self.k, self.kind, self.impl, self.cf = cfg.experts_per_token, cfg.router, cfg.moe_impl, cfg.capacity_factor
+    self.num_experts, self.dtype = E, DTYPES[cfg.dtype]
+    self.act = jax.nn.silu if cfg.mlp_type == "swiglu" else lambda g: jax.nn.gelu(g, approximate=True)
+    self.router = layers.param(rngs, (D, E), (EMBED, None), cfg)
+    self.gate = layers.param(rngs, (E, D, F), (EXPERTS, EMBED, MLP), cfg)
+    self.up = layers.param(rngs, (E, D, F), (EXPERTS, EMBED, MLP), cfg)
+    self.down = layers.param(rngs, (E, F, D), (EXPERTS, MLP, EMBED), cfg)
+    if cfg.num_shared_experts:
+      shared_cfg = cfg.copy_and_resolve_references()
+      shared_cfg.mlp_dim = cfg.num_shared_experts * F  # N shared experts = one MLP N times as wide
+      self.shared = layers.Mlp(shared_cfg, rngs=rngs)
+
+  def __call__(self, x_BLD: jax.Array, valid_BL: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    dt = self.dtype
+    logits_BLE = jnp.einsum("bld,de->ble", x_BLD.astype(jnp.float32), self.router[...].astype(jnp.float32))
+    weights_BLK, experts_BLK = route(logits_BLE, self.k, self.kind)
+    cap = capacity(self.cf, self.k, x_BLD.shape[1], self.num_experts)
+    keep_BLK = keep_mask(experts_BLK, valid_BL, self.num_experts, cap)
+    y_BLD = dispatch(x_BLD, experts_BLK, weights_BLK, keep_BLK, self.gate[...].astype(dt), self.up[...].astype(dt),
+                     self.down[...].astype(dt), self.act, self.impl)
+    if hasattr(self, "shared"):
+      y_BLD = y_BLD + self.shared(x_BLD)
+    y_BLD = remat.tag(axes.constrain(y_BLD.astype(dt), (BATCH, LENGTH, EMBED)), remat.MLP_OUT)
+    return y_BLD, router_stats(logits_BLE, experts_BLK, keep_BLK, valid_BL)
