@@ -5,6 +5,6 @@ See docs/evaluation.md for the task formats and every metric's definition.
 """
 from evals.requests import LM
 from evals.tasks import TaskError, load_task, parse_specs
-from evals.evaluate import evaluate
+from evals.harness import evaluate
 
 __all__ = ["LM", "TaskError", "evaluate", "load_task", "parse_specs"]
