@@ -21,7 +21,8 @@ over the data axes; padding is on the right, so a causal model's scores do not d
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence
+import re
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -77,15 +78,20 @@ class LM:
     batch_size: rows per forward pass (rounded up to a multiple of the batch-sharding size).
     max_len: the model length lm-eval would use; default `model.cfg.max_seq_len`.
     progress: show a progress bar over batches.
+    specials: literal strings encoded as one id each wherever they occur in a text (e.g. the chat markers
+      {"<|user|>": 4, ...}), as a Hugging Face tokenizer.json does with its special tokens; default none.
   """
 
   def __init__(self, model, tokenizer: TokenizerLike, mesh: jax.sharding.Mesh, rules, *, batch_size: int = 16,
-               max_len: int | None = None, progress: bool = False):
+               max_len: int | None = None, progress: bool = False, specials: Mapping[str, int] | None = None):
     if batch_size < 1:
       raise ValueError(f"batch_size={batch_size} must be >= 1")
     self.model, self.tokenizer, self.mesh, self.rules = model, tokenizer, mesh, tuple(rules)
     self.max_len = int(max_len or model.cfg.max_seq_len)
     self.progress = progress
+    self.specials = dict(specials or {})
+    self._special_re = (re.compile("|".join(re.escape(p) for p in sorted(self.specials, key=len, reverse=True)))
+                        if self.specials else None)
     self._graphdef, self._state = nnx.split(model)
     self._sharding = parallel.sharding.logical_sharding(mesh, self.rules, ("batch", "length"))
     row_axes = self._sharding.spec[0] if len(self._sharding.spec) else None
@@ -95,14 +101,25 @@ class LM:
     self._score_fn = jax.jit(self._score)
 
   # ---- tokenization as lm-eval's HFLM ---------------------------------------------------------------------
+  def encode(self, text: str) -> list[int]:
+    """Token ids of `text` without BOS; `specials` strings map to their ids."""
+    if self._special_re is None:
+      return list(self.tokenizer.encode(text))
+    ids, pos = [], 0
+    for m in self._special_re.finditer(text):
+      ids += self.tokenizer.encode(text[pos:m.start()]) if m.start() > pos else []
+      ids.append(self.specials[m.group()])
+      pos = m.end()
+    return ids + (list(self.tokenizer.encode(text[pos:])) if pos < len(text) else [])
+
   def tok_encode(self, text: str) -> list[int]:
     """[BOS] + ids: what a BOS-adding Hugging Face tokenizer returns with default special tokens."""
-    return [self.tokenizer.bos_id] + list(self.tokenizer.encode(text))
+    return [self.tokenizer.bos_id] + self.encode(text)
 
   def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids) as lm-eval splits them (module docstring)."""
     if context == "":
-      cont = list(self.tokenizer.encode(continuation))
+      cont = self.encode(continuation)
       bos = self.tokenizer.bos_id
       return ([bos], cont) if not cont or cont[0] != bos else (cont[:1], cont[1:])
     n_spaces = len(context) - len(context.rstrip())
