@@ -78,6 +78,8 @@ def get_config() -> ml_collections.ConfigDict:
   t.init_from = ""  # start from weights only: a meshlm run directory / checkpoint, or a Hugging Face directory
   t.debug_nan_steps = ()  # fault injection for tests: steps whose loss mask is NaN (the step must skip and count)
   t.peak_tflops = 0.0  # hardware peak per device for MFU; 0 = look up the device kind (CPU: MFU omitted)
+  t.eval_tasks = ""  # benchmark tasks NAME:PATH[,...] (docs/evaluation.md) run at every evaluation; empty = none
+  t.eval_tasks_limit = 0  # documents per eval task during training (the first N); 0 = all
 
   d = c.data = ml_collections.ConfigDict()
   d.sources = "builtin"  # builtin (Python's own docs + stdlib source) or a mixture spec; see data/sources.py

@@ -100,6 +100,11 @@ class LM:
     self.batch_size = -(-batch_size // shards) * shards
     self._score_fn = jax.jit(self._score)
 
+  def update(self, model) -> None:
+    """Scores with `model`'s current parameters from now on (same architecture: nothing recompiles)."""
+    self.model = model
+    self._state = nnx.split(model)[1]
+
   # ---- tokenization as lm-eval's HFLM ---------------------------------------------------------------------
   def encode(self, text: str) -> list[int]:
     """Token ids of `text` without BOS; `specials` strings map to their ids."""

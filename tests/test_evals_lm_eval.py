@@ -50,17 +50,18 @@ def setup(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("lm_eval")
   run, export = tmp / "run", tmp / "export"
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  train = [sys.executable, "-m", "train", "--config=tiny", f"--workdir={run}", "--config.train.steps=3",
-           "--config.train.batch_size=4", "--config.train.seq_len=48", f"--config.model.max_seq_len={MAX_LEN}",
-           "--config.train.eval_every=0", "--config.train.warmup_steps=1", "--config.log.progress=false",
-           "--config.log.tensorboard=false", "--config.data.tokenizer_max_sentences=3000"]
-  subprocess.run(train, check=True, env=env, cwd=REPO, capture_output=True)
-  subprocess.run([sys.executable, "-m", "train.export", f"--workdir={run}", f"--output={export}"], check=True,
-                 env=env, cwd=REPO, capture_output=True)
   for name, rows in (("mc", MC), ("ppl", PPL)):
     with open(tmp / f"{name}.jsonl", "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)
     _yaml(tmp / f"meshlm_{name}.yaml", f"meshlm_{name}", tmp / f"{name}.jsonl", name)
+  train = [sys.executable, "-m", "train", "--config=tiny", f"--workdir={run}", "--config.train.steps=3",
+           "--config.train.batch_size=4", "--config.train.seq_len=48", f"--config.model.max_seq_len={MAX_LEN}",
+           "--config.train.eval_every=3", "--config.train.eval_steps=1", "--config.train.warmup_steps=1",
+           "--config.log.progress=false", "--config.data.tokenizer_max_sentences=3000",
+           f"--config.train.eval_tasks=mc:{tmp}/mc.jsonl"]  # benchmark tasks during training too
+  subprocess.run(train, check=True, env=env, cwd=REPO, capture_output=True)
+  subprocess.run([sys.executable, "-m", "train.export", f"--workdir={run}", f"--output={export}"], check=True,
+                 env=env, cwd=REPO, capture_output=True)
   return tmp, run, export
 
 
@@ -104,6 +105,18 @@ def test_multiple_choice_loglikelihoods_and_accuracy_match_lm_eval(reference, ou
     assert ours["results"]["mc"][metric] == ref_results["meshlm_mc"][f"{metric},none"]
     assert [s[metric] for s in ref_samples["meshlm_mc"]] == [
         float(v) for v in _per_doc(ours["samples"]["mc"], metric)]
+
+
+def test_eval_tasks_during_training_log_the_same_metrics(setup, ours):
+  _, run, _ = setup
+  with open(run / "metrics.jsonl") as f:
+    lines = [json.loads(line) for line in f]
+  final = [l for l in lines if "eval_mc/acc" in l and l["step"] == 3]
+  assert len(final) == 1 and "eval_loss" in final[0]
+  for metric in ("acc", "acc_norm", "acc_bytes"):  # the step-3 model, as python -m train.evaluate scores it
+    assert final[0][f"eval_mc/{metric}"] == ours["results"]["mc"][metric]
+  events = b"".join(p.read_bytes() for p in (run / "tensorboard").rglob("*tfevents*"))
+  assert b"eval_mc/acc_norm" in events
 
 
 def _per_doc(samples, metric):
