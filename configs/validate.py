@@ -76,6 +76,7 @@ RANGES: dict[str, Range] = {
     "train.schedule_steps": Range(lo=1, special=((0, "train.steps"),)),
     "train.moe_aux_loss": _AT_LEAST_0,
     "train.router_z_loss": _AT_LEAST_0,
+    "train.eval_tasks_limit": Range(lo=1, special=((0, "all documents"),)),
     "data.weights": _POSITIVE,
     "data.tokenizer_vocab_size": Range(lo=1, special=((0, "model.vocab_size"),)),
     "data.tokenizer_character_coverage": Range(lo=0, hi=1, lo_open=True),

@@ -209,6 +209,10 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
   try:
     tokenizer_path = tokenizer_lib.prepare(config, workdir)  # checks its vocabulary against config.model
     tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_path)
+    task_evaluator = None
+    if tc.eval_tasks and tc.eval_every > 0:  # task files are checked here, before any step
+      from train import eval_tasks  # pylint: disable=g-import-not-at-top
+      task_evaluator = eval_tasks.TaskEvaluator(tc.eval_tasks, tc.eval_tasks_limit, tokenizer, mesh, trainer.rules)
   except (ValueError, FileNotFoundError) as e:
     raise SetupError(str(e)) from None
 
@@ -277,7 +281,10 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
     if tokens == 0:
       raise TrainingError("the eval batches hold no tokens; raise data.eval_fraction or set train.eval_every=0")
     eval_loss = loss_sum / tokens
-    return {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 80.0))}
+    out = {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 80.0))}
+    if task_evaluator is not None:
+      out.update(task_evaluator(trainer.model(state)))
+    return out
 
   summary = {"step": start, "loss": None, "eval_loss": None, "stopped": None}
   step = start

@@ -1,0 +1,253 @@
+"""lm-evaluation-harness's three request types on a meshlm model, tokenized exactly as lm-eval's `hf` backend.
+
+- `loglikelihood([(context, continuation)])` -> [(logprob, is_greedy)]: the continuation's summed log-probability
+  given the context, and whether greedy decoding would have produced it.
+- `loglikelihood_rolling([text])` -> [logprob]: the whole text's log-probability in disjoint rolling windows of
+  the model's length.
+- `generate_until([(context, until, max_tokens)])` -> [text]: greedy continuations cut at the first stop string.
+
+Tokenization (lm-eval 0.4 `HFLM` with a tokenizer that adds BOS, such as Llama's and meshlm's exported one):
+`tok_encode(s) = [BOS] + encode(s)`. A non-empty context's trailing whitespace moves to the continuation; the
+pair is split by encoding context + continuation and the context alone, the continuation being the whole
+encoding past the context's length. An empty context scores the continuation (encoded without BOS) from BOS.
+Inputs longer than the model are left-truncated: `(context + continuation)[-(max_len + 1):][:-1]`, with
+`max_len = model.cfg.max_seq_len` (lm-eval's `max_position_embeddings`). Rolling windows follow
+`lm_eval.utils.get_rolling_token_windows` (prefix BOS, context length 1) on `tok_encode(text)` (so the first
+scored token is BOS itself, as lm-eval does with BOS-adding tokenizers).
+
+Batching: requests are sorted by length (longest first), cut into batches of `batch_size` rows padded to the
+batch size and to a power-of-two length (so a handful of shapes compile), run under the mesh with rows sharded
+over the data axes; padding is on the right, so a causal model's scores do not depend on the batch.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import parallel
+
+_MIN_BUCKET = 16
+
+
+class TokenizerLike(Protocol):
+  bos_id: int
+  eos_id: int
+
+  def encode(self, text: str) -> list[int]: ...  # no BOS/EOS
+
+  def decode(self, ids) -> str: ...
+
+
+def rolling_windows(tokens: Sequence[int], prefix: int, max_len: int) -> list[tuple[list[int], list[int]]]:
+  """Disjoint (context, continuation) windows covering `tokens`, each scoring at most `max_len` tokens with the
+  longest context that fits (lm-eval's get_rolling_token_windows with context_len=1 + make_disjoint_window)."""
+  tokens = list(tokens)
+  windows = []
+  if not tokens:
+    return windows
+  first = min(max_len, len(tokens))
+  windows.append(([prefix] + tokens[:first - 1], tokens[:first]))
+  predicted = first
+  while predicted < len(tokens):
+    n = min(len(tokens) - predicted, max_len)
+    end = predicted + n
+    windows.append((tokens[max(end - max_len - 1, 0):end - 1], tokens[end - n:end]))
+    predicted = end
+  return [(ctx[:len(ctx) - (len(cont) - 1)], cont) for ctx, cont in windows]
+
+
+def _bucket(length: int, max_len: int) -> int:
+  b = _MIN_BUCKET
+  while b < length:
+    b *= 2
+  return min(b, max(max_len, length))
+
+
+class LM:
+  """A meshlm model + tokenizer + mesh answering lm-eval requests (see the module docstring).
+
+  Args:
+    model: a `model.Transformer` whose parameters live on `mesh` (sharded by `rules`).
+    tokenizer: encode (no BOS) / decode / bos_id / eos_id (data.tokenizer.Tokenizer or data.hf_tokenizer).
+    mesh, rules: the device mesh and logical-axis rules the model was placed with.
+    batch_size: rows per forward pass (rounded up to a multiple of the batch-sharding size).
+    max_len: the model length lm-eval would use; default `model.cfg.max_seq_len`.
+    progress: show a progress bar over batches.
+    specials: literal strings encoded as one id each wherever they occur in a text (e.g. the chat markers
+      {"<|user|>": 4, ...}), as a Hugging Face tokenizer.json does with its special tokens; default none.
+  """
+
+  def __init__(self, model, tokenizer: TokenizerLike, mesh: jax.sharding.Mesh, rules, *, batch_size: int = 16,
+               max_len: int | None = None, progress: bool = False, specials: Mapping[str, int] | None = None):
+    if batch_size < 1:
+      raise ValueError(f"batch_size={batch_size} must be >= 1")
+    self.model, self.tokenizer, self.mesh, self.rules = model, tokenizer, mesh, tuple(rules)
+    self.max_len = int(max_len or model.cfg.max_seq_len)
+    self.progress = progress
+    self.specials = dict(specials or {})
+    self._special_re = (re.compile("|".join(re.escape(p) for p in sorted(self.specials, key=len, reverse=True)))
+                        if self.specials else None)
+    self._graphdef, self._state = nnx.split(model)
+    self._sharding = parallel.sharding.logical_sharding(mesh, self.rules, ("batch", "length"))
+    row_axes = self._sharding.spec[0] if len(self._sharding.spec) else None
+    row_axes = (row_axes,) if isinstance(row_axes, str) else tuple(row_axes or ())
+    shards = int(np.prod([mesh.shape[a] for a in row_axes])) if row_axes else 1
+    self.batch_size = -(-batch_size // shards) * shards
+    self._score_fn = jax.jit(self._score)
+
+  def update(self, model) -> None:
+    """Scores with `model`'s current parameters from now on (same architecture: nothing recompiles)."""
+    self.model = model
+    self._state = nnx.split(model)[1]
+
+  # ---- tokenization as lm-eval's HFLM ---------------------------------------------------------------------
+  def encode(self, text: str) -> list[int]:
+    """Token ids of `text` without BOS; `specials` strings map to their ids."""
+    if self._special_re is None:
+      return list(self.tokenizer.encode(text))
+    ids, pos = [], 0
+    for m in self._special_re.finditer(text):
+      ids += self.tokenizer.encode(text[pos:m.start()]) if m.start() > pos else []
+      ids.append(self.specials[m.group()])
+      pos = m.end()
+    return ids + (list(self.tokenizer.encode(text[pos:])) if pos < len(text) else [])
+
+  def tok_encode(self, text: str) -> list[int]:
+    """[BOS] + ids: what a BOS-adding Hugging Face tokenizer returns with default special tokens."""
+    return [self.tokenizer.bos_id] + self.encode(text)
+
+  def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) as lm-eval splits them (module docstring)."""
+    if context == "":
+      cont = self.encode(continuation)
+      bos = self.tokenizer.bos_id
+      return ([bos], cont) if not cont or cont[0] != bos else (cont[:1], cont[1:])
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+      context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+    whole = self.tok_encode(context + continuation)
+    ctx = self.tok_encode(context)
+    return ctx, whole[len(ctx):]
+
+  # ---- requests -------------------------------------------------------------------------------------------
+  def loglikelihood(self, requests: Sequence[tuple[str, str]]) -> list[tuple[float, bool]]:
+    """[(sum of log p(continuation tokens | context), greedy?)] per (context, continuation) pair."""
+    pairs = []
+    for i, (context, continuation) in enumerate(requests):
+      ctx, cont = self.encode_pair(context, continuation)
+      if not cont:
+        raise ValueError(f"request {i}: the continuation {continuation!r} encodes to no tokens after the "
+                         f"context {context[-40:]!r}; nothing to score")
+      pairs.append((ctx, cont))
+    return self.loglikelihood_tokens(pairs)
+
+  def loglikelihood_rolling(self, texts: Sequence[str]) -> list[float]:
+    """Sum of log p over every token of each text (rolling windows of `max_len`), nats."""
+    windows, owner = [], []
+    for i, text in enumerate(texts):
+      for w in rolling_windows(self.tok_encode(text), self.tokenizer.bos_id, self.max_len):
+        windows.append(w)
+        owner.append(i)
+    scores = self.loglikelihood_tokens(windows)
+    out = [0.0] * len(texts)
+    for i, (logprob, _) in zip(owner, scores):
+      out[i] += logprob
+    return out
+
+  def generate_until(self, requests: Sequence[tuple[str, Sequence[str], int]], *, temperature: float = 0.0,
+                     top_p: float = 1.0, seed: int = 0) -> list[str]:
+    """Continuations of each context, cut before the first of its stop strings (lm-eval's post-processing).
+
+    requests: (context, until, max_tokens). The context is `tok_encode`d and left-truncated to
+    `max_len - max_tokens` tokens; generation stops at EOS or after max_tokens. Greedy unless temperature > 0.
+    """
+    from model import generate as generate_lib  # pylint: disable=g-import-not-at-top
+    return self._generate_with(generate_lib.generate, requests, temperature=temperature, top_p=top_p, seed=seed)
+
+  def _generate_with(self, sampler: Callable, requests, *, temperature: float, top_p: float, seed: int):
+    """`generate_until` with an explicit sampler of `model.generate.generate`'s signature."""
+    groups: dict[int, list[int]] = {}
+    for i, (_, _, max_tokens) in enumerate(requests):
+      if max_tokens < 1 or max_tokens >= self.max_len:
+        raise ValueError(f"request {i}: max_tokens={max_tokens} must be in [1, {self.max_len - 1}]")
+      groups.setdefault(int(max_tokens), []).append(i)
+    out = [""] * len(requests)
+    for max_tokens, idx in groups.items():
+      for start in range(0, len(idx), self.batch_size):
+        chunk = idx[start:start + self.batch_size]
+        prompts = [self.tok_encode(requests[i][0])[-(self.max_len - max_tokens):] for i in chunk]
+        with parallel.activate(self.mesh, self.rules):
+          conts = sampler(self.model, prompts, max_tokens, temperature=temperature, top_p=top_p,
+                          stop_ids=(self.tokenizer.eos_id,), seed=seed + start)
+        for i, cont in zip(chunk, conts):
+          out[i] = cut_at_stops(self.tokenizer.decode(cont), requests[i][1])
+    return out
+
+  # ---- token-level scoring --------------------------------------------------------------------------------
+  def loglikelihood_tokens(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[float, bool]]:
+    """Scores (context ids, continuation ids) pairs: [(sum log p(continuation), greedy?)], in input order."""
+    rows = []
+    for i, (ctx, cont) in enumerate(pairs):
+      if not ctx or not cont:
+        raise ValueError(f"request {i}: context and continuation must both hold tokens")
+      if len(cont) > self.max_len:  # lm-eval asserts here; meshlm scores the last max_len tokens instead
+        ctx, cont = list(ctx) + list(cont[:-self.max_len]), cont[-self.max_len:]
+      whole = (list(ctx) + list(cont))[-(self.max_len + 1):]
+      rows.append((whole[:-1], whole[1:], len(cont)))
+    order = sorted(range(len(rows)), key=lambda i: (-len(rows[i][0]), i))
+    results: list[Any] = [None] * len(rows)
+    batches = [order[s:s + self.batch_size] for s in range(0, len(order), self.batch_size)]
+    if self.progress and len(batches) > 1:
+      from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+      batches = tqdm(batches, desc="scoring", unit="batch", leave=False)
+    pending = []
+    for batch in batches:
+      L = _bucket(len(rows[batch[0]][0]), self.max_len)
+      inputs = np.zeros((self.batch_size, L), np.int32)
+      targets = np.zeros((self.batch_size, L), np.int32)
+      mask = np.zeros((self.batch_size, L), np.float32)
+      for r, i in enumerate(batch):
+        inp, tgt, n = rows[i]
+        inputs[r, :len(inp)], targets[r, :len(tgt)] = inp, tgt
+        mask[r, len(inp) - n:len(inp)] = 1.0
+      args = [jax.device_put(a, self._sharding) for a in (inputs, targets, mask)]
+      pending.append((batch, self._score_fn(self._state, *args)))  # dispatched; fetched below
+      if len(pending) > 2:
+        self._collect(pending.pop(0), results)
+    for item in pending:
+      self._collect(item, results)
+    return results
+
+  @staticmethod
+  def _collect(item, results):
+    batch, (logprob_B, greedy_B) = item
+    logprob_B, greedy_B = jax.device_get((logprob_B, greedy_B))
+    for r, i in enumerate(batch):
+      results[i] = (float(logprob_B[r]), bool(greedy_B[r]))
+
+  def _score(self, state, inputs_BL, targets_BL, mask_BL):
+    """(sum over masked positions of log p(target), all masked targets are the argmax) per row."""
+    with parallel.activate(self.mesh, self.rules, inside_jit=True):
+      logits_BLV = nnx.merge(self._graphdef, state)(inputs_BL)
+    logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
+    # A masked sum instead of a gather keeps a vocabulary-sharded logits tensor local (as train/loss.py does).
+    vocab_V = jnp.arange(logits_BLV.shape[-1], dtype=targets_BL.dtype)
+    target_logit_BL = jnp.sum(jnp.where(vocab_V == targets_BL[..., None], logits_BLV, 0.0), axis=-1)
+    logprob_B = jnp.sum((target_logit_BL - logz_BL) * mask_BL, axis=-1)
+    greedy_BL = jnp.argmax(logits_BLV, axis=-1) == targets_BL
+    greedy_B = jnp.all(greedy_BL | (mask_BL == 0), axis=-1)
+    return logprob_B, greedy_B
+
+
+def cut_at_stops(text: str, until: Sequence[str]) -> str:
+  """`text` up to (not including) the first occurrence of any stop string, as lm-eval's generate_until does
+  (it splits at each stop in turn: text.split(stop)[0])."""
+  for stop in until:
+    if stop:
+      text = text.split(stop)[0]
+  return text

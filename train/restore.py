@@ -1,0 +1,135 @@
+"""Opens a run directory for inference: its config, a checkpoint's parameters on a mesh, and its tokenizer.
+
+`load_run(workdir, step=None)` -> Run(config, model, tokenizer_path, mesh, rules, step). The model is a
+`model.Transformer` holding the checkpoint's parameters sharded by the run's logical-axis rules on `mesh` (the
+run's `config.mesh`, or `mesh_overrides` such as {"data": 1, "fsdp": -1}; -1 = the remaining devices).
+`load_hf(directory)` does the same for a Hugging Face directory (model.hf.load) with its tokenizer.json.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from typing import Any, Mapping
+
+import jax
+import ml_collections
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+import parallel
+from parallel import mesh as mesh_lib
+from parallel import rules as rules_lib
+from train import checkpoint as ckpt_lib
+
+TOKENIZER_KEY = "tokenizer"  # the checkpoint metadata entry holding the tokenizer file (train/loop.py)
+
+
+class RunError(ValueError):
+  """The run directory or checkpoint cannot be opened; the message names the path and the fix."""
+
+
+@dataclasses.dataclass
+class Run:
+  config: ml_collections.ConfigDict
+  model: Any
+  tokenizer_path: str
+  mesh: jax.sharding.Mesh
+  rules: tuple
+  step: int | None
+
+
+def _inference_config(config_dict: Mapping[str, Any], mesh_overrides: Mapping[str, int] | None):
+  config = ml_collections.ConfigDict(dict(config_dict))
+  if mesh_overrides:
+    for key, value in mesh_overrides.items():
+      if key not in config.mesh:
+        raise RunError(f"unknown mesh axis {key!r}; axes: {', '.join(k for k in config.mesh if k != 'rules')}")
+      config.mesh[key] = int(value)
+  return config
+
+
+def place(model, config: ml_collections.ConfigDict, mesh_overrides: Mapping[str, int] | None = None):
+  """(model with its parameters sharded on a mesh built from config.mesh, mesh, rules)."""
+  try:
+    mesh = mesh_lib.make_mesh(config.mesh)
+  except ValueError as e:
+    raise RunError(f"{e} (pass --mesh to choose another layout, e.g. --mesh data=-1)") from None
+  rules = tuple(rules_lib.fit_rules(rules_lib.logical_rules(config.mesh), config.model, mesh))
+  from model import Transformer  # pylint: disable=g-import-not-at-top
+  with parallel.activate(mesh, rules):
+    abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
+    specs = nnx.get_partition_spec(nnx.state(abstract))
+  graphdef, state = nnx.split(model)
+  shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+  state = jax.device_put(state, shardings)
+  return nnx.merge(graphdef, state), mesh, rules
+
+
+def load_run(workdir: str, step: int | None = None, mesh_overrides: Mapping[str, int] | None = None) -> Run:
+  """The run's model at checkpoint `step` (default: the latest), placed on the mesh; see the module docstring."""
+  if not os.path.isdir(workdir):
+    raise RunError(f"--workdir {workdir!r} is not a directory; give a meshlm run directory (python -m train)")
+  try:
+    directory, found = ckpt_lib.find_checkpoint_dir(workdir)
+    checkpointer = ckpt_lib.Checkpointer(directory, read_only=True)
+    step = step if step is not None else (found if found is not None else checkpointer.latest_step())
+    if step is None:
+      raise RunError(f"{directory}: no complete checkpoint; train first (python -m train --workdir {workdir})")
+    meta = checkpointer.metadata(step)
+  except ckpt_lib.CheckpointError as e:
+    raise RunError(str(e)) from None
+  config = _inference_config(meta["config"], mesh_overrides)
+  from model import Transformer  # pylint: disable=g-import-not-at-top
+  abstract_model = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract_model)
+  try:
+    mesh = mesh_lib.make_mesh(config.mesh)
+  except ValueError as e:
+    raise RunError(f"{e} (pass --mesh to choose another layout, e.g. --mesh data=-1)") from None
+  rules = tuple(rules_lib.fit_rules(rules_lib.logical_rules(config.mesh), config.model, mesh))
+  with parallel.activate(mesh, rules):
+    specs = nnx.get_partition_spec(nnx.state(nnx.eval_shape(lambda: Transformer(config.model,
+                                                                                 rngs=nnx.Rngs(0)))))
+  abstract_params = jax.tree.map(
+      lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, p)),
+      nnx.to_pure_dict(abstract_state), nnx.to_pure_dict(specs),
+      is_leaf=lambda x: isinstance(x, PartitionSpec))
+  params = checkpointer.restore_subtree({"params": abstract_params}, step)["params"]
+  nnx.replace_by_pure_dict(abstract_state, params)
+  model = nnx.merge(graphdef, abstract_state)
+  return Run(config, model, _tokenizer_file(workdir, config, meta), mesh, rules, step)
+
+
+def _tokenizer_file(workdir: str, config, meta: Mapping[str, Any]) -> str:
+  """The run's SentencePiece model: config.data.tokenizer, WORKDIR/tokenizer.model, or the checkpoint's copy."""
+  candidates = [config.data.tokenizer] if config.data.get("tokenizer") else []
+  run_dir = workdir if os.path.isdir(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)) else None
+  if run_dir:
+    candidates.append(os.path.join(run_dir, "tokenizer.model"))
+  for path in candidates:
+    if path and os.path.isfile(path):
+      return path
+  entry = meta.get(TOKENIZER_KEY)
+  if not entry:
+    raise RunError(f"no tokenizer for {workdir}: neither {' nor '.join(candidates) or 'a file'} exists nor does "
+                   "the checkpoint hold one")
+  return ckpt_lib.decode_file(entry, tempfile.mkdtemp(prefix="meshlm-tokenizer-"))
+
+
+def load_hf(directory: str, mesh_config: Mapping[str, int] | None = None):
+  """(model, tokenizer, mesh, rules) for a Hugging Face directory with config.json, safetensors, tokenizer.json."""
+  from configs import base  # pylint: disable=g-import-not-at-top
+  from data import hf_tokenizer  # pylint: disable=g-import-not-at-top
+  from model import hf  # pylint: disable=g-import-not-at-top
+  if not os.path.isfile(os.path.join(directory, "config.json")):
+    raise RunError(f"--hf {directory!r} holds no config.json; give a Hugging Face model directory")
+  try:
+    model = hf.load(directory)
+  except ValueError as e:
+    raise RunError(str(e)) from None
+  config = base.get_config()
+  config.model = ml_collections.ConfigDict(model.cfg.to_dict())
+  config = _inference_config(config.to_dict(), mesh_config)
+  model, mesh, rules = place(model, config)
+  return model, hf_tokenizer.HFTokenizer(directory), mesh, rules
