@@ -14,6 +14,8 @@ Mixture spec (`config.data.sources`): a string of comma-separated items, or a tu
   jsonl:/data/web/*.jsonl@0.7     one document per line, text in `config.data.text_field`
   parquet:gs://bucket/x/*.parquet one document per row, text in `config.data.text_field`
   arrayrecord:/data/*.array_record one document per record (UTF-8 text)
+  chat:/data/sft/*.jsonl          one conversation per line (data/chat.py: messages or prompt/completion)
+  instruct=builtin:instruct       the built-in instruction task (data/instruct.py), generated from a seed
 
 Weights are document sampling weights (normalised to sum to 1); `config.data.weights`, when set, overrides them.
 """
@@ -36,7 +38,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-KINDS = ("builtin", "text", "jsonl", "parquet", "arrayrecord")
+KINDS = ("builtin", "text", "jsonl", "parquet", "arrayrecord", "chat")
 BUILTIN_DEFAULT = "prose=builtin:prose@0.9,code=builtin:code@0.1"
 # Held-out documents are chosen by a fixed permutation, independent of the shuffle seed, so that changing the
 # shuffle seed never moves a document between the training and evaluation splits.
@@ -87,8 +89,9 @@ def parse_spec(sources: str | Sequence[str], weights: Sequence[float] = ()) -> l
       raise SpecError(f"cannot parse source {p!r}: expected [NAME=]KIND:PATH[@WEIGHT] with KIND one of "
                       f"{', '.join(KINDS)} (e.g. 'web=jsonl:/data/*.jsonl@0.9')")
     kind, arg = m["kind"], m["arg"]
-    if kind == "builtin" and arg not in ("prose", "code"):
-      raise SpecError(f"unknown built-in source {arg!r} in {p!r}: use builtin:prose or builtin:code")
+    if kind == "builtin" and arg not in ("prose", "code", "instruct"):
+      raise SpecError(f"unknown built-in source {arg!r} in {p!r}: use builtin:prose, builtin:code or "
+                      "builtin:instruct")
     name = m["name"] or (arg if kind == "builtin" else kind)
     weight = float(m["weight"]) if m["weight"] else 1.0
     specs.append(SourceSpec(name, kind, arg, weight))
@@ -149,7 +152,7 @@ def decode_utf8(data: bytes, where: str) -> str:
     n = text.count("\ufffd") - data.count("\ufffd".encode())
     COUNTERS["invalid_utf8_documents"] += 1
     COUNTERS["invalid_utf8_sequences"] += n
-    _warn_once(f"utf8:{where}", f"{where}: {n} invalid UTF-8 sequence(s) replaced by U+FFFD")
+    warn_once(f"utf8:{where}", f"{where}: {n} invalid UTF-8 sequence(s) replaced by U+FFFD")
     return text
 
 
@@ -157,7 +160,8 @@ _WARNED: set[str] = set()
 _AST_LOCK = threading.Lock()
 
 
-def _warn_once(key: str, message: str) -> None:
+def warn_once(key: str, message: str) -> None:
+  """Logs `message` once per `key` in this process."""
   if key not in _WARNED:
     _WARNED.add(key)
     log.warning(message)
@@ -226,13 +230,16 @@ class JsonlFiles:
         raise ValueError(f"{where}: unparseable JSON ({e}); fix the line or set config.data.strict=False to skip "
                          "it") from None
       COUNTERS["unparseable_records"] += 1
-      _warn_once(f"json:{where}", f"{where}: unparseable JSON line skipped ({e})")
+      warn_once(f"json:{where}", f"{where}: unparseable JSON line skipped ({e})")
       return ""
     return _field(record, self.field, self.strict, self.paths[f_idx], where)
 
 
 def _field(record, field: str, strict: bool, file_key: str, where: str) -> str:
-  """record[field] as text, or "" (reported once per file) when the record has no such string field."""
+  """record[field] as text, or "" (reported once per file) when the record has no such string field; with
+  field "" the whole record as JSON text (chat sources)."""
+  if field == "":
+    return json.dumps(record)
   value = record.get(field) if isinstance(record, dict) else None
   if isinstance(value, str):
     return value
@@ -242,7 +249,7 @@ def _field(record, field: str, strict: bool, file_key: str, where: str) -> str:
   if strict:
     raise ValueError(message)
   COUNTERS["records_without_text"] += 1
-  _warn_once(f"field:{file_key}", message + " -- such records are skipped")
+  warn_once(f"field:{file_key}", message + " -- such records are skipped")
   return ""
 
 
@@ -388,8 +395,13 @@ def module_docstrings(source: str, path: str) -> str:
 
 def open_source(spec: SourceSpec, text_field: str = "text", strict: bool = False) -> Source:
   """The Source object for one parsed spec item."""
+  if spec.kind == "builtin" and spec.arg == "instruct":
+    from data import instruct  # pylint: disable=g-import-not-at-top
+    return instruct.InstructTask(spec.name)
   if spec.kind == "builtin":
     return Builtin(spec.name, spec.arg)
+  if spec.kind == "chat":
+    return JsonlFiles(spec.name, spec.arg, "", strict)
   if spec.kind == "text":
     return TextFiles(spec.name, spec.arg)
   if spec.kind == "jsonl":
@@ -405,6 +417,13 @@ def open_sources(data_config) -> tuple[list[SourceSpec], list[Source]]:
   """(specs, sources) for `config.data`."""
   specs = parse_spec(data_config.sources, tuple(data_config.weights))
   return specs, [open_source(s, data_config.text_field, data_config.strict) for s in specs]
+
+
+def source_split(src: Source, eval_fraction: float, split: str) -> np.ndarray:
+  """A source's `split` indices: its own `split_indices(split)` if it defines one (a generated task keeps
+  duplicates on one side), else `split_indices(len(src), eval_fraction, split)`."""
+  own = getattr(src, "split_indices", None)
+  return own(split) if own is not None else split_indices(len(src), eval_fraction, split)
 
 
 def split_indices(num_docs: int, eval_fraction: float, split: str) -> np.ndarray:

@@ -13,6 +13,7 @@ import argparse
 import io
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -142,6 +143,15 @@ class Tokenizer:
     """Token ids of one text (no BOS/EOS)."""
     return self._sp.encode(text)
 
+  def encode_with_specials(self, text: str) -> list[int]:
+    """Token ids of `text` in which BOS/EOS/PAD and the reserved control pieces written out as text become their
+    single ids (rendered Jinja chat templates); `encode` never does this, so user text cannot produce them."""
+    specials = [self.id_to_piece(i) for i in (self.bos_id, self.eos_id, self.pad_id)] + list(RESERVED)
+    ids = []
+    for part in split_specials(text, specials):
+      ids += [self._sp.piece_to_id(part)] if part in specials else self.encode(part)
+    return ids
+
   def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
     """Token ids of each text (no BOS/EOS)."""
     return self._sp.encode(list(texts), num_threads=num_threads)
@@ -155,6 +165,14 @@ class Tokenizer:
 
   def id_to_piece(self, i: int) -> str:
     return self._sp.id_to_piece(int(i))
+
+
+def split_specials(text: str, specials: Sequence[str]) -> list[str]:
+  """`text` cut before and after every occurrence of a special piece (longest match first); empty parts dropped."""
+  if not specials:
+    return [text] if text else []
+  pattern = "(" + "|".join(re.escape(s) for s in sorted(set(specials), key=len, reverse=True)) + ")"
+  return [p for p in re.split(pattern, text) if p]
 
 
 def expected_vocab_size(config) -> int:
