@@ -83,7 +83,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.lora_alpha = 16.0  # LoRA scale numerator: adapted W = W + (lora_alpha / lora_rank) * A @ B
   t.lora_targets = ("q", "k", "v", "o")  # projections LoRA adapts (any of q k v o gate up down)
   t.base_recipe = ""  # with no init_from: a config whose run (WORKDIR/../NAME) is made or reused first and started from
-  t.eval_generations = 0  # held-out chat prompts answered greedily per evaluation (eval_exact_match); 0 = none
+  t.eval_generations = 0  # held-out chat prompts per task family answered greedily at each eval (eval_exact_match); 0 = off
   t.eval_max_new_tokens = 32  # longest greedy answer generated for eval_exact_match
 
   d = c.data = ml_collections.ConfigDict()

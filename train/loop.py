@@ -9,10 +9,11 @@ continues bit-identically. Metrics are fetched from the device one step late (an
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import json
-import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -26,6 +27,7 @@ from train import checkpoint as ckpt_lib
 from train import logger as logger_lib
 
 TOKENIZER_KEY = "tokenizer"
+CHAT_TEMPLATE_KEY = "chat_template"  # checkpoint metadata: the run's chat template in Jinja form (chat data only)
 
 
 class WorkdirError(RuntimeError):
@@ -131,7 +133,90 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """
   check_workdir(workdir)
   with _StopSignal() as stop:  # installed first: a SIGTERM during start-up stops after the first step
+    config = _resolve_start(copy.deepcopy(config), os.path.abspath(workdir))
     return _run(config, os.path.abspath(workdir), stop)
+
+
+def _resolve_start(config: ml_collections.ConfigDict, workdir: str) -> ml_collections.ConfigDict:
+  """Fills in what a fine-tuning run takes from the run it starts from, before anything else reads the config.
+
+  - train.base_recipe without train.init_from: the recipe's run WORKDIR/../<recipe> is made first (or reused
+    when its config.json matches the recipe and it reached its last step) and becomes init_from.
+  - init_from a Hugging Face directory: config.model from its config.json (the dtype, scan and attention settings
+    stay this config's) and, unless data.tokenizer is set, its tokenizer (tokenizer.json or tokenizer.model).
+  - init_from a meshlm run: unless data.tokenizer is set, that run's tokenizer (copied into this workdir).
+  """
+  tc = config.train
+  if not tc.init_from and tc.base_recipe:
+    tc.init_from = _make_base_run(tc.base_recipe, os.path.join(os.path.dirname(workdir), tc.base_recipe))
+  if not tc.init_from:
+    return config
+  if not os.path.isdir(tc.init_from):
+    raise SetupError(f"train.init_from={tc.init_from!r} is not a directory; give a meshlm run directory, a "
+                     "checkpoints/<step> directory or a Hugging Face model directory")
+  if _is_hf_dir(tc.init_from):
+    from model import hf  # pylint: disable=g-import-not-at-top
+    with open(os.path.join(tc.init_from, "config.json")) as f:
+      try:
+        hf_model = hf.config_from_hf(json.load(f))
+      except (ValueError, KeyError) as e:
+        raise SetupError(f"train.init_from={tc.init_from!r}: {e}") from None
+    keep = ("dtype", "param_dtype", "scan_layers", "attention_impl", "attention_block_size")
+    config.model.update({k: v for k, v in hf_model.items() if k not in keep})
+    if not config.data.tokenizer:
+      from data import hf_tokenizer  # pylint: disable=g-import-not-at-top
+      if not hf_tokenizer.is_hf_dir(tc.init_from):
+        raise SetupError(f"train.init_from={tc.init_from!r} has no tokenizer.json or tokenizer.model; set "
+                         "data.tokenizer to the model's tokenizer")
+      config.data.tokenizer = tc.init_from
+  elif not config.data.tokenizer and jax.process_index() == 0:
+    run_tokenizer = os.path.join(_run_dir(tc.init_from), "tokenizer.model")
+    if os.path.isfile(run_tokenizer):
+      if not os.path.exists(os.path.join(workdir, "tokenizer.model")):
+        shutil.copyfile(run_tokenizer, os.path.join(workdir, "tokenizer.model"))
+    else:
+      directory, step = ckpt_lib.find_checkpoint_dir(tc.init_from)
+      entry = ckpt_lib.Checkpointer(directory, read_only=True).metadata(step).get(TOKENIZER_KEY)
+      if entry:
+        ckpt_lib.decode_file(entry, workdir)
+  return config
+
+
+def _is_hf_dir(path: str) -> bool:
+  return (os.path.isfile(os.path.join(path, "config.json"))
+          and any(f.endswith(".safetensors") for f in os.listdir(path)))
+
+
+def _run_dir(path: str) -> str:
+  """The run directory of a meshlm run / checkpoints / checkpoints/<step> path."""
+  directory, _ = ckpt_lib.find_checkpoint_dir(path)
+  return os.path.dirname(directory)
+
+
+def _make_base_run(recipe: str, base_workdir: str) -> str:
+  """Trains (or resumes, or reuses) the recipe `recipe` in `base_workdir`; returns that directory."""
+  import configs  # pylint: disable=g-import-not-at-top
+  try:
+    base = configs.load(recipe)
+  except configs.ConfigError as e:
+    raise SetupError(f"train.base_recipe={recipe!r}: {e}") from None
+  saved = os.path.join(base_workdir, "config.json")
+  if os.path.exists(saved):
+    with open(saved) as f:
+      if json.load(f) != _config_dict(base):
+        raise SetupError(f"{base_workdir} holds a run whose config differs from the {recipe!r} recipe; remove it, "
+                         f"or start from it explicitly with --config.train.init_from={base_workdir}")
+    steps = ckpt_lib.Checkpointer(os.path.join(base_workdir, ckpt_lib.CHECKPOINT_DIR), read_only=True).all_steps() \
+        if os.path.isdir(os.path.join(base_workdir, ckpt_lib.CHECKPOINT_DIR)) else []
+    if steps and steps[-1] >= base.train.steps:
+      _print0(f"reusing the {recipe!r} run in {base_workdir} (step {steps[-1]})")
+      return base_workdir
+  _print0(f"making the {recipe!r} run this one starts from in {base_workdir}")
+  summary = run(base, base_workdir)
+  if summary["stopped"]:
+    raise TrainingError(f"stopped while making the {recipe!r} run in {base_workdir}; run the same command to "
+                        "resume")
+  return base_workdir
 
 
 def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> dict[str, Any]:
@@ -142,6 +227,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
   from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   from parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from train import mfu as mfu_lib  # pylint: disable=g-import-not-at-top
+  from train import chat_eval  # pylint: disable=g-import-not-at-top
   from train import step as step_lib  # pylint: disable=g-import-not-at-top
 
   parallel.distributed.initialize(config.distributed)
@@ -165,8 +251,13 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
     _restore_tokenizer_file(checkpointer, latest, workdir)
   try:
     tokenizer_path = tokenizer_lib.prepare(config, workdir)  # checks its vocabulary against config.model
-    tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_path)
+    tokenizer = tokenizer_lib.load(tokenizer_path)
   except (ValueError, FileNotFoundError) as e:
+    raise SetupError(str(e)) from None
+
+  try:
+    template = chat_eval.template_for(config, tokenizer)
+  except ValueError as e:
     raise SetupError(str(e)) from None
 
   def make_dataset(split):
@@ -175,6 +266,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
 
   train_iter = iter(make_dataset("train"))
   eval_ds = None  # built at the first evaluation; each evaluation iterates it afresh (the same batches)
+  eval_prompts = None  # held-out chat prompts for eval_exact_match, read at the first evaluation
   nonfinite_run = 0  # consecutive non-finite steps so far (checkpointed, so the halt rule survives restarts)
   if latest is not None:
     try:
@@ -186,11 +278,12 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
   else:
     state = trainer.init(tc.seed)
     if tc.init_from:
-      state = dict(state, params=_init_from(trainer, tc.init_from))
+      state = trainer.with_model_params(state, _init_from(trainer, tc.init_from))
       _print0(f"initialised the parameters from {tc.init_from}")
   start = latest or 0
 
-  tokenizer_entry = ckpt_lib.encode_file(tokenizer_path)
+  tokenizer_entry = (ckpt_lib.encode_file(tokenizer_path) if os.path.isfile(tokenizer_path)
+                     else {"directory": tokenizer_path})  # a Hugging Face directory: named, not copied
   log = logger_lib.MetricLogger(workdir, config.log, total_steps=tc.steps, start_step=start, enabled=primary,
                                 run_config=config_dict)
   tokens_per_step = tc.batch_size * tc.seq_len
@@ -200,23 +293,29 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
   def save(step: int) -> None:
     meta = {"nonfinite_run": nonfinite_run, "config": config_dict, "mesh": dict(mesh.shape),
             TOKENIZER_KEY: tokenizer_entry}
+    if template is not None:  # generation and HF export render chats with the template the run trained on
+      meta[CHAT_TEMPLATE_KEY] = template.jinja
     checkpointer.save(step, state, train_iter, meta)
 
   def evaluate() -> dict[str, float]:
-    nonlocal eval_ds
+    nonlocal eval_ds, eval_prompts
     if eval_ds is None:  # opening sources indexes files / walks the stdlib: once per run, not per evaluation
       eval_ds = make_dataset("eval")
     eval_iter = iter(eval_ds)
-    loss_sum = tokens = 0.0
     # Dispatch every batch before fetching, so the host prepares batch i+1 while the device computes batch i.
     outs = [trainer.eval_fn(state, trainer.batch_to_device(next(eval_iter))) for _ in range(tc.eval_steps)]
-    for out in jax.device_get(outs):
-      loss_sum, tokens = loss_sum + float(out["loss_sum"]), tokens + float(out["tokens"])
+    sums = {k: sum(float(out[k]) for out in jax.device_get(outs)) for k in trainer.objective.eval_keys}
     _close(eval_iter)
-    if tokens == 0:
-      raise TrainingError("the eval batches hold no tokens; raise data.eval_fraction or set train.eval_every=0")
-    eval_loss = loss_sum / tokens
-    return {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 80.0))}
+    try:
+      metrics = trainer.objective.eval_metrics(sums)
+    except ValueError as e:
+      raise TrainingError(str(e)) from None
+    if tc.eval_generations > 0 and template is not None:
+      if eval_prompts is None:
+        eval_prompts = chat_eval.eval_items(config, template)
+      metrics.update(chat_eval.exact_match(trainer.model(state), tokenizer, template, eval_prompts,
+                                           tc.eval_max_new_tokens))
+    return metrics
 
   summary = {"step": start, "loss": None, "eval_loss": None, "stopped": None}
   step = start
@@ -288,7 +387,9 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
 
 def _log_eval(log: logger_lib.MetricLogger, step: int, ev: dict[str, float]) -> float:
   log.log(step, ev)
-  log.message(f"step {step}: eval loss {ev['eval_loss']:.4f}, perplexity {ev['eval_perplexity']:.2f}")
+  extra = "".join(f", {k.removeprefix('eval_').replace('_', ' ')} {v:.3f}" for k, v in ev.items()
+                  if k not in ("eval_loss", "eval_perplexity") and "/" not in k)
+  log.message(f"step {step}: eval loss {ev['eval_loss']:.4f}, perplexity {ev['eval_perplexity']:.2f}{extra}")
   return ev["eval_loss"]
 
 
@@ -319,22 +420,39 @@ def _count_nonfinite(step: int, metrics: dict[str, Any], run: int, limit: int, c
 def _restore_tokenizer_file(checkpointer: ckpt_lib.Checkpointer, step: int, workdir: str) -> None:
   """Puts the run's tokenizer file back into the workdir from the checkpoint if it went missing."""
   entry = checkpointer.metadata(step).get(TOKENIZER_KEY)
-  if entry:
+  if entry and "base64" in entry:
     ckpt_lib.decode_file(entry, workdir)
 
 
+def _merged_lora_params(trainer, checkpointer, step: int | None, saved_train: dict[str, Any]) -> dict[str, Any]:
+  """The model weights of a LoRA run's checkpoint with its adapters merged in (W + alpha/r * A @ B)."""
+  from model import lora as lora_lib  # pylint: disable=g-import-not-at-top
+  import parallel  # pylint: disable=g-import-not-at-top
+  model_abstract = trainer.abstract_model_params()
+  rank, targets = int(saved_train["lora_rank"]), tuple(saved_train["lora_targets"])
+  replicated = parallel.sharding.replicated(trainer.mesh)
+  adapters = jax.eval_shape(lambda: lora_lib.init(jax.random.PRNGKey(0), model_abstract, targets, rank))
+  adapters = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), adapters)
+  tree = checkpointer.restore_subtree({"params": {"lora": adapters}, "frozen": {"model": model_abstract}}, step)
+  merged = lora_lib.merge(tree["frozen"]["model"], tree["params"]["lora"], float(saved_train["lora_alpha"]) / rank)
+  return jax.device_put(merged, trainer.param_shardings)
+
+
 def _init_from(trainer, path: str) -> dict[str, Any]:
-  """Parameters (sharded like `trainer`'s) from a meshlm run/checkpoint directory or a Hugging Face directory."""
-  abstract = trainer.abstract_state()["params"]
+  """Model parameters (sharded like `trainer`'s) from a meshlm run/checkpoint directory or a Hugging Face
+  directory; a meshlm run trained with LoRA gives its adapters merged into the weights."""
+  abstract = trainer.abstract_model_params()
   if not os.path.isdir(path):
     raise TrainingError(f"train.init_from={path!r} is not a directory; give a meshlm run directory, a "
                         "checkpoints/<step> directory or a Hugging Face model directory")
-  is_hf = (os.path.isfile(os.path.join(path, "config.json"))
-           and any(f.endswith(".safetensors") for f in os.listdir(path)))
-  if not is_hf:
+  if not _is_hf_dir(path):
     directory, step = ckpt_lib.find_checkpoint_dir(path)
+    checkpointer = ckpt_lib.Checkpointer(directory, read_only=True)
     try:
-      return ckpt_lib.Checkpointer(directory, read_only=True).restore_subtree({"params": abstract}, step)["params"]
+      saved = checkpointer.metadata(step).get("config", {}).get("train", {})
+      if saved.get("lora_rank", 0):  # the weights are frozen/model + the adapters: merge them
+        return _merged_lora_params(trainer, checkpointer, step, saved)
+      return checkpointer.restore_subtree({"params": abstract}, step)["params"]
     except (ValueError, KeyError) as e:
       raise TrainingError(f"train.init_from={path!r}: its parameters do not fit config.model ({e}); use the "
                           "model config of the run it came from") from None
