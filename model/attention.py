@@ -34,12 +34,30 @@ def _group(q_BTHK, num_kv_heads):
 
 def xla_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0):
   """Reference attention with an explicit [B, G, R, T, S] score tensor (R = H // G query heads per kv head)."""
+  T, S = q_BTHK.shape[1], k_BSGK.shape[1]
+  mask_BTS = mask_fn(jnp.arange(T), jnp.arange(S), segment_ids_BT, segment_ids_BT, window)
+  return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS)
+
+
+def cached_attention(q_BTHK, k_BSGK, v_BSGK, index, start_B, window=0):
+  """Queries at cache slots [index, index + T) against a KV cache of S slots (decoding; see model.kv_cache).
+
+  Key slot j is visible to the query at slot i when start_B[b] <= j <= i (left padding and not-yet-written
+  slots hidden) and, for window > 0, i - j < window. Same arithmetic as `xla_attention`.
+  """
+  T, S = q_BTHK.shape[1], k_BSGK.shape[1]
+  slots_S = jnp.arange(S)
+  real_BS = (slots_S[None, :] >= start_B[:, None]).astype(jnp.int32)
+  mask_BTS = mask_fn(index + jnp.arange(T), slots_S, jnp.ones(q_BTHK.shape[:2], jnp.int32), real_BS, window)
+  return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS)
+
+
+def _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS):
   B, T, H, K = q_BTHK.shape
-  S, G = k_BSGK.shape[1], k_BSGK.shape[2]
+  G = k_BSGK.shape[2]
   q_BTGRK = _group(q_BTHK, G)
   s_BGRTS = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32) / jnp.sqrt(
       jnp.float32(K))
-  mask_BTS = mask_fn(jnp.arange(T), jnp.arange(S), segment_ids_BT, segment_ids_BT, window)
   s_BGRTS = jnp.where(mask_BTS[:, None, None], s_BGRTS, _NEG)
   p_BGRTS = jax.nn.softmax(s_BGRTS, axis=-1)
   o_BTGRK = jnp.einsum("bgrts,bsgk->btgrk", p_BGRTS.astype(v_BSGK.dtype), v_BSGK,

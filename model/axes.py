@@ -63,6 +63,19 @@ def spec(names: Sequence[str | None], rules: Rules | None = None) -> jax.shardin
   return nn.logical_to_mesh_axes(tuple(names), tuple(current_rules() if rules is None else rules))
 
 
+def mesh_size(name: str) -> int:
+  """Devices that a dimension with logical `name` is split over under the active mesh and rules (1 without)."""
+  if not active():
+    return 1
+  mesh_axes = spec((name,))[0]
+  names = () if mesh_axes is None else (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+  shape = _current_mesh().shape
+  size = 1
+  for a in names:
+    size *= shape[a]
+  return size
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   """Sharding constraint on activation `x` whose dims are named `names`; identity without mesh + rules."""
   if len(names) != x.ndim:

@@ -7,6 +7,7 @@ from flax import nnx
 
 from model import attention as attention_lib
 from model import axes
+from model import kv_cache
 from model import remat
 from model import rope
 from model.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, KV_LENGTH, LENGTH, MLP, VOCAB
@@ -61,7 +62,13 @@ class Attention(nnx.Module):
       self.o_bias = param(rngs, (D,), (EMBED,), cfg, "zeros")
     self.use_bias = cfg.use_bias
 
-  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window) -> jax.Array:
+  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None):
+    """-> y_BLD, or (y_BLD, this layer's updated cache) when `cache` (one layer's slice) is given.
+
+    With a cache the L new keys/values are stored at slots [cache.index, cache.index + L). L > 1 is a prefill
+    into an empty cache (index 0): the tokens attend among themselves with `model.attention_impl`, exactly as
+    without a cache. L == 1 is a decode step: the token attends to the cached slots (`cached_attention`).
+    """
     dt = self.dtype
     q_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, _value(self.q, dt))
     k_BLGK = jnp.einsum("bld,dgk->blgk", x_BLD, _value(self.k, dt))
@@ -75,12 +82,18 @@ class Attention(nnx.Module):
     # K/V on `kv_length`: under sequence parallelism they are gathered while queries stay sharded.
     k_BLGK = remat.tag(axes.constrain(k_BLGK, (BATCH, KV_LENGTH, KV_HEADS, HEAD_DIM)), remat.KEY_PROJ)
     v_BLGK = remat.tag(axes.constrain(v_BLGK, (BATCH, KV_LENGTH, KV_HEADS, HEAD_DIM)), remat.VALUE_PROJ)
-    o_BLHK = attention_lib.attend(self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window, self.block_size)
+    if cache is not None:
+      cache = kv_cache.write(cache, k_BLGK, v_BLGK)
+    if cache is not None and q_BLHK.shape[1] == 1:
+      o_BLHK = attention_lib.cached_attention(q_BLHK, cache.k, cache.v, cache.index, cache.start, window)
+    else:
+      o_BLHK = attention_lib.attend(self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window, self.block_size)
     o_BLHK = remat.tag(axes.constrain(o_BLHK, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTN_CONTEXT)
     y_BLD = jnp.einsum("blhk,hkd->bld", o_BLHK, _value(self.o, dt))
     if self.use_bias:
       y_BLD = y_BLD + _value(self.o_bias, dt)
-    return remat.tag(axes.constrain(y_BLD, (BATCH, LENGTH, EMBED)), remat.ATTN_OUT)
+    y_BLD = remat.tag(axes.constrain(y_BLD, (BATCH, LENGTH, EMBED)), remat.ATTN_OUT)
+    return y_BLD if cache is None else (y_BLD, cache)
 
 
 class Mlp(nnx.Module):
@@ -130,15 +143,20 @@ class Block(nnx.Module):
       self.mlp_norm = Norm(cfg, rngs=rngs)
     self.mlp = Mlp(cfg, rngs=rngs)
 
-  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window) -> jax.Array:
+  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None):
+    """-> x_BLD, or (x_BLD, updated layer cache) when `cache` is given (see Attention)."""
     h_BLD = self.attn_norm(x_BLD)
-    attn_BLD = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window)
+    if cache is None:
+      attn_BLD = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window)
+    else:
+      attn_BLD, cache = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache)
     if self.parallel:
       x_BLD = x_BLD + attn_BLD + self.mlp(h_BLD)
     else:
       x_BLD = x_BLD + attn_BLD
       x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
-    return axes.constrain(x_BLD, (BATCH, LENGTH, EMBED))
+    x_BLD = axes.constrain(x_BLD, (BATCH, LENGTH, EMBED))
+    return x_BLD if cache is None else (x_BLD, cache)
 
 
 class Embed(nnx.Module):

@@ -10,6 +10,7 @@ from flax import nnx
 
 from model import axes
 from model import config as config_lib
+from model import kv_cache
 from model import layers
 from model import remat as remat_lib
 from model import rope
@@ -55,6 +56,14 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BL: jax.Array, segment_ids_BL: jax.Array | None = None,
                positions_BL: jax.Array | None = None) -> jax.Array:
+    return self.logits(self.features(tokens_BL, segment_ids_BL, positions_BL))
+
+  def features(self, tokens_BL: jax.Array, segment_ids_BL: jax.Array | None = None,
+               positions_BL: jax.Array | None = None, cache: kv_cache.KVCache | None = None):
+    """The final-normed residual stream x_BLD; with a `cache` (model.kv_cache), (x_BLD, cache advanced by L).
+
+    `logits(features(...))` is `__call__`; decoding projects only the positions it samples from.
+    """
     if tokens_BL.ndim != 2 or not jnp.issubdtype(tokens_BL.dtype, jnp.integer):
       raise ValueError(f"tokens must be integer [batch, seq]; got {tokens_BL.dtype}{list(tokens_BL.shape)}")
     if segment_ids_BL is None:
@@ -64,25 +73,53 @@ class Transformer(nnx.Module):
       positions_BL = positions_from_segments(segment_ids_BL)
     cos_BLF, sin_BLF = rope.cos_sin(positions_BL, rope.inv_frequencies(self.cfg))
     x_BLD = self.embed(tokens_BL)
+    windows = config_lib.layer_windows(self.cfg)
 
-    def apply_block(graphdef, state, x_BLD, window):
-      return nnx.merge(graphdef, state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window)
+    def apply_block(graphdef, state, x_BLD, window, *layer_cache):
+      return nnx.merge(graphdef, state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, *layer_cache)
 
+    if cache is not None:
+      x_BLD, cache = self._cached_layers(apply_block, x_BLD, windows, cache)
+      return self.final_norm(x_BLD), cache._replace(index=cache.index + tokens_BL.shape[1])
     if self.cfg.scan_layers:
       graphdef, state = nnx.split(self.layers)
       def body(x_BLD, xs):
         layer_state, window = xs
         return apply_block(graphdef, layer_state, x_BLD, window), None
       body = remat_lib.wrap(body, self.remat, prevent_cse=False)
-      x_BLD, _ = jax.lax.scan(body, x_BLD, (state, jnp.asarray(config_lib.layer_windows(self.cfg), jnp.int32)))
+      x_BLD, _ = jax.lax.scan(body, x_BLD, (state, jnp.asarray(windows, jnp.int32)))
     else:
-      for block, window in zip(self.layers, config_lib.layer_windows(self.cfg)):
+      for block, window in zip(self.layers, windows):
         graphdef, state = nnx.split(block)
         step = remat_lib.wrap(lambda s, x, graphdef=graphdef, window=window: apply_block(graphdef, s, x, window),
                               self.remat)
         x_BLD = step(state, x_BLD)
+    return self.final_norm(x_BLD)
 
-    x_BLD = self.final_norm(x_BLD)
+  def _cached_layers(self, apply_block, x_BLD, windows, cache):
+    """The layer stack with each layer's slice of the cache as scan input and its update as scan output."""
+    def layer_view(k, v):
+      return cache._replace(k=k, v=v)
+
+    if self.cfg.scan_layers:
+      graphdef, state = nnx.split(self.layers)
+      def body(x_BLD, xs):
+        layer_state, window, k, v = xs
+        x_BLD, layer = apply_block(graphdef, layer_state, x_BLD, window, layer_view(k, v))
+        return x_BLD, (layer.k, layer.v)
+      x_BLD, (k, v) = jax.lax.scan(body, x_BLD, (state, jnp.asarray(windows, jnp.int32), cache.k, cache.v))
+    else:
+      ks, vs = [], []
+      for i, (block, window) in enumerate(zip(self.layers, windows)):
+        graphdef, state = nnx.split(block)
+        x_BLD, layer = apply_block(graphdef, state, x_BLD, window, layer_view(cache.k[i], cache.v[i]))
+        ks.append(layer.k)
+        vs.append(layer.v)
+      k, v = jnp.stack(ks), jnp.stack(vs)
+    return x_BLD, cache._replace(k=axes.constrain(k, kv_cache.NAMES), v=axes.constrain(v, kv_cache.NAMES))
+
+  def logits(self, x_BLD: jax.Array) -> jax.Array:
+    """float32 logits_BLV of the output projection (the tied embedding or `unembed`)."""
     if self.cfg.tie_embeddings:
       logits_BLV = self.embed.attend(x_BLD)
     else:

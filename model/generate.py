@@ -1,0 +1,308 @@
+"""Autoregressive generation with a KV cache: batched prompts, greedy or sampled, on the active mesh.
+
+    generate(model, prompts, max_new_tokens, *, temperature=0.0, top_k=0, top_p=1.0, stop_ids=(), seed=0)
+        -> list[list[int]]   (the continuation of each prompt, ending with the stop id when one was produced)
+    sample(...same...) -> Generation(tokens, logprobs, stats)   (per-token log-probabilities, timings)
+
+How it runs (docs/generate.md): prompts are left-padded to a bucketed length P (a power of two >= 16, so prompt
+lengths inside one bucket share one compilation); row b's real tokens start at slot start[b] and sit at RoPE
+positions 0, 1, ... exactly as if decoded alone. One jitted prefill runs the prompts through the model, filling
+a `model.kv_cache.KVCache` of P + N slots (N = max_new_tokens rounded up to a power of two) and sampling the
+first token; one jitted decode loop (`lax.while_loop`) feeds one token per step and stops once every row has
+produced a stop id or max_new_tokens tokens. The batch is padded to a multiple of the devices the `batch` axis
+is sharded over; padded rows start finished.
+
+Sampling follows Hugging Face's order: logits / temperature, then top-k (keeps every token tied with the k-th),
+then top-p (keeps the smallest set of most likely tokens whose probability reaches top_p, the token crossing it
+included), then a draw; temperature 0 is greedy (argmax). Each row draws with its own key
+fold_in(fold_in(PRNGKey(seed), row), step), so its tokens do not depend on the batch around it or the mesh.
+
+Sharding: call under `parallel.activate(mesh, rules)` (the model created there too) and the prompts' rows are
+split over the `batch` mesh axes, the cache's kv heads over `kv_heads`, as in training.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model import axes
+from model import kv_cache
+from model.axes import BATCH, LENGTH
+
+MIN_BUCKET = 16
+PAD_ID = 0  # token id written into padding slots (never attended to, so any id would do)
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class Generation(NamedTuple):
+  """The result of `sample`.
+
+  tokens:   per prompt, the generated ids (continuation only), ending with the stop id when one was produced.
+  logprobs: per prompt, log p(token) of each generated token under softmax(logits / temperature) (temperature 1
+            when greedy): the full distribution at the sampling temperature, before top-k/top-p, as a policy
+            gradient (PPO) recomputes it from a forward pass.
+  stats:    {"prompt_tokens", "new_tokens", "batch" (padded rows), "prompt_bucket", "cache_length",
+             "prefill_seconds", "decode_seconds" (wall time, compilation excluded), "compile_seconds",
+             "compiles" (XLA compilations during the call)}.
+  """
+  tokens: list[list[int]]
+  logprobs: list[list[float]]
+  stats: dict
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+  """The smallest power of two >= max(n, minimum): lengths that share one compiled program."""
+  return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def warp_logits(logits_BV: jax.Array, temperature: float, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+  """Hugging Face's warpers in their order: logits / temperature, top-k, top-p; removed tokens become -inf.
+
+  top-k keeps the tokens whose scaled logit is >= the k-th largest (ties kept), 0 = off. top-p sorts ascending,
+  removes the tokens whose cumulative probability is <= 1 - top_p and always keeps the most likely one (so the
+  token that crosses top_p stays); 1.0 = off. float32 [B, V] -> float32 [B, V].
+  """
+  x_BV = logits_BV.astype(jnp.float32) / jnp.float32(temperature)
+  if top_k > 0:
+    kth_B1 = jax.lax.top_k(x_BV, min(top_k, x_BV.shape[-1]))[0][:, -1:]
+    x_BV = jnp.where(x_BV < kth_B1, -jnp.inf, x_BV)
+  if top_p < 1.0:
+    sorted_BV = jnp.sort(x_BV, axis=-1)
+    cum_BV = jnp.cumsum(jax.nn.softmax(sorted_BV, axis=-1), axis=-1)
+    removed_BV = (cum_BV <= 1.0 - top_p).at[:, -1].set(False)
+    # The kept tokens are a suffix of the ascending order: keep everything >= its smallest logit.
+    cutoff_B1 = jnp.min(jnp.where(removed_BV, jnp.inf, sorted_BV), axis=-1, keepdims=True)
+    x_BV = jnp.where(x_BV < cutoff_B1, -jnp.inf, x_BV)
+  return x_BV
+
+
+def choose(logits_BV: jax.Array, keys_B: jax.Array, temperature: float, top_k: int,
+           top_p: float) -> tuple[jax.Array, jax.Array]:
+  """One token per row: argmax at temperature 0, else a draw from softmax(warp_logits) with each row's key.
+
+  Returns (int32 tokens [B], float32 log p(token) under softmax(logits / T) [B], T = 1 when greedy).
+  """
+  if temperature == 0.0:
+    token_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    scaled_BV = logits_BV
+  else:
+    warped_BV = warp_logits(logits_BV, temperature, top_k, top_p)
+    token_B = jax.vmap(jax.random.categorical)(keys_B, warped_BV).astype(jnp.int32)
+    scaled_BV = logits_BV / jnp.float32(temperature)
+  logp_B = jnp.take_along_axis(jax.nn.log_softmax(scaled_BV, axis=-1), token_B[:, None], axis=-1)[:, 0]
+  return token_B, logp_B
+
+
+def _step_keys(seed, rows: int, step):
+  """uint32 [rows, 2]: fold_in(fold_in(PRNGKey(seed), row), step), so a row's draws ignore the other rows."""
+  base = jax.random.PRNGKey(seed)
+  return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, r), step))(jnp.arange(rows))
+
+
+class _Settings(NamedTuple):
+  """Everything static about one compiled program (part of the jit cache key)."""
+  rules: tuple
+  new_bucket: int  # N: slots for generated tokens (the cache holds P + N)
+  temperature: float
+  top_k: int
+  top_p: float
+  stop_ids: tuple[int, ...]
+  stream: bool  # call the host listener after every step (`sample(on_tokens=...)`)
+
+
+_listener: list[Callable | None] = [None]  # the host function the decode loop streams to (set by `sample`)
+
+
+def _emit(step, token_B, done_B):
+  if _listener[0] is not None:
+    _listener[0](int(step), np.asarray(token_B), np.asarray(done_B))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
+def _prefill(graphdef, state, tokens_BP, start_B, seed, *, settings: _Settings):
+  """Prompts -> (filled cache, first tokens [B], their log-probs [B])."""
+  with axes.axis_rules(settings.rules):
+    model = nnx.merge(graphdef, state)
+    P = tokens_BP.shape[1]
+    slots_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), tokens_BP.shape)
+    segment_ids_BP = (slots_BP >= start_B[:, None]).astype(jnp.int32)  # 0 = left padding
+    positions_BP = jnp.maximum(slots_BP - start_B[:, None], 0)
+    tokens_BP = axes.constrain(tokens_BP, (BATCH, LENGTH))
+    cache = kv_cache.zeros(model.cfg, start_B, P + settings.new_bucket)
+    x_BPD, cache = model.features(tokens_BP, segment_ids_BP, positions_BP, cache=cache)
+    logits_BV = model.logits(x_BPD[:, -1:])[:, 0]  # left padding: every row's last prompt token is at slot P-1
+    token_B, logp_B = choose(logits_BV, _step_keys(seed, tokens_BP.shape[0], 0), settings.temperature, settings.top_k,
+                             settings.top_p)
+    return cache, token_B, logp_B
+
+
+def _is_stop(token_B, stop_ids):
+  return jnp.isin(token_B, jnp.asarray(stop_ids, jnp.int32)) if stop_ids else jnp.zeros(token_B.shape, bool)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
+def _decode(graphdef, state, cache, token_B, logp_B, done_B, seed, max_new_tokens, *, settings: _Settings):
+  """The decode loop from the first token: -> (tokens [B, N], log-probs [B, N], steps run).
+
+  Step i (1 <= i < max_new_tokens) feeds token i-1 at cache slot P+i-1 and samples token i. The loop ends when
+  every row is done (its stop id was produced; padded rows start done) or after max_new_tokens tokens.
+  """
+  with axes.axis_rules(settings.rules):
+    model = nnx.merge(graphdef, state)
+    B, N = token_B.shape[0], settings.new_bucket
+    out_BN = jnp.zeros((B, N), jnp.int32).at[:, 0].set(token_B)
+    logps_BN = jnp.zeros((B, N), jnp.float32).at[:, 0].set(logp_B)
+    done_B = done_B | _is_stop(token_B, settings.stop_ids)
+
+    def cond(carry):
+      i, _, _, done_B, _, _ = carry
+      return (i < max_new_tokens) & ~jnp.all(done_B)
+
+    def body(carry):
+      i, cache, token_B, done_B, out_BN, logps_BN = carry
+      positions_B1 = (cache.index - cache.start)[:, None]
+      x_B1D, cache = model.features(token_B[:, None], positions_BL=positions_B1, cache=cache)
+      logits_BV = model.logits(x_B1D)[:, 0]
+      token_B, logp_B = choose(logits_BV, _step_keys(seed, B, i), settings.temperature, settings.top_k,
+                               settings.top_p)
+      token_B = jnp.where(done_B, PAD_ID, token_B)  # finished rows keep computing (fixed shapes) but emit padding
+      out_BN = jax.lax.dynamic_update_slice(out_BN, token_B[:, None], (0, i))
+      logps_BN = jax.lax.dynamic_update_slice(logps_BN, logp_B[:, None], (0, i))
+      if settings.stream:
+        jax.debug.callback(_emit, i, token_B, done_B)
+      done_B = done_B | _is_stop(token_B, settings.stop_ids)
+      return i + 1, cache, token_B, done_B, out_BN, logps_BN
+
+    carry = (jnp.int32(1), cache, token_B, done_B, out_BN, logps_BN)
+    steps, _, _, _, out_BN, logps_BN = jax.lax.while_loop(cond, body, carry)
+    return out_BN, logps_BN, steps
+
+
+@contextlib.contextmanager
+def _count_compiles():
+  """Counts XLA compilations (and their seconds) while the block runs: {"compiles", "compile_seconds"}."""
+  counts = {"compiles": 0, "compile_seconds": 0.0}
+
+  def listener(event, duration, **_):
+    if event == _COMPILE_EVENT:
+      counts["compiles"] += 1
+      counts["compile_seconds"] += duration
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield counts
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _check(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids) -> list[list[int]]:
+  """Validates the arguments (ValueError naming the argument and the fix); returns the prompts as int lists."""
+  cfg = model.cfg
+  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+    raise ValueError("prompts must be a non-empty list of token-id lists (encode text with the tokenizer first)")
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+  if not temperature >= 0.0:
+    raise ValueError(f"temperature={temperature!r} must be >= 0 (0 = greedy)")
+  if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+    raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 = off)")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1 = off)")
+  for s in stop_ids:
+    if not 0 <= int(s) < cfg.vocab_size:
+      raise ValueError(f"stop id {s} is outside the vocabulary [0, {cfg.vocab_size})")
+  out = []
+  for i, p in enumerate(prompts):
+    p = [int(t) for t in np.asarray(p).reshape(-1)]
+    if not p:
+      raise ValueError(f"prompt {i} is empty: give at least one token (e.g. the tokenizer's BOS id)")
+    bad = [t for t in p if not 0 <= t < cfg.vocab_size]
+    if bad:
+      raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
+    if len(p) > cfg.max_seq_len:
+      raise ValueError(f"prompt {i} has {len(p)} tokens, more than model.max_seq_len={cfg.max_seq_len}; "
+                       "shorten it (e.g. keep its last tokens)")
+    if len(p) + max_new_tokens > cfg.max_seq_len:
+      raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens={max_new_tokens} exceeds "
+                       f"model.max_seq_len={cfg.max_seq_len}; lower max_new_tokens or shorten the prompt")
+    out.append(p)
+  return out
+
+
+def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
+           top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (), seed: int = 0,
+           on_tokens: Callable[[int, np.ndarray, np.ndarray], None] | None = None) -> Generation:
+  """Generates up to `max_new_tokens` tokens after each prompt; returns tokens, log-probs and timings.
+
+  Args:
+    model: a meshlm `Transformer` (for a sharded run, created and called under `parallel.activate`).
+    prompts: token-id lists, any lengths in [1, model.max_seq_len - max_new_tokens].
+    max_new_tokens: the most tokens generated per prompt (>= 1).
+    temperature, top_k, top_p: sampling (module docstring); temperature 0 = greedy.
+    stop_ids: ids that end a row (kept as its last token); () = run to max_new_tokens.
+    seed: the sampling seed (same seed, same prompts -> same tokens, on any mesh).
+    on_tokens: optional host function called after each step with (step, tokens [rows], done [rows]) for
+      streaming (rows in prompt order, padding rows dropped; `done` = the row had finished before this step).
+  Returns:
+    Generation (see its docstring). Raises ValueError for bad arguments (the message names the fix).
+  """
+  prompts = _check(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids)
+  n = len(prompts)
+  rows = -(-n // axes.mesh_size(BATCH)) * axes.mesh_size(BATCH)
+  P = min(bucket(max(len(p) for p in prompts)), max(model.cfg.max_seq_len, MIN_BUCKET))
+  tokens_BP = np.full((rows, P), PAD_ID, np.int32)
+  start_B = np.full((rows,), P - 1, np.int32)
+  for b, p in enumerate(prompts):
+    tokens_BP[b, P - len(p):] = p
+    start_B[b] = P - len(p)
+  done_B = np.arange(rows) >= n
+  settings = _Settings(rules=axes.current_rules(), new_bucket=bucket(max_new_tokens),
+                       temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                       stop_ids=tuple(sorted({int(s) for s in stop_ids})), stream=on_tokens is not None)
+  graphdef, state = nnx.split(model)
+
+  def listener(step, token_B, was_done_B):
+    on_tokens(step, token_B[:n], was_done_B[:n])
+
+  with _count_compiles() as compiled:
+    t0, c0 = time.perf_counter(), compiled["compile_seconds"]
+    cache, token_B, logp_B = jax.block_until_ready(
+        _prefill(graphdef, state, tokens_BP, start_B, np.int32(seed), settings=settings))
+    prefill_s = time.perf_counter() - t0 - (compiled["compile_seconds"] - c0)
+    if on_tokens is not None:
+      listener(0, np.asarray(token_B), done_B)
+    _listener[0] = listener if on_tokens is not None else None
+    try:
+      t0, c0 = time.perf_counter(), compiled["compile_seconds"]
+      out_BN, logps_BN, steps = jax.block_until_ready(
+          _decode(graphdef, state, cache, token_B, logp_B, done_B, np.int32(seed), np.int32(max_new_tokens),
+                  settings=settings))
+      decode_s = time.perf_counter() - t0 - (compiled["compile_seconds"] - c0)
+    finally:
+      _listener[0] = None
+  out_BN, logps_BN, steps = np.asarray(out_BN), np.asarray(logps_BN), int(steps)
+  tokens, logprobs = [], []
+  for b in range(n):
+    row = out_BN[b, :steps]
+    stops = np.flatnonzero(np.isin(row, settings.stop_ids)) if settings.stop_ids else []
+    end = int(stops[0]) + 1 if len(stops) else steps
+    tokens.append(row[:end].tolist())
+    logprobs.append(logps_BN[b, :end].tolist())
+  stats = {"prompt_tokens": sum(len(p) for p in prompts), "new_tokens": sum(len(t) for t in tokens),
+           "batch": rows, "prompt_bucket": P, "cache_length": P + settings.new_bucket,
+           "prefill_seconds": prefill_s, "decode_seconds": decode_s, **compiled}
+  return Generation(tokens, logprobs, stats)
+
+
+def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (), seed: int = 0) -> list[list[int]]:
+  """The continuation of each prompt (token ids; ends with the stop id when one was produced). See `sample`."""
+  return sample(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                stop_ids=stop_ids, seed=seed).tokens

@@ -1,0 +1,56 @@
+"""The key/value cache of autoregressive decoding: one layout for every layer type.
+
+`KVCache` is a plain pytree (a NamedTuple) that the transformer threads through its layer scan:
+
+  k, v   [layers, B, S, G, K]  logical axes (layers, batch, kv_length, kv_heads, head_dim); compute dtype
+  index  int32 []              slots written so far = the slot of the next token (the same for every row)
+  start  int32 [B]             first real slot of each row (prompts are left-padded to a common length)
+
+Slot j of row b holds the token at RoPE position j - start[b]. A query at slot i sees key slot j when
+start[b] <= j <= i and, on a sliding-window layer, i - j < window: the window is applied by masking the full
+cache rather than by a ring buffer, so windowed and global layers (and dense or MoE blocks) share one stacked
+`[layers, ...]` array that `lax.scan` slices per layer. The cost is memory: bytes_per_token() per layer for every
+slot, window or not (docs/generate.md).
+
+Inside one layer the same type holds that layer's slice (k, v [B, S, G, K]).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from model import axes
+from model.axes import BATCH, HEAD_DIM, KV_HEADS, KV_LENGTH, LAYERS
+from model.config import DTYPES
+
+NAMES = (LAYERS, BATCH, KV_LENGTH, KV_HEADS, HEAD_DIM)
+LAYER_NAMES = NAMES[1:]
+
+
+class KVCache(NamedTuple):
+  k: jax.Array
+  v: jax.Array
+  index: jax.Array
+  start: jax.Array
+
+
+def zeros(cfg, start_B: jax.Array, length: int) -> KVCache:
+  """An empty cache of `length` slots for len(start_B) rows, sharded by the logical axes when rules are active."""
+  shape = (cfg.num_layers, start_B.shape[0], length, cfg.num_kv_heads, cfg.head_dim)
+  kv = axes.constrain(jnp.zeros(shape, DTYPES[cfg.dtype]), NAMES)
+  return KVCache(kv, kv, jnp.zeros((), jnp.int32), start_B.astype(jnp.int32))
+
+
+def write(layer: KVCache, k_BLGK: jax.Array, v_BLGK: jax.Array) -> KVCache:
+  """The layer's cache with L new keys/values stored at slots [index, index + L) (index itself unchanged)."""
+  at = (0, layer.index, 0, 0)
+  k = jax.lax.dynamic_update_slice(layer.k, k_BLGK.astype(layer.k.dtype), at)
+  v = jax.lax.dynamic_update_slice(layer.v, v_BLGK.astype(layer.v.dtype), at)
+  return layer._replace(k=axes.constrain(k, LAYER_NAMES), v=axes.constrain(v, LAYER_NAMES))
+
+
+def bytes_per_token(cfg) -> int:
+  """Cache bytes per token per layer: 2 (K and V) x num_kv_heads x head_dim x bytes of the compute dtype."""
+  return 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(DTYPES[cfg.dtype]).itemsize
