@@ -148,7 +148,8 @@ def _resolve_start(config: ml_collections.ConfigDict, workdir: str) -> ml_collec
   """
   tc = config.train
   if not tc.init_from and tc.base_recipe:
-    tc.init_from = _make_base_run(tc.base_recipe, os.path.join(os.path.dirname(workdir), tc.base_recipe))
+    name = os.path.splitext(os.path.basename(tc.base_recipe))[0]  # a recipe name or a config file path
+    tc.init_from = _make_base_run(tc.base_recipe, os.path.join(os.path.dirname(workdir), name))
   if not tc.init_from:
     return config
   if not os.path.isdir(tc.init_from):
