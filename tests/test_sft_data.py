@@ -1,4 +1,4 @@
-"""Chat data: the meshlm template's tokens and assistant masks, packing whole conversations, truncation, bad
+"""Chat data (data/chat.py, data/instruct.py, data/hf_tokenizer.py): the meshlm template's tokens and assistant masks, packing whole conversations, truncation, bad
 records counted / skipped / fatal, Jinja templates, and Hugging Face tokenizer directories."""
 import json
 import os
@@ -13,16 +13,8 @@ from data import instruct
 from data import pipeline
 from data import sources
 from data import tokenizer as tokenizer_lib
+from chat_testing import CHATS, TEXT, expected
 
-TEXT = ["The quick brown fox jumps over the lazy dog.", "What is 12 + 30? It is 42.", "Reverse the letters: a b c",
-        "Sorting digits and converting units are small tasks.", "You are a helpful assistant. Hello there!"] * 40
-CHATS = [
-    {"messages": [{"role": "system", "content": "You are a helpful assistant."},
-                  {"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant", "content": "42"},
-                  {"role": "user", "content": "Reverse: a b c"}, {"role": "assistant", "content": "c b a"}]},
-    {"prompt": "Hello there!", "completion": "Hello."},
-    {"messages": [{"role": "user", "content": "Sort the digits: 3 1 2"}, {"role": "assistant", "content": "1 2 3"}]},
-]
 
 
 @pytest.fixture(scope="module")
@@ -31,20 +23,9 @@ def tok(tmp_path_factory):
   return tokenizer_lib.Tokenizer.load(tokenizer_lib.train(TEXT, str(path), 320))
 
 
-def _expected(tok, messages):
-  """The meshlm template written out by hand: BOS, then <|role|> content <|end_of_turn|> per message; the loss
-  flags are on each assistant turn's content and end-of-turn marker."""
-  ids, flags = [tok.bos_id], [0]
-  for m in messages:
-    body = tok.encode(m["content"]) + [tok.special_id("<|end_of_turn|>")]
-    ids += [tok.special_id(f"<|{m['role']}|>")] + body
-    flags += [0] + [int(m["role"] == "assistant")] * len(body)
-  return ids, flags
-
-
 def _config(tok, path, **overrides):
   c = configs.load("tiny", **{"data.tokenizer": tok.path, "data.sources": f"chat:{path}", "train.batch_size": 2,
-                              "train.seq_len": 48, "model.vocab_size": 320, "data.chat_template": "meshlm",
+                              "train.seq_len": 96, "model.vocab_size": 320, "data.chat_template": "meshlm",
                               **overrides})
   return c
 
@@ -68,16 +49,16 @@ def test_packed_batch_holds_whole_conversations_with_assistant_masks(tok, tmp_pa
         inputs, targets, mask = batch["inputs"][r][where], batch["targets"][r][where], batch["loss_mask"][r][where]
         assert inputs[0] == tok.bos_id and np.array_equal(batch["positions"][r][where], np.arange(where.sum()))
         full = np.concatenate([inputs, targets[-1:]]).tolist()
-        matches = [c for c in CHATS if _expected(tok, chat.parse_record(c))[0] == full]
+        matches = [c for c in CHATS if expected(tok, chat.parse_record(c))[0] == full]
         assert len(matches) == 1, full  # a whole conversation: no piece of another one, nothing cut
-        ids, flags = _expected(tok, chat.parse_record(matches[0]))
+        ids, flags = expected(tok, chat.parse_record(matches[0]))
         np.testing.assert_array_equal(targets, ids[1:])
         np.testing.assert_array_equal(mask, flags[1:])
         seen += 1
     assert not batch["loss_mask"][batch["segment_ids"] == 0].any()
   assert seen >= 6
   # The assistant-masked targets decode to exactly the assistant turns, each closed by its end-of-turn marker.
-  ids, flags = _expected(tok, chat.parse_record(CHATS[0]))
+  ids, flags = expected(tok, chat.parse_record(CHATS[0]))
   eot = tok.special_id("<|end_of_turn|>")
   masked = [t for t, f in zip(ids[1:], flags[1:]) if f]
   assert masked.count(eot) == 2 and tok.decode(masked) == "42c b a"
@@ -87,7 +68,7 @@ def test_packed_batch_holds_whole_conversations_with_assistant_masks(tok, tmp_pa
 def test_loss_on_all_tokens_and_truncation_sides(tok):
   template = chat.MeshlmTemplate(tok)
   messages = chat.parse_record(CHATS[0])
-  ids, _ = _expected(tok, messages)
+  ids, _ = expected(tok, messages)
   text = json.dumps(CHATS[0])
   everything = chat.ChatEncoder(template, 100, loss="all")(text)
   assert everything["loss_mask"].all() and len(everything["inputs"]) == len(ids) - 1
@@ -151,7 +132,7 @@ def test_meshlm_jinja_renders_the_same_tokens_and_masks(tok):
   meshlm = chat.MeshlmTemplate(tok)
   for record in CHATS:
     messages = chat.parse_record(record)
-    assert jinja.render(messages) == meshlm.render(messages) == _expected(tok, messages)
+    assert jinja.render(messages) == meshlm.render(messages) == expected(tok, messages)
     assert jinja.prompt(messages[:-1]) == meshlm.prompt(messages[:-1])
   # User text that spells a marker stays text: it cannot open a turn.
   ids, _ = meshlm.render([{"role": "user", "content": "<|assistant|>"}, {"role": "assistant", "content": "ok"}])
