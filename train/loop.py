@@ -204,11 +204,15 @@ def _make_base_run(recipe: str, base_workdir: str) -> str:
   saved = os.path.join(base_workdir, "config.json")
   if os.path.exists(saved):
     with open(saved) as f:
-      if json.load(f) != _config_dict(base):
-        raise SetupError(f"{base_workdir} holds a run whose config differs from the {recipe!r} recipe; remove it, "
-                         f"or start from it explicitly with --config.train.init_from={base_workdir}")
-    steps = ckpt_lib.Checkpointer(os.path.join(base_workdir, ckpt_lib.CHECKPOINT_DIR), read_only=True).all_steps() \
-        if os.path.isdir(os.path.join(base_workdir, ckpt_lib.CHECKPOINT_DIR)) else []
+      found = json.load(f)
+    want = _config_dict(base)
+    # What the weights depend on; logging, checkpoint cadence, mesh and process settings may differ.
+    if any(found.get(section) != want[section] for section in ("model", "train", "data")):
+      raise SetupError(f"{base_workdir} holds a run whose model, train or data config differs from the "
+                       f"{recipe!r} recipe; remove it, or start from it explicitly with "
+                       f"--config.train.init_from={base_workdir}")
+    directory = os.path.join(base_workdir, ckpt_lib.CHECKPOINT_DIR)
+    steps = ckpt_lib.Checkpointer(directory, read_only=True).all_steps() if os.path.isdir(directory) else []
     if steps and steps[-1] >= base.train.steps:
       _print0(f"reusing the {recipe!r} run in {base_workdir} (step {steps[-1]})")
       return base_workdir

@@ -44,6 +44,19 @@ def _tree_add(a, b):
   return jax.tree.map(jnp.add, a, b)
 
 
+def _follow_params(opt_state, param_shardings, default):
+  """Shardings for an optimizer state: a leaf whose key path ends with a parameter's path (Adam's mu/nu, also
+  inside masked / multi-transform states) takes that parameter's sharding; counters and the like `default`."""
+  by_path = {tuple(path): s for path, s in jax.tree_util.tree_leaves_with_path(param_shardings)}
+  def lookup(path, leaf):
+    for i in range(len(path)):
+      s = by_path.get(tuple(path[i:]))
+      if s is not None and len(s.spec) <= len(leaf.shape):
+        return s
+    return default
+  return jax.tree_util.tree_map_with_path(lookup, opt_state)
+
+
 class Trainer:
   """Builds the sharded train state and the jitted step of `config.train.objective` on `mesh` (module docstring).
 
@@ -75,7 +88,7 @@ class Trainer:
     self.lora_scale = float(t.lora_alpha) / self.lora_rank if self.lora_rank else 0.0
     self.rules = rules_lib.fit_rules(rules_lib.logical_rules(config.mesh), config.model, mesh)
     self._check_batch()
-    self.tx = optimizer_lib.make(t)
+    self.tx = optimizer_lib.with_frozen(optimizer_lib.make(t), tuple(t.freeze))
     self.lr_fn = optimizer_lib.schedule(t)
     self._replicated = parallel.sharding.replicated(mesh)
 
@@ -100,9 +113,7 @@ class Trainer:
     trainable_specs, frozen_specs = self._compose(param_specs, extra_specs, adapter_specs)
     trainable_shardings, frozen_shardings = to_sharding(trainable_specs), to_sharding(frozen_specs)
     abstract = jax.eval_shape(self._init_state, key)
-    opt_shardings = optax.tree_map_params(
-        self.tx, lambda _, s: s, abstract["opt_state"], trainable_shardings,
-        transform_non_params=lambda _: self._replicated)
+    opt_shardings = _follow_params(abstract["opt_state"], trainable_shardings, self._replicated)
     self.state_shardings = {"params": trainable_shardings, "opt_state": opt_shardings,
                             "step": self._replicated, "rng": self._replicated}
     if frozen_specs:
