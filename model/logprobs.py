@@ -45,8 +45,14 @@ def sequence_logprobs(logits_BLV: jax.Array, targets_BL: jax.Array, mask_BL: jax
     tokens, `count` = sum_t mask_t, `mean` = sum / count (0 where count is 0).
   """
   logp_BL, _ = token_logprobs(logits_BLV, targets_BL)
+  return sequence_sums(logp_BL, mask_BL, segment_ids_BL, num_segments)
+
+
+def sequence_sums(logp_BL: jax.Array, mask_BL: jax.Array, segment_ids_BL: jax.Array | None = None,
+                  num_segments: int = 1) -> dict[str, jax.Array]:
+  """`sequence_logprobs` from per-token log-probabilities logp_BL [B, L] (e.g. `token_logprobs`' first output)."""
   mask_BL = mask_BL.astype(jnp.float32)
-  B, L = targets_BL.shape
+  B, L = logp_BL.shape
   if segment_ids_BL is None:
     segment_ids_BL = jnp.ones((B, L), jnp.int32)
   # Scatter-add into (row, segment) cells: O(B*L) work and memory; segment 0 (padding) lands in a dropped column.

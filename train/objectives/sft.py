@@ -27,9 +27,9 @@ class SupervisedFineTuning(lm.LanguageModel):
   def sums(self, model, batch, extras, frozen):
     del extras, frozen
     logits_BLV = model(batch["inputs"], batch["segment_ids"], batch["positions"])
-    seq = logprobs.sequence_logprobs(logits_BLV, batch["targets"], batch["loss_mask"], batch["segment_ids"],
-                                     num_segments=batch["inputs"].shape[1])
-    _, logz_BL = logprobs.token_logprobs(logits_BLV, batch["targets"])
+    logp_BL, logz_BL = logprobs.token_logprobs(logits_BLV, batch["targets"])
+    seq = logprobs.sequence_sums(logp_BL, batch["loss_mask"], batch["segment_ids"],
+                                 num_segments=batch["inputs"].shape[1])
     mask_BL = batch["loss_mask"].astype(jnp.float32)
     return {"ce": -jnp.sum(seq["sum"]), "z": self.config.train.z_loss * jnp.sum(jnp.square(logz_BL) * mask_BL),
             "tokens": jnp.sum(seq["count"]), "sequences": jnp.sum((seq["count"] > 0).astype(jnp.float32))}
