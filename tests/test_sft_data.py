@@ -13,7 +13,7 @@ from data import instruct
 from data import pipeline
 from data import sources
 from data import tokenizer as tokenizer_lib
-from chat_testing import CHATS, TEXT, expected
+from chat_testing import CHATS, TEXT, expected, hf_tokenizer_dir
 
 
 
@@ -158,31 +158,9 @@ def test_instruct_task_is_seeded_and_held_out_prompts_never_train():
       assert a.split() == sorted(q.split(": ")[1].split())
 
 
-def _hf_tokenizer_dir(tmp_path):
-  """A small tokenizers-library BPE with Llama-3-style specials and a Llama-3-style Jinja chat template."""
-  import tokenizers
-  from tokenizers import models, pre_tokenizers, decoders, trainers
-  t = tokenizers.Tokenizer(models.BPE())
-  t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  t.decoder = decoders.ByteLevel()
-  specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-  t.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  directory = tmp_path / "hf"
-  directory.mkdir()
-  t.save(str(directory / "tokenizer.json"))
-  template = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
-              "'<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}{% endfor %}"
-              "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
-  (directory / "tokenizer_config.json").write_text(json.dumps({
-      "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
-      "chat_template": template}))
-  return str(directory)
-
-
 def test_hf_tokenizer_json_and_its_chat_template_match_transformers(tmp_path):
   import transformers
-  directory = _hf_tokenizer_dir(tmp_path)
+  directory = hf_tokenizer_dir(tmp_path)
   ours = tokenizer_lib.load(directory)
   theirs = transformers.AutoTokenizer.from_pretrained(directory)
   assert isinstance(ours, hf_tokenizer.HFTokenizer) and ours.vocab_size == len(theirs)

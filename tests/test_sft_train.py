@@ -155,3 +155,21 @@ def test_sft_run_from_its_base_recipe_resumes_bit_exactly(setup, capsys):
     assert np.array_equal(got[k], want[k]), k
   records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert {r["step"]: r["loss"] for r in records if "loss" in r} == losses
+
+
+def test_init_from_a_hugging_face_dir_takes_its_model_config_and_tokenizer(tmp_path):
+  from flax import nnx
+  from chat_testing import hf_tokenizer_dir
+  import model as model_lib
+  directory = hf_tokenizer_dir(tmp_path)
+  hf_model = configs.load("tiny", **SMALL).model
+  hf_model.update(vocab_size=400, d_model=48, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8, mlp_dim=96)
+  hf.save(model_lib.Transformer(hf_model, rngs=nnx.Rngs(0)), directory)
+  config = configs.load("tiny", **{"train.init_from": directory, "model.dtype": "bfloat16"})
+  resolved = loop._resolve_start(config, str(tmp_path / "run"))
+  for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+    assert resolved.model[key] == hf_model[key], key
+  assert resolved.model.dtype == "bfloat16"  # the run's compute settings stay
+  assert resolved.data.tokenizer == directory
+  tok = tokenizer_lib.load(tokenizer_lib.prepare(resolved, str(tmp_path / "run")))
+  assert 300 < tok.vocab_size <= 400 and tok.chat_template and tok.eos_id == tok.special_id("<|eot_id|>")

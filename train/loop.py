@@ -147,6 +147,10 @@ def _resolve_start(config: ml_collections.ConfigDict, workdir: str) -> ml_collec
   - init_from a meshlm run: unless data.tokenizer is set, that run's tokenizer (copied into this workdir).
   """
   tc = config.train
+  if not (tc.init_from or tc.base_recipe):
+    return config
+  import parallel  # pylint: disable=g-import-not-at-top
+  parallel.distributed.initialize(config.distributed)  # before any JAX call (idempotent; _run calls it again)
   if not tc.init_from and tc.base_recipe:
     name = os.path.splitext(os.path.basename(tc.base_recipe))[0]  # a recipe name or a config file path
     tc.init_from = _make_base_run(tc.base_recipe, os.path.join(os.path.dirname(workdir), name))
@@ -172,9 +176,11 @@ def _resolve_start(config: ml_collections.ConfigDict, workdir: str) -> ml_collec
       config.data.tokenizer = tc.init_from
   elif not config.data.tokenizer and jax.process_index() == 0:
     run_tokenizer = os.path.join(_run_dir(tc.init_from), "tokenizer.model")
+    target = os.path.join(workdir, "tokenizer.model")
     if os.path.isfile(run_tokenizer):
-      if not os.path.exists(os.path.join(workdir, "tokenizer.model")):
-        shutil.copyfile(run_tokenizer, os.path.join(workdir, "tokenizer.model"))
+      if not os.path.exists(target):
+        shutil.copyfile(run_tokenizer, target + ".tmp")
+        os.replace(target + ".tmp", target)
     else:
       directory, step = ckpt_lib.find_checkpoint_dir(tc.init_from)
       entry = ckpt_lib.Checkpointer(directory, read_only=True).metadata(step).get(TOKENIZER_KEY)
