@@ -177,10 +177,10 @@ def split_specials(text: str, specials: Sequence[str]) -> list[str]:
 
 def load(path: str):
   """A meshlm SentencePiece `.model` file (`Tokenizer`) or a Hugging Face tokenizer directory
-  (`data.hf_tokenizer.HFTokenizer`: tokenizer.json or tokenizer.model, with its chat template)."""
+  (`data.hf_tokenizer_load.HFTokenizer`: tokenizer.json or tokenizer.model, with its chat template)."""
   if os.path.isdir(path):
-    from data import hf_tokenizer  # pylint: disable=g-import-not-at-top
-    return hf_tokenizer.load(path)
+    from data import hf_tokenizer_load  # pylint: disable=g-import-not-at-top
+    return hf_tokenizer_load.load(path)
   return Tokenizer.load(path)
 
 

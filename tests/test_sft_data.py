@@ -1,5 +1,6 @@
-"""Chat data (data/chat.py, data/instruct.py, data/hf_tokenizer.py): the meshlm template's tokens and assistant masks, packing whole conversations, truncation, bad
-records counted / skipped / fatal, Jinja templates, and Hugging Face tokenizer directories."""
+"""Chat data (data/chat.py, data/instruct.py, data/hf_tokenizer_load.py): the meshlm template's tokens and
+assistant masks, packing whole conversations, truncation, bad records counted / skipped / fatal, Jinja templates,
+and Hugging Face tokenizer directories."""
 import json
 import os
 
@@ -8,7 +9,7 @@ import pytest
 
 import configs
 from data import chat
-from data import hf_tokenizer
+from data import hf_tokenizer_load
 from data import instruct
 from data import pipeline
 from data import sources
@@ -163,7 +164,7 @@ def test_hf_tokenizer_json_and_its_chat_template_match_transformers(tmp_path):
   directory = hf_tokenizer_dir(tmp_path)
   ours = tokenizer_lib.load(directory)
   theirs = transformers.AutoTokenizer.from_pretrained(directory)
-  assert isinstance(ours, hf_tokenizer.HFTokenizer) and ours.vocab_size == len(theirs)
+  assert isinstance(ours, hf_tokenizer_load.HFTokenizer) and ours.vocab_size == len(theirs)
   for text in TEXT[:5] + ["unseen wörds, <|eot_id|> in text"]:
     assert ours.encode(text) == theirs(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
   assert ours.decode(ours.encode("The lazy dog.")) == "The lazy dog."

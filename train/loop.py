@@ -169,8 +169,8 @@ def _resolve_start(config: ml_collections.ConfigDict, workdir: str) -> ml_collec
     keep = ("dtype", "param_dtype", "scan_layers", "attention_impl", "attention_block_size")
     config.model.update({k: v for k, v in hf_model.items() if k not in keep})
     if not config.data.tokenizer:
-      from data import hf_tokenizer  # pylint: disable=g-import-not-at-top
-      if not hf_tokenizer.is_hf_dir(tc.init_from):
+      from data import hf_tokenizer_load  # pylint: disable=g-import-not-at-top
+      if not hf_tokenizer_load.is_hf_dir(tc.init_from):
         raise SetupError(f"train.init_from={tc.init_from!r} has no tokenizer.json or tokenizer.model; set "
                          "data.tokenizer to the model's tokenizer")
       config.data.tokenizer = tc.init_from

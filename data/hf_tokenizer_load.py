@@ -1,4 +1,4 @@
-"""Hugging Face tokenizer directories: `tokenizer.json` through the `tokenizers` library (Llama 3 ships only this)
+"""Loading Hugging Face tokenizer directories (`python -m train.export` writes them for meshlm runs): `tokenizer.json` through the `tokenizers` library (Llama 3 ships only this)
 or `tokenizer.model` through sentencepiece (Llama 2, Mistral), with `tokenizer_config.json` for the special tokens
 and the Jinja `chat_template`.
 
