@@ -109,3 +109,22 @@ def test_lora_config_errors():
     _trainer(4, (1, 1, 1, 1), **{"train.lora_targets": ("q", "qq")})
   with pytest.raises(ValueError, match="lora_rank=-1"):
     _trainer(-1, (1, 1, 1, 1))
+
+
+def test_a_lora_checkpoint_restores_as_merged_weights(lora_run, tmp_path):
+  """init_from / generation read a LoRA run's checkpoint as W + alpha/r * A @ B (train.loop.restore_model_params)."""
+  import json
+  from train import checkpoint as ckpt_lib
+  from train import loop
+  trainer, state = lora_run["trainer"], lora_run["state"]
+  ck = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), None)
+  ck.save(4, state, None, {"config": json.loads(trainer.config.to_json_best_effort())})
+  ck.close()
+  got = loop.restore_model_params(ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), read_only=True), None,
+                                  trainer.abstract_model_params())
+  from flax import nnx
+  want = nnx.to_pure_dict(nnx.state(trainer.model(state), nnx.Param))
+  for (path, g), (_, w) in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves_with_path(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7, err_msg=str(path))
+  q = np.asarray(got["layers"]["attn"]["q"])
+  assert not np.allclose(q, np.asarray(lora_run["base_before"]["layers"]["attn"]["q"]))  # the adapters are in

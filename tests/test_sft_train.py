@@ -173,3 +173,27 @@ def test_init_from_a_hugging_face_dir_takes_its_model_config_and_tokenizer(tmp_p
   assert resolved.data.tokenizer == directory
   tok = tokenizer_lib.load(tokenizer_lib.prepare(resolved, str(tmp_path / "run")))
   assert 300 < tok.vocab_size <= 400 and tok.chat_template and tok.eos_id == tok.special_id("<|eot_id|>")
+
+
+def test_chat_answers_each_turn_with_the_whole_conversation(setup, reference):
+  """`converse` equals greedy decoding, written out by hand, of the meshlm-rendered conversation so far."""
+  import jax.numpy as jnp
+  from train import chat as chat_lib
+  tok = setup["tok"]
+  model = reference["trainer"].model(reference["trainer"].init())
+  template = chat_lib.template_for_run(setup["config"], tok, chat.MESHLM_JINJA)
+  answers = []
+  messages = chat_lib.converse(model, tok, template, ["What is 12 + 30?", "", "Reverse: a b c"], answers.append,
+                               max_new_tokens=5)
+  assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+  stops = {tok.special_id("<|end_of_turn|>"), tok.eos_id}
+  for turn in (1, 3):
+    ids = expected(tok, messages[:turn])[0] + [tok.special_id("<|assistant|>")]
+    new = []
+    for _ in range(5):  # greedy, one full forward pass per token
+      token = int(jnp.argmax(model(jnp.asarray([ids + new]))[0, -1]))
+      new.append(token)
+      if token in stops:
+        break
+    assert messages[turn]["content"] == tok.decode([t for t in new if t not in stops])
+  assert answers == [messages[1]["content"], messages[3]["content"]]

@@ -435,18 +435,21 @@ def _restore_tokenizer_file(checkpointer: ckpt_lib.Checkpointer, step: int, work
     ckpt_lib.decode_file(entry, workdir)
 
 
-def _merged_lora_params(trainer, checkpointer, step: int | None, saved_train: dict[str, Any]) -> dict[str, Any]:
-  """The model weights of a LoRA run's checkpoint with its adapters merged in (W + alpha/r * A @ B)."""
+def restore_model_params(checkpointer: ckpt_lib.Checkpointer, step: int | None, abstract: Any) -> Any:
+  """The model weights of a meshlm checkpoint onto `abstract`'s shardings (ShapeDtypeStructs of the model's
+  parameter tree); a LoRA run's (train.lora_rank > 0) come with its adapters merged in (W + alpha/r * A @ B)."""
+  saved = checkpointer.metadata(step).get("config", {}).get("train", {})
+  if not saved.get("lora_rank", 0):
+    return checkpointer.restore_subtree({"params": abstract}, step)["params"]
   from model import lora as lora_lib  # pylint: disable=g-import-not-at-top
-  import parallel  # pylint: disable=g-import-not-at-top
-  model_abstract = trainer.abstract_model_params()
-  rank, targets = int(saved_train["lora_rank"]), tuple(saved_train["lora_targets"])
-  replicated = parallel.sharding.replicated(trainer.mesh)
-  adapters = jax.eval_shape(lambda: lora_lib.init(jax.random.PRNGKey(0), model_abstract, targets, rank))
+  rank, targets = int(saved["lora_rank"]), tuple(saved["lora_targets"])
+  adapters = jax.eval_shape(lambda: lora_lib.init(jax.random.PRNGKey(0), abstract, targets, rank))
+  first = jax.tree.leaves(abstract)[0].sharding
+  replicated = jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
   adapters = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), adapters)
-  tree = checkpointer.restore_subtree({"params": {"lora": adapters}, "frozen": {"model": model_abstract}}, step)
-  merged = lora_lib.merge(tree["frozen"]["model"], tree["params"]["lora"], float(saved_train["lora_alpha"]) / rank)
-  return jax.device_put(merged, trainer.param_shardings)
+  tree = checkpointer.restore_subtree({"params": {"lora": adapters}, "frozen": {"model": abstract}}, step)
+  merged = lora_lib.merge(tree["frozen"]["model"], tree["params"]["lora"], float(saved["lora_alpha"]) / rank)
+  return jax.device_put(merged, jax.tree.map(lambda a: a.sharding, abstract))
 
 
 def _init_from(trainer, path: str) -> dict[str, Any]:
@@ -458,12 +461,8 @@ def _init_from(trainer, path: str) -> dict[str, Any]:
                         "checkpoints/<step> directory or a Hugging Face model directory")
   if not _is_hf_dir(path):
     directory, step = ckpt_lib.find_checkpoint_dir(path)
-    checkpointer = ckpt_lib.Checkpointer(directory, read_only=True)
     try:
-      saved = checkpointer.metadata(step).get("config", {}).get("train", {})
-      if saved.get("lora_rank", 0):  # the weights are frozen/model + the adapters: merge them
-        return _merged_lora_params(trainer, checkpointer, step, saved)
-      return checkpointer.restore_subtree({"params": abstract}, step)["params"]
+      return restore_model_params(ckpt_lib.Checkpointer(directory, read_only=True), step, abstract)
     except (ValueError, KeyError) as e:
       raise TrainingError(f"train.init_from={path!r}: its parameters do not fit config.model ({e}); use the "
                           "model config of the run it came from") from None

@@ -110,6 +110,8 @@ class Trainer:
     is_spec = lambda x: isinstance(x, PartitionSpec)
     to_sharding = lambda tree: jax.tree.map(lambda p: NamedSharding(mesh, p), tree, is_leaf=is_spec)
     self.param_shardings = to_sharding(param_specs)  # the model's parameter tree
+    self._abstract_model_params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                               model_params, self.param_shardings)
     trainable_specs, frozen_specs = self._compose(param_specs, extra_specs, adapter_specs)
     trainable_shardings, frozen_shardings = to_sharding(trainable_specs), to_sharding(frozen_specs)
     abstract = jax.eval_shape(self._init_state, key)
@@ -213,9 +215,7 @@ class Trainer:
 
   def abstract_model_params(self) -> Any:
     """The model's parameter tree as ShapeDtypeStructs with their shardings (whatever the state layout)."""
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        nnx.to_pure_dict(nnx.state(nnx.eval_shape(self._new_model, jax.ShapeDtypeStruct(
-                            (2,), jnp.uint32)), nnx.Param)), self.param_shardings)
+    return self._abstract_model_params
 
   def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
     """One global batch as ShapeDtypeStructs: [batch_size, seq_len] each, rows over data+fsdp."""
