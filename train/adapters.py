@@ -16,11 +16,7 @@ import os
 import sys
 from typing import Any
 
-import jax
 import numpy as np
-
-from model import hf
-from model import lora as lora_lib
 
 # meshlm projection -> the module name PEFT targets in a Hugging Face Llama/Mistral block
 HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -35,17 +31,21 @@ def _check_lora(trainer) -> None:
 
 def save_base(trainer, state: dict[str, Any], directory: str) -> None:
   """The frozen base model (the weights the adapters apply to) as a Hugging Face directory."""
+  from model import hf  # pylint: disable=g-import-not-at-top
   _check_lora(trainer)
   hf.save(trainer._merge(state["frozen"]["model"]), directory)  # pylint: disable=protected-access
 
 
 def save_merged(trainer, state: dict[str, Any], directory: str) -> None:
   """The adapted model, adapters merged into the weights, as a Hugging Face directory."""
+  from model import hf  # pylint: disable=g-import-not-at-top
   hf.save(trainer.model(state), directory)
 
 
 def peft_tensors(adapters: dict, num_layers: int) -> dict[str, np.ndarray]:
   """PEFT state-dict names -> float32 arrays for meshlm adapters (scanned or per-layer trees)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from model import lora as lora_lib  # pylint: disable=g-import-not-at-top
   layers = adapters["layers"]
   per_layer = ([jax.tree.map(lambda x, i=i: x[i], layers) for i in range(num_layers)]
                if not all(isinstance(k, int) for k in layers) else [layers[i] for i in range(num_layers)])
@@ -86,6 +86,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   from train import __main__ as train_main  # pylint: disable=g-import-not-at-top
   train_main._default_platform()  # pylint: disable=protected-access
+  import jax  # pylint: disable=g-import-not-at-top
   import configs  # pylint: disable=g-import-not-at-top
   from parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
