@@ -124,6 +124,17 @@ def test_template_without_special_pieces_is_refused(tmp_path):
   plain = tokenizer_lib.Tokenizer.load(str(tmp_path / "plain.model"))
   with pytest.raises(ValueError, match=r"lacks the special pieces \['<\|user\|>', '<\|assistant\|>'"):
     chat.MeshlmTemplate(plain)
+  # A tokenizer with the user/assistant/end-of-turn markers but no system marker: conversations with a system
+  # turn are counted and skipped (fatal with data.strict), the others train.
+  spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT), model_prefix=str(tmp_path / "nosys"), vocab_size=60,
+                                 control_symbols=["<|user|>", "<|assistant|>", "<|end_of_turn|>"], minloglevel=2)
+  nosys = chat.MeshlmTemplate(tokenizer_lib.Tokenizer.load(str(tmp_path / "nosys.model")))
+  before = sources.COUNTERS["chat_skipped_missing_marker"]
+  assert chat.ChatEncoder(nosys, 200)(json.dumps(CHATS[0])) is None
+  assert sources.COUNTERS["chat_skipped_missing_marker"] == before + 1
+  assert chat.ChatEncoder(nosys, 200)(json.dumps(CHATS[2]))["loss_mask"].sum() > 0
+  with pytest.raises(ValueError, match="no marker piece '<\\|system\\|>'"):
+    chat.ChatEncoder(nosys, 200, strict=True)(json.dumps(CHATS[0]))
 
 
 def test_meshlm_jinja_renders_the_same_tokens_and_masks(tok):
