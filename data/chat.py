@@ -163,6 +163,20 @@ class JinjaTemplate:
     return self.tokenizer.encode_with_specials(self.text(messages, True))
 
 
+def write_chat_template(directory: str, jinja: str) -> None:
+  """Sets `chat_template` in DIRECTORY/tokenizer_config.json (created if absent, other keys kept), so that
+  `transformers`' `apply_chat_template` renders conversations as the run was trained (exports call this)."""
+  path = os.path.join(directory, "tokenizer_config.json")
+  config = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      config = json.load(f)
+  config["chat_template"] = jinja
+  with open(path + ".tmp", "w") as f:
+    json.dump(config, f, indent=2)
+  os.replace(path + ".tmp", path)
+
+
 def _has_piece(tokenizer, piece: str) -> bool:
   try:
     tokenizer.special_id(piece)

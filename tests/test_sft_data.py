@@ -206,3 +206,19 @@ def test_hf_sentencepiece_directory_loads_through_sentencepiece(tok, tmp_path):
   assert loaded.encode("The quick brown fox") == tok.encode("The quick brown fox")
   assert (loaded.bos_id, loaded.eos_id, loaded.vocab_size) == (tok.bos_id, tok.eos_id, tok.vocab_size)
   assert os.path.basename(loaded.path) == "sp"
+
+
+def test_exported_chat_template_is_what_transformers_renders(tmp_path):
+  import transformers
+  directory = hf_tokenizer_dir(tmp_path)
+  jinja = ("{{ bos_token }}{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '<|eot_id|>' }}"
+           "{% endfor %}")
+  chat.write_chat_template(directory, jinja)
+  with open(os.path.join(directory, "tokenizer_config.json")) as f:
+    saved = json.load(f)
+  assert saved["chat_template"] == jinja and saved["eos_token"] == "<|eot_id|>"  # other keys kept
+  messages = chat.parse_record(CHATS[2])
+  theirs = transformers.AutoTokenizer.from_pretrained(directory)
+  ours = chat.make_template(configs.load("tiny").data, tokenizer_lib.load(directory))
+  assert ours.render(messages)[0] == theirs.apply_chat_template(messages, tokenize=True,
+                                                                return_dict=True)["input_ids"]
