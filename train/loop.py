@@ -324,8 +324,9 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal) -> 
     if tc.eval_generations > 0 and template is not None:
       if eval_prompts is None:
         eval_prompts = chat_eval.eval_items(config, template)
-      metrics.update(chat_eval.exact_match(trainer.model(state), tokenizer, template, eval_prompts,
-                                           tc.eval_max_new_tokens))
+      with parallel.activate(mesh, trainer.rules):  # generation shards its batch and cache like training
+        metrics.update(chat_eval.exact_match(trainer.model(state), tokenizer, template, eval_prompts,
+                                             tc.eval_max_new_tokens))
     return metrics
 
   summary = {"step": start, "loss": None, "eval_loss": None, "stopped": None}
