@@ -123,7 +123,7 @@ def _saved_params(workdir, step):
 
 
 @pytest.mark.slow
-def test_sft_run_from_its_base_recipe_resumes_bit_exactly(setup, capsys):
+def test_sft_run_from_its_base_recipe_resumes_bit_exactly(setup, capsys, monkeypatch):
   root = setup["root"] / "runs"
   root.mkdir()
   recipe = setup["root"] / "base_small.py"
@@ -155,6 +155,13 @@ def test_sft_run_from_its_base_recipe_resumes_bit_exactly(setup, capsys):
     assert np.array_equal(got[k], want[k]), k
   records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert {r["step"]: r["loss"] for r in records if "loss" in r} == losses
+
+  # The chat command line answers each stdin line, with the run's template from its checkpoint.
+  import io
+  from train import generate
+  monkeypatch.setattr("sys.stdin", io.StringIO("What is 12 + 30?\nReverse: a b c\n"))
+  assert generate.main(["--workdir", workdir, "--chat", "--max_new_tokens", "4"]) == 0
+  assert len(capsys.readouterr().out.strip().splitlines()) == 2
 
 
 def test_init_from_a_hugging_face_dir_takes_its_model_config_and_tokenizer(tmp_path):
