@@ -161,7 +161,7 @@ def test_sft_run_from_its_base_recipe_resumes_bit_exactly(setup, capsys, monkeyp
   from train import generate
   monkeypatch.setattr("sys.stdin", io.StringIO("What is 12 + 30?\nReverse: a b c\n"))
   assert generate.main(["--workdir", workdir, "--chat", "--max_new_tokens", "4"]) == 0
-  assert len(capsys.readouterr().out.strip().splitlines()) == 2
+  assert capsys.readouterr().out.count("\n") >= 2  # one printed answer per turn (answers may hold newlines)
 
 
 def test_init_from_a_hugging_face_dir_takes_its_model_config_and_tokenizer(tmp_path):
