@@ -59,6 +59,14 @@ def get_config() -> ml_collections.ConfigDict:
   t.router_z_loss = 0.001  # coefficient of the MoE router z-loss (mean logsumexp(router logits)^2, ST-MoE)
   t.eval_tasks = ""  # benchmark tasks NAME:PATH[,...] (docs/evaluation.md) run at every evaluation; empty = none
   t.eval_tasks_limit = 0  # documents per eval task during training (the first N); 0 = all
+  t.objective = "lm"  # what the step optimises: lm (next-token loss on loss_mask) | sft (chat data, assistant tokens)
+  t.lora_rank = 0  # LoRA adapter rank on lora_targets, base weights frozen; 0 = train every weight
+  t.lora_alpha = 16.0  # LoRA scale numerator: adapted W = W + (lora_alpha / lora_rank) * A @ B
+  t.lora_targets = ("q", "k", "v", "o")  # projections LoRA adapts (any of q k v o gate up down)
+  t.base_recipe = ""  # with no init_from: a config whose run (WORKDIR/../NAME) is made or reused first and started from
+  t.eval_generations = 0  # held-out chat prompts per task family answered greedily at each eval (eval_exact_match); 0 = off
+  t.eval_max_new_tokens = 32  # longest greedy answer generated for eval_exact_match
+  t.freeze = ()  # parameter-path substrings kept frozen: zero update, no optimizer state (e.g. ("embed", "norm"))
 
   d = c.data = ml_collections.ConfigDict()
   d.sources = "builtin"  # builtin (Python's own docs + stdlib source) or a mixture spec; see data/sources.py
@@ -77,6 +85,9 @@ def get_config() -> ml_collections.ConfigDict:
   d.worker_count = 0  # grain worker processes (0 = in the main process, with a prefetch thread)
   d.prefetch = 2  # batches prefetched ahead of the step
   d.strict = False  # fail on unparseable records instead of skipping them with a warning
+  d.chat_template = "auto"  # auto (an HF tokenizer's own Jinja template, else meshlm) | meshlm | path to a Jinja file
+  d.chat_loss = "assistant"  # chat loss mask: assistant (assistant turns incl. end-of-turn) | all (every token)
+  d.chat_truncation = "right"  # chats longer than seq_len: right (drop the end) | left (drop the start, keep last turns)
 
   ck = c.checkpoint = ml_collections.ConfigDict()
   ck.every = 500  # steps between checkpoints (and one at the end); 0 = only at the end

@@ -8,7 +8,9 @@ batches of step s (in process order) gives the 1-process batch of step s, for an
 
 Batch (numpy, each [B/P, seq_len]): `inputs`, `targets`, `segment_ids`, `positions` int32 and `loss_mask` float32.
 A document d_1..d_n becomes inputs BOS d_1..d_n and targets d_1..d_n EOS; documents longer than a row are split
-into row-sized pieces (first_fit) or across rows (concat). segment_ids number the pieces in a row from 1
+into row-sized pieces (first_fit) or across rows (concat). Conversations (chat sources, data/chat.py) are rendered
+with the chat template, truncated to seq_len (never split: first_fit packing keeps each one whole in one row) and
+carry their assistant-token loss mask. segment_ids number the pieces in a row from 1
 (0 = padding), positions restart at 0 for every piece, and padding has loss_mask 0.
 
 Resume. `get_state()` holds each batch row's packer state (keyed by global row) next to the layout: process
@@ -26,6 +28,7 @@ import grain
 import numpy as np
 
 from common.segments import positions_from_segments
+from data import chat as chat_lib
 from data import mixture as mixture_lib
 from data import sources as sources_lib
 from data import tokenizer as tokenizer_lib
@@ -42,7 +45,7 @@ def mixture_dataset(specs, srcs, split: str, eval_fraction: float, seed: int) ->
   for sid, (spec, src) in enumerate(zip(specs, srcs)):
     if len(src) == 0:
       raise ValueError(f"data source {spec.name!r} ({spec.kind}:{spec.arg}) has no documents")
-    split_idx = sources_lib.split_indices(len(src), eval_fraction, split)
+    split_idx = sources_lib.source_split(src, eval_fraction, split)
     if len(split_idx) == 0:
       continue  # e.g. a one-document source holds nothing out; the eval mixture renormalises without it
     docs.append(src)
@@ -60,19 +63,27 @@ def mixture_dataset(specs, srcs, split: str, eval_fraction: float, seed: int) ->
 
 
 class _Tokenize:
-  """(source_id, text) -> {inputs: BOS+ids, targets: ids+EOS, source_ids}, or None for an empty document."""
+  """(source_id, text) -> {inputs: BOS+ids, targets: ids+EOS, loss_mask: ones, source_ids}, or None for an empty
+  document; records of chat sources go through `chat` (data/chat.py: rendered, assistant mask, truncated)."""
 
-  def __init__(self, tokenizer: tokenizer_lib.Tokenizer):
-    self.tokenizer = tokenizer
+  def __init__(self, tokenizer: tokenizer_lib.Tokenizer, chat: chat_lib.ChatEncoder | None = None,
+               chat_sources: Sequence[int] = ()):
+    self.tokenizer, self.chat, self.chat_sources = tokenizer, chat, frozenset(chat_sources)
 
   def __call__(self, element):
     source_id, text = element
     if not text or not text.strip():
       return None
+    if source_id in self.chat_sources:
+      out = self.chat(text)
+      if out is None:
+        return None
+      return dict(out, source_ids=np.full(len(out["inputs"]), source_id, np.int32))
     ids = np.asarray(self.tokenizer.encode(text), np.int32)
     inputs = np.concatenate([[self.tokenizer.bos_id], ids]).astype(np.int32)
     targets = np.concatenate([ids, [self.tokenizer.eos_id]]).astype(np.int32)
-    return {"inputs": inputs, "targets": targets, "source_ids": np.full(len(inputs), source_id, np.int32)}
+    return {"inputs": inputs, "targets": targets, "loss_mask": np.ones(len(inputs), np.float32),
+            "source_ids": np.full(len(inputs), source_id, np.int32)}
 
 
 def _is_document(element) -> bool:
@@ -104,7 +115,7 @@ class _Row:
         "targets": np.where(seg > 0, packed["targets"], self.pad_id).astype(np.int32),
         "segment_ids": seg,
         "positions": positions_from_segments(seg),
-        "loss_mask": (seg > 0).astype(np.float32),
+        "loss_mask": np.where(seg > 0, packed["loss_mask"], 0.0).astype(np.float32),
         "source_ids": np.where(seg > 0, packed["source_ids"], -1).astype(np.int32),
     }
 
@@ -142,12 +153,12 @@ class _RowsIterator(grain.DatasetIterator):
       p.set_state(state["rows"][str(r)])
 
 
-def _row_stream(mixture: grain.MapDataset, row: int, global_rows: int, tokenizer, data_config,
+def _row_stream(mixture: grain.MapDataset, row: int, global_rows: int, tokenize: _Tokenize, data_config,
                 seq_len: int) -> grain.IterDataset:
   """Packed rows of global batch row `row`: documents row, row+global_rows, ... of the mixture."""
-  ds = mixture[row::global_rows].map(_Tokenize(tokenizer))
+  ds = mixture[row::global_rows].map(tokenize)
   ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)).filter(_is_document)
-  lengths = {"inputs": seq_len, "targets": seq_len, "source_ids": seq_len}
+  lengths = {"inputs": seq_len, "targets": seq_len, "loss_mask": seq_len, "source_ids": seq_len}
   if data_config.packing == "first_fit":
     ds = grain.experimental.FlatMapIterDataset(ds, _SplitLong(seq_len))
     ds = grain.experimental.FirstFitPackIterDataset(ds, length_struct=lengths,
@@ -156,7 +167,7 @@ def _row_stream(mixture: grain.MapDataset, row: int, global_rows: int, tokenizer
     ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths)
   else:
     raise ValueError(f"config.data.packing must be 'first_fit' or 'concat', got {data_config.packing!r}")
-  return ds.map(_Row(tokenizer.pad_id))
+  return ds.map(_Row(tokenize.tokenizer.pad_id))
 
 
 def _ensure_absl_flags_parsed() -> None:
@@ -299,8 +310,17 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
   specs, srcs = sources_lib.open_sources(d)
   seed = d.shuffle_seed if split == "train" else _EVAL_ORDER_SEED
   mixture = mixture_dataset(specs, srcs, split, d.eval_fraction, seed)
+  chat_sources = [i for i, spec in enumerate(specs) if chat_lib.is_chat_source(spec)]
+  chat = None
+  if chat_sources and d.packing != "first_fit":
+    raise ValueError(f"config.data.packing={d.packing!r} would split conversations across rows; chat sources "
+                     "need config.data.packing='first_fit'")
+  if chat_sources:
+    chat = chat_lib.ChatEncoder(chat_lib.make_template(d, tokenizer), seq_len, d.chat_loss, d.chat_truncation,
+                                d.strict)
+  tokenize = _Tokenize(tokenizer, chat, chat_sources)
   rows = batch_size // process_count
-  streams = [_row_stream(mixture, process_index * rows + r, batch_size, tokenizer, d, seq_len)
+  streams = [_row_stream(mixture, process_index * rows + r, batch_size, tokenize, d, seq_len)
              for r in range(rows)]
   ds = _Rows(streams, [process_index * rows + r for r in range(rows)])
   # Evaluation reads a few batches from a fresh iterator each time: worker start-up would dominate, and a

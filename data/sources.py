@@ -14,6 +14,8 @@ Mixture spec (`config.data.sources`): a string of comma-separated items, or a tu
   jsonl:/data/web/*.jsonl@0.7     one document per line, text in `config.data.text_field` (.gz read too)
   parquet:gs://bucket/x/*.parquet one document per row, text in `config.data.text_field`
   arrayrecord:/data/*.array_record one document per record (UTF-8 text)
+  chat:/data/sft/*.jsonl          one conversation per line (data/chat.py: messages or prompt/completion)
+  instruct=builtin:instruct       the built-in instruction task (data/instruct.py), generated from a seed
 
 Weights are document sampling weights (normalised to sum to 1); `config.data.weights`, when set, overrides them.
 Files are opened, decompressed and decoded by `data.files`, with its rules for bad input (the same as curation's).
@@ -24,6 +26,7 @@ import ast
 import bisect
 import dataclasses
 import io
+import json
 import logging
 import os
 import re
@@ -37,7 +40,7 @@ from data import files
 
 log = logging.getLogger(__name__)
 
-KINDS = ("builtin", "text", "jsonl", "parquet", "arrayrecord")
+KINDS = ("builtin", "text", "jsonl", "parquet", "arrayrecord", "chat")
 BUILTIN_DEFAULT = "prose=builtin:prose@0.9,code=builtin:code@0.1"
 # Held-out documents are chosen by a fixed permutation, independent of the shuffle seed, so that changing the
 # shuffle seed never moves a document between the training and evaluation splits.
@@ -88,8 +91,9 @@ def parse_spec(sources: str | Sequence[str], weights: Sequence[float] = ()) -> l
       raise SpecError(f"cannot parse source {p!r}: expected [NAME=]KIND:PATH[@WEIGHT] with KIND one of "
                       f"{', '.join(KINDS)} (e.g. 'web=jsonl:/data/*.jsonl@0.9')")
     kind, arg = m["kind"], m["arg"]
-    if kind == "builtin" and arg not in ("prose", "code"):
-      raise SpecError(f"unknown built-in source {arg!r} in {p!r}: use builtin:prose or builtin:code")
+    if kind == "builtin" and arg not in ("prose", "code", "instruct"):
+      raise SpecError(f"unknown built-in source {arg!r} in {p!r}: use builtin:prose, builtin:code or "
+                      "builtin:instruct")
     name = m["name"] or (arg if kind == "builtin" else kind)
     weight = float(m["weight"]) if m["weight"] else 1.0
     specs.append(SourceSpec(name, kind, arg, weight))
@@ -185,6 +189,8 @@ class JsonlFiles:
     record, error = files.parse_json(files.decode_utf8(raw, path, warn=False), where)
     if error:
       return self._skip("unparseable_records", path, error)
+    if self.field == "":  # chat sources: the whole record, rendered later by data/chat.py
+      return json.dumps(record)
     text, error = files.record_text(record, self.field, where)
     if error:
       return self._skip("records_without_text", path, error)
@@ -336,8 +342,13 @@ def module_docstrings(source: str, path: str) -> str:
 
 def open_source(spec: SourceSpec, text_field: str = "text", strict: bool = False) -> Source:
   """The Source object for one parsed spec item."""
+  if spec.kind == "builtin" and spec.arg == "instruct":
+    from data import instruct  # pylint: disable=g-import-not-at-top
+    return instruct.InstructTask(spec.name)
   if spec.kind == "builtin":
     return Builtin(spec.name, spec.arg)
+  if spec.kind == "chat":
+    return JsonlFiles(spec.name, spec.arg, "", strict)
   if spec.kind == "text":
     return TextFiles(spec.name, spec.arg)
   if spec.kind == "jsonl":
@@ -353,6 +364,13 @@ def open_sources(data_config) -> tuple[list[SourceSpec], list[Source]]:
   """(specs, sources) for `config.data`."""
   specs = parse_spec(data_config.sources, tuple(data_config.weights))
   return specs, [open_source(s, data_config.text_field, data_config.strict) for s in specs]
+
+
+def source_split(src: Source, eval_fraction: float, split: str) -> np.ndarray:
+  """A source's `split` indices: its own `split_indices(split)` if it defines one (a generated task keeps
+  duplicates on one side), else `split_indices(len(src), eval_fraction, split)`."""
+  own = getattr(src, "split_indices", None)
+  return own(split) if own is not None else split_indices(len(src), eval_fraction, split)
 
 
 def split_indices(num_docs: int, eval_fraction: float, split: str) -> np.ndarray:

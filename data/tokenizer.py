@@ -13,6 +13,7 @@ import argparse
 import io
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -142,6 +143,15 @@ class Tokenizer:
     """Token ids of one text (no BOS/EOS)."""
     return self._sp.encode(text)
 
+  def encode_with_specials(self, text: str) -> list[int]:
+    """Token ids of `text` in which BOS/EOS/PAD and the reserved control pieces written out as text become their
+    single ids (rendered Jinja chat templates); `encode` never does this, so user text cannot produce them."""
+    specials = [self.id_to_piece(i) for i in (self.bos_id, self.eos_id, self.pad_id)] + list(RESERVED)
+    ids = []
+    for part in split_specials(text, specials):
+      ids += [self._sp.piece_to_id(part)] if part in specials else self.encode(part)
+    return ids
+
   def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
     """Token ids of each text (no BOS/EOS)."""
     return self._sp.encode(list(texts), num_threads=num_threads)
@@ -157,6 +167,23 @@ class Tokenizer:
     return self._sp.id_to_piece(int(i))
 
 
+def split_specials(text: str, specials: Sequence[str]) -> list[str]:
+  """`text` cut before and after every occurrence of a special piece (longest match first); empty parts dropped."""
+  if not specials:
+    return [text] if text else []
+  pattern = "(" + "|".join(re.escape(s) for s in sorted(set(specials), key=len, reverse=True)) + ")"
+  return [p for p in re.split(pattern, text) if p]
+
+
+def load(path: str):
+  """A meshlm SentencePiece `.model` file (`Tokenizer`) or a Hugging Face tokenizer directory
+  (`data.hf_tokenizer_load.HFTokenizer`: tokenizer.json or tokenizer.model, with its chat template)."""
+  if os.path.isdir(path):
+    from data import hf_tokenizer_load  # pylint: disable=g-import-not-at-top
+    return hf_tokenizer_load.load(path)
+  return Tokenizer.load(path)
+
+
 def expected_vocab_size(config) -> int:
   """The tokenizer vocabulary size a run needs: config.data.tokenizer_vocab_size, or model.vocab_size if 0."""
   return config.data.tokenizer_vocab_size or config.model.vocab_size
@@ -166,6 +193,11 @@ def check_vocab(tokenizer: Tokenizer, config) -> None:
   """Refuses a tokenizer whose vocabulary does not match the model, naming the key to change."""
   want = expected_vocab_size(config)
   model_vocab = config.model.vocab_size
+  if not isinstance(tokenizer, Tokenizer):  # a Hugging Face tokenizer: its model's embedding may be padded
+    if tokenizer.vocab_size > model_vocab:
+      raise ValueError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but config.model.vocab_size is "
+                       f"{model_vocab}; the embedding table must hold every token id")
+    return
   if want > model_vocab:
     raise ValueError(f"config.data.tokenizer_vocab_size={want} exceeds config.model.vocab_size={model_vocab}; the "
                      "embedding table must hold every token id")
@@ -181,7 +213,7 @@ def check_vocab(tokenizer: Tokenizer, config) -> None:
 def prepare(config, workdir: str) -> str:
   """Returns the path of the run's tokenizer, after checking its vocabulary against the model.
 
-  `config.data.tokenizer` if set; otherwise WORKDIR/tokenizer.model, trained on the configured training sources
+  `config.data.tokenizer` if set (a .model file or a Hugging Face tokenizer directory); otherwise WORKDIR/tokenizer.model, trained on the configured training sources
   only if absent (so a resumed run reuses it).
   """
   path = config.data.tokenizer or os.path.join(workdir, "tokenizer.model")
@@ -194,7 +226,7 @@ def prepare(config, workdir: str) -> str:
           byte_fallback=config.data.tokenizer_byte_fallback, max_sentences=config.data.tokenizer_max_sentences)
     log.info("trained a %d-piece %s tokenizer in %.1fs -> %s", expected_vocab_size(config),
              config.data.tokenizer_type, time.time() - t0, path)
-  check_vocab(Tokenizer.load(path), config)
+  check_vocab(load(path), config)
   return path
 
 

@@ -3,6 +3,7 @@
     python -m train.generate --workdir RUN [--step N] --prompt "text" [--prompt ...] [--max_new_tokens 64]
         [--temperature 0] [--top_k 0] [--top_p 1.0] [--seed 0] [--json] [--config.mesh.data=2 ...]
     python -m train.generate --hf DIR --prompt "text"
+    python -m train.generate --workdir RUN --chat      (user turns from stdin, one per line; train/chat.py)
 
 Each prompt is encoded as [BOS] + tokens (as training documents start) and continued until the tokenizer's EOS or
 max_new_tokens. One prompt streams its tokens to the console as they come; several are printed when done.
@@ -35,7 +36,10 @@ def _parser() -> argparse.ArgumentParser:
   src.add_argument("--workdir", help="meshlm run directory (holding checkpoints/)")
   src.add_argument("--hf", help="Hugging Face Llama/Mistral directory with a SentencePiece tokenizer.model")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-  p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+  p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
+  p.add_argument("--chat", action="store_true",
+                 help="multi-turn chat: read one user turn per line from stdin, print each answer (the run's chat "
+                      "template; greedy unless --temperature)")
   p.add_argument("--max_new_tokens", type=int, default=64, help="most tokens generated per prompt")
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   p.add_argument("--top_k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
@@ -46,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_args(args) -> None:
+  if bool(args.prompt) == bool(args.chat):
+    raise GenerateError("give either --prompt (repeatable) or --chat")
   if args.max_new_tokens < 1:
     raise GenerateError(f"--max_new_tokens={args.max_new_tokens} must be >= 1")
   if not args.temperature >= 0:
@@ -98,9 +104,9 @@ def _run_source(workdir: str, step: int | None):
   tokenizer = tokenizer_lib.Tokenizer(base64.b64decode(meta[loop.TOKENIZER_KEY]["base64"]))
 
   def restore(abstract_params):
-    return ck.restore_subtree({"params": abstract_params}, step)["params"]
+    return loop.restore_model_params(ck, step, abstract_params)  # a LoRA run's adapters come merged in
 
-  return config, tokenizer, restore
+  return config, tokenizer, restore, meta.get(loop.CHAT_TEMPLATE_KEY)
 
 
 def _hf_source(directory: str):
@@ -129,7 +135,12 @@ def _hf_source(directory: str):
     params = nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
     return jax.device_put(params, jax.tree.map(lambda a: a.sharding, abstract_params))
 
-  return config, tokenizer_lib.Tokenizer.load(sp_path), restore
+  chat_template = None  # the model's own Jinja chat template, used by --chat
+  config_path = os.path.join(directory, "tokenizer_config.json")
+  if os.path.isfile(config_path):
+    with open(config_path) as f:
+      chat_template = json.load(f).get("chat_template")
+  return config, tokenizer_lib.Tokenizer.load(sp_path), restore, chat_template
 
 
 def _load_model(config, restore):
@@ -160,14 +171,21 @@ def run(args, overrides: Sequence[tuple[str, str]]) -> dict[str, Any]:
   from model import generate as generate_lib  # pylint: disable=g-import-not-at-top
 
   if args.workdir:
-    config, tokenizer, restore = _run_source(os.path.abspath(args.workdir), args.step)
+    config, tokenizer, restore, chat_template = _run_source(os.path.abspath(args.workdir), args.step)
   else:
-    config, tokenizer, restore = _hf_source(os.path.abspath(args.hf))
+    config, tokenizer, restore, chat_template = _hf_source(os.path.abspath(args.hf))
   for key, value in overrides:
     configs.apply_override(config, key, value)
   if tokenizer.vocab_size > config.model.vocab_size:
     raise GenerateError(f"tokenizer has {tokenizer.vocab_size} pieces but the model only {config.model.vocab_size}")
   model, mesh, rules = _load_model(config, restore)
+  if args.chat:
+    from train import chat  # pylint: disable=g-import-not-at-top
+    template = chat.template_for_run(config, tokenizer, chat_template)
+    with parallel.activate(mesh, rules):
+      messages = chat.converse(model, tokenizer, template, sys.stdin, lambda text: print(text, flush=True),
+                               args.max_new_tokens, args.temperature, args.seed)
+    return {"messages": messages}
   prompts = [[tokenizer.bos_id] + tokenizer.encode(text) for text in args.prompt]
 
   stream = len(prompts) == 1 and not args.json

@@ -13,8 +13,8 @@ from __future__ import annotations
 import copy
 import errno
 import json
-import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -28,6 +28,7 @@ from train import checkpoint as ckpt_lib
 from train import logger as logger_lib
 
 TOKENIZER_KEY = "tokenizer"
+CHAT_TEMPLATE_KEY = "chat_template"  # checkpoint metadata: the run's chat template in Jinja form (chat data only)
 
 
 class WorkdirError(RuntimeError):
@@ -152,7 +153,89 @@ def run(config: ml_collections.ConfigDict, workdir: str, overrides: Sequence[str
   for warning in warnings:
     print(f"warning: {warning}", file=sys.stderr, flush=True)
   with _StopSignal() as stop:  # installed first: a SIGTERM during start-up stops after the first step
+    config = _resolve_start(config, os.path.abspath(workdir))
     return _run(config, os.path.abspath(workdir), stop, overrides)
+
+
+def _resolve_start(config: ml_collections.ConfigDict, workdir: str) -> ml_collections.ConfigDict:
+  """Fills in what a fine-tuning run takes from the run it starts from, before anything else reads the config.
+
+  - train.base_recipe without train.init_from: the recipe's run WORKDIR/../<recipe> is made first (or reused
+    when its config.json matches the recipe and it reached its last step) and becomes init_from.
+  - init_from a Hugging Face directory: unless data.tokenizer is set, its tokenizer (tokenizer.json or
+    tokenizer.model); config.model is settled against the checkpoint's by `_reconcile`.
+  - init_from a meshlm run: unless data.tokenizer is set, that run's tokenizer (copied into this workdir).
+  """
+  tc = config.train
+  if not (tc.init_from or tc.base_recipe):
+    return config
+  import parallel  # pylint: disable=g-import-not-at-top
+  parallel.distributed.initialize(config.distributed)  # before any JAX call (idempotent; _run calls it again)
+  if not tc.init_from and tc.base_recipe:
+    name = os.path.splitext(os.path.basename(tc.base_recipe))[0]  # a recipe name or a config file path
+    tc.init_from = _make_base_run(tc.base_recipe, os.path.join(os.path.dirname(workdir), name))
+  if not tc.init_from:
+    return config
+  if not os.path.isdir(tc.init_from):
+    raise SetupError(f"train.init_from={tc.init_from!r} is not a directory; give a meshlm run directory, a "
+                     "checkpoints/<step> directory or a Hugging Face model directory")
+  from train import runconfig  # pylint: disable=g-import-not-at-top
+  if runconfig.is_hf_dir(tc.init_from):  # (config.model is settled from the checkpoint by _reconcile)
+    if not config.data.tokenizer:
+      from data import hf_tokenizer_load  # pylint: disable=g-import-not-at-top
+      if not hf_tokenizer_load.is_hf_dir(tc.init_from):
+        raise SetupError(f"train.init_from={tc.init_from!r} has no tokenizer.json or tokenizer.model; set "
+                         "data.tokenizer to the model's tokenizer")
+      config.data.tokenizer = tc.init_from
+  elif not config.data.tokenizer and jax.process_index() == 0:
+    run_tokenizer = os.path.join(_run_dir(tc.init_from), "tokenizer.model")
+    target = os.path.join(workdir, "tokenizer.model")
+    if os.path.isfile(run_tokenizer):
+      if not os.path.exists(target):
+        shutil.copyfile(run_tokenizer, target + ".tmp")
+        os.replace(target + ".tmp", target)
+    else:
+      directory, step = ckpt_lib.find_checkpoint_dir(tc.init_from)
+      entry = ckpt_lib.Checkpointer(directory, read_only=True).metadata(step).get(TOKENIZER_KEY)
+      if entry:
+        ckpt_lib.decode_file(entry, workdir)
+  return config
+
+
+def _run_dir(path: str) -> str:
+  """The run directory of a meshlm run / checkpoints / checkpoints/<step> path."""
+  directory, _ = ckpt_lib.find_checkpoint_dir(path)
+  return os.path.dirname(directory)
+
+
+def _make_base_run(recipe: str, base_workdir: str) -> str:
+  """Trains (or resumes, or reuses) the recipe `recipe` in `base_workdir`; returns that directory."""
+  import configs  # pylint: disable=g-import-not-at-top
+  try:
+    base = configs.load(recipe)
+  except configs.ConfigError as e:
+    raise SetupError(f"train.base_recipe={recipe!r}: {e}") from None
+  saved = os.path.join(base_workdir, "config.json")
+  if os.path.exists(saved):
+    with open(saved) as f:
+      found = json.load(f)
+    want = _config_dict(base)
+    # What the weights depend on; logging, checkpoint cadence, mesh and process settings may differ.
+    if any(found.get(section) != want[section] for section in ("model", "train", "data")):
+      raise SetupError(f"{base_workdir} holds a run whose model, train or data config differs from the "
+                       f"{recipe!r} recipe; remove it, or start from it explicitly with "
+                       f"--config.train.init_from={base_workdir}")
+    directory = os.path.join(base_workdir, ckpt_lib.CHECKPOINT_DIR)
+    steps = ckpt_lib.Checkpointer(directory, read_only=True).all_steps() if os.path.isdir(directory) else []
+    if steps and steps[-1] >= base.train.steps:
+      _print0(f"reusing the {recipe!r} run in {base_workdir} (step {steps[-1]})")
+      return base_workdir
+  _print0(f"making the {recipe!r} run this one starts from in {base_workdir}")
+  summary = run(base, base_workdir)
+  if summary["stopped"]:
+    raise TrainingError(f"stopped while making the {recipe!r} run in {base_workdir}; run the same command to "
+                        "resume")
+  return base_workdir
 
 
 def _reconcile(config: ml_collections.ConfigDict, checkpoint_dir: str, overrides: Sequence[str]) -> int | None:
@@ -188,6 +271,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
   from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   from parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from train import mfu as mfu_lib  # pylint: disable=g-import-not-at-top
+  from train import chat_eval  # pylint: disable=g-import-not-at-top
   from train import step as step_lib  # pylint: disable=g-import-not-at-top
 
   parallel.distributed.initialize(config.distributed)
@@ -208,12 +292,17 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
       _restore_tokenizer_file(checkpoint_dir, latest, workdir)
   try:
     tokenizer_path = tokenizer_lib.prepare(config, workdir)  # checks its vocabulary against config.model
-    tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_path)
+    tokenizer = tokenizer_lib.load(tokenizer_path)
     task_evaluator = None
     if tc.eval_tasks and tc.eval_every > 0:  # task files are checked here, before any step
       from train import eval_tasks  # pylint: disable=g-import-not-at-top
       task_evaluator = eval_tasks.TaskEvaluator(tc.eval_tasks, tc.eval_tasks_limit, tokenizer, mesh, trainer.rules)
   except (ValueError, FileNotFoundError) as e:
+    raise SetupError(str(e)) from None
+
+  try:
+    template = chat_eval.template_for(config, tokenizer)
+  except ValueError as e:
     raise SetupError(str(e)) from None
 
   def make_dataset(split):
@@ -229,7 +318,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
   if latest is None:
     state = trainer.init(tc.seed)
     if tc.init_from:
-      state = dict(state, params=_init_from(trainer, tc.init_from))
+      state = trainer.with_model_params(state, _init_from(trainer, tc.init_from))
   if primary:
     print(config, flush=True)
     _write_json(os.path.join(workdir, "config.json"), config_dict)
@@ -238,6 +327,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
   if latest is None and tc.init_from:
     _print0(f"initialised the parameters from {tc.init_from}")
   checkpointer = ckpt_lib.Checkpointer(checkpoint_dir, ck)
+  eval_prompts = None  # held-out chat prompts for eval_exact_match, read at the first evaluation
   train_iter = iter(train_ds)  # starts prefetch threads / worker processes: only once the start is settled
   nonfinite_run = 0  # consecutive non-finite steps so far (checkpointed, so the halt rule survives restarts)
   if latest is not None:
@@ -253,7 +343,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
     _print0(f"resumed from {checkpointer.directory}/{latest}")
   start = latest or 0
 
-  tokenizer_entry = ckpt_lib.encode_file(tokenizer_path)
+  tokenizer_entry = (ckpt_lib.encode_file(tokenizer_path) if os.path.isfile(tokenizer_path)
+                     else {"directory": tokenizer_path})  # a Hugging Face directory: named, not copied
   try:
     log = logger_lib.MetricLogger(workdir, config.log, total_steps=tc.steps, start_step=start, enabled=primary,
                                   run_config=config_dict)
@@ -268,23 +359,30 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
   def save(step: int) -> None:
     meta = {"nonfinite_run": nonfinite_run, "config": config_dict, "mesh": dict(mesh.shape),
             TOKENIZER_KEY: tokenizer_entry}
+    if template is not None:  # generation and HF export render chats with the template the run trained on
+      meta[CHAT_TEMPLATE_KEY] = template.jinja
     checkpointer.save(step, state, train_iter, meta)
 
   def evaluate() -> dict[str, float]:
+    nonlocal eval_prompts
     eval_iter = iter(eval_ds)
-    loss_sum = tokens = 0.0
     # Dispatch every batch before fetching, so the host prepares batch i+1 while the device computes batch i.
     outs = [trainer.eval_fn(state, trainer.batch_to_device(next(eval_iter))) for _ in range(tc.eval_steps)]
-    for out in jax.device_get(outs):
-      loss_sum, tokens = loss_sum + float(out["loss_sum"]), tokens + float(out["tokens"])
+    sums = {k: sum(float(out[k]) for out in jax.device_get(outs)) for k in trainer.objective.eval_keys}
     _close(eval_iter)
-    if tokens == 0:
-      raise TrainingError("the eval batches hold no tokens; raise data.eval_fraction or set train.eval_every=0")
-    eval_loss = loss_sum / tokens
-    out = {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 80.0))}
+    try:
+      metrics = trainer.objective.eval_metrics(sums)
+    except ValueError as e:
+      raise TrainingError(str(e)) from None
+    if tc.eval_generations > 0 and template is not None:
+      if eval_prompts is None:
+        eval_prompts = chat_eval.eval_items(config, template)
+      with parallel.activate(mesh, trainer.rules):  # generation shards its batch and cache like training
+        metrics.update(chat_eval.exact_match(trainer.model(state), tokenizer, template, eval_prompts,
+                                             tc.eval_max_new_tokens))
     if task_evaluator is not None:
-      out.update(task_evaluator(trainer.model(state)))
-    return out
+      metrics.update(task_evaluator(trainer.model(state)))
+    return metrics
 
   summary = {"step": start, "loss": None, "eval_loss": None, "stopped": None}
   step = start
@@ -357,7 +455,9 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
 
 def _log_eval(log: logger_lib.MetricLogger, step: int, ev: dict[str, float]) -> float:
   log.log(step, ev)
-  log.message(f"step {step}: eval loss {ev['eval_loss']:.4f}, perplexity {ev['eval_perplexity']:.2f}")
+  extra = "".join(f", {k.removeprefix('eval_').replace('_', ' ')} {v:.3f}" for k, v in ev.items()
+                  if k not in ("eval_loss", "eval_perplexity") and "/" not in k)
+  log.message(f"step {step}: eval loss {ev['eval_loss']:.4f}, perplexity {ev['eval_perplexity']:.2f}{extra}")
   return ev["eval_loss"]
 
 
@@ -419,21 +519,39 @@ def _restore_tokenizer_file(checkpoint_dir: str, step: int, workdir: str) -> Non
     entry = checkpointer.metadata(step).get(TOKENIZER_KEY)
   finally:
     checkpointer.close()
-  if entry:
+  if entry and "base64" in entry:
     ckpt_lib.decode_file(entry, workdir)
 
 
+def restore_model_params(checkpointer: ckpt_lib.Checkpointer, step: int | None, abstract: Any) -> Any:
+  """The model weights of a meshlm checkpoint onto `abstract`'s shardings (ShapeDtypeStructs of the model's
+  parameter tree); a LoRA run's (train.lora_rank > 0) come with its adapters merged in (W + alpha/r * A @ B)."""
+  saved = checkpointer.metadata(step).get("config", {}).get("train", {})
+  if not saved.get("lora_rank", 0):
+    return checkpointer.restore_subtree({"params": abstract}, step)["params"]
+  from model import lora as lora_lib  # pylint: disable=g-import-not-at-top
+  rank, targets = int(saved["lora_rank"]), tuple(saved["lora_targets"])
+  adapters = jax.eval_shape(lambda: lora_lib.init(jax.random.PRNGKey(0), abstract, targets, rank))
+  first = jax.tree.leaves(abstract)[0].sharding
+  replicated = jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+  adapters = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), adapters)
+  tree = checkpointer.restore_subtree({"params": {"lora": adapters}, "frozen": {"model": abstract}}, step)
+  merged = lora_lib.merge(tree["frozen"]["model"], tree["params"]["lora"], float(saved["lora_alpha"]) / rank)
+  return jax.device_put(merged, jax.tree.map(lambda a: a.sharding, abstract))
+
+
 def _init_from(trainer, path: str) -> dict[str, Any]:
-  """Parameters (sharded like `trainer`'s) from a meshlm run/checkpoint directory or a Hugging Face directory."""
+  """Model parameters (sharded like `trainer`'s) from a meshlm run/checkpoint directory or a Hugging Face
+  directory; a meshlm run trained with LoRA gives its adapters merged into the weights."""
   from train import runconfig  # pylint: disable=g-import-not-at-top
-  abstract = trainer.abstract_state()["params"]
+  abstract = trainer.abstract_model_params()
   if not os.path.isdir(path):
     raise TrainingError(f"train.init_from={path!r} is not a directory; give a meshlm run directory, a "
                         "checkpoints/<step> directory or a Hugging Face model directory")
   if not runconfig.is_hf_dir(path):
     directory, step = ckpt_lib.find_checkpoint_dir(path)
     try:
-      return ckpt_lib.Checkpointer(directory, read_only=True).restore_subtree({"params": abstract}, step)["params"]
+      return restore_model_params(ckpt_lib.Checkpointer(directory, read_only=True), step, abstract)
     except (ValueError, KeyError) as e:
       raise TrainingError(f"train.init_from={path!r}: its parameters do not fit config.model ({e}); use the "
                           "model config of the run it came from") from None

@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from model import logprobs
+
 
 def loss_sums(logits_BLV: jax.Array, targets_BL: jax.Array, loss_mask_BL: jax.Array,
               z_loss_coef: float) -> dict[str, jax.Array]:
@@ -22,13 +24,8 @@ def loss_sums(logits_BLV: jax.Array, targets_BL: jax.Array, loss_mask_BL: jax.Ar
     dict of float32 scalars: `ce` (sum of -log p(target) over masked tokens, nats), `z` (sum of the z-loss
     terms), `tokens` (sum of the mask).
   """
-  logits_BLV = logits_BLV.astype(jnp.float32)
   mask_BL = loss_mask_BL.astype(jnp.float32)
-  logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-  # A masked sum over the vocabulary rather than a gather: stays local when the vocabulary is sharded over
-  # tensor (a gather would collect the logits on every device).
-  vocab_V = jnp.arange(logits_BLV.shape[-1], dtype=targets_BL.dtype)
-  target_logit_BL = jnp.sum(jnp.where(vocab_V == targets_BL[..., None], logits_BLV, 0.0), axis=-1)
+  target_logit_BL, logz_BL = logprobs.target_logits(logits_BLV, targets_BL)
   ce = jnp.sum((logz_BL - target_logit_BL) * mask_BL)
   z = z_loss_coef * jnp.sum(jnp.square(logz_BL) * mask_BL)
   return {"ce": ce, "z": z, "tokens": jnp.sum(mask_BL)}

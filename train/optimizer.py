@@ -86,6 +86,16 @@ def make(train_cfg) -> optax.GradientTransformation:
   return optax.chain(*parts)
 
 
+def with_frozen(tx: optax.GradientTransformation, freeze: Sequence[str]) -> optax.GradientTransformation:
+  """`tx` on the parameters whose path contains none of the `freeze` substrings; a zero update (and no optimizer
+  state) for the others, so they stay bit-identical (config.train.freeze)."""
+  if not freeze:
+    return tx
+  labels = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: "frozen" if any(s in path_name(path) for s in freeze) else "trained", params)
+  return optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
+
+
 def apply_lr(params: Any, updates: Any, lr: jax.Array) -> Any:
   """params - lr * updates, leaf by leaf, in the parameters' dtype."""
   return jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)

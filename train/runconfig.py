@@ -87,13 +87,6 @@ def keep_schedule(config: ml_collections.ConfigDict, saved: dict[str, Any]) -> s
           + f"); set train.schedule_steps=N to stretch it to N steps instead")
 
 
-def _require_tokenizer(config: ml_collections.ConfigDict, path: str) -> None:
-  # A Hugging Face directory's tokenizer is not read yet: its token ids must come from data.tokenizer.
-  if not config.data.tokenizer:
-    raise ConfigError(f"train.init_from={path!r} is a Hugging Face directory: set data.tokenizer to the "
-                      "sentencepiece model its vocabulary was built with (a new tokenizer would renumber tokens)")
-
-
 def source_model(config: ml_collections.ConfigDict) -> tuple[dict[str, Any], str]:
   """The model config dict of `train.init_from` and a description of where it came from."""
   path = config.train.init_from
@@ -102,7 +95,6 @@ def source_model(config: ml_collections.ConfigDict) -> tuple[dict[str, Any], str
                       "checkpoints/<step> directory or a Hugging Face model directory")
   if is_hf_dir(path):
     from model import hf  # pylint: disable=g-import-not-at-top
-    _require_tokenizer(config, path)
     with open(os.path.join(path, "config.json")) as f:
       try:
         return dict(hf.config_from_hf(json.load(f))), f"{path}/config.json"

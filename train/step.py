@@ -1,8 +1,10 @@
 """The training step: sharded state, one jitted `(state, batch) -> (state, metrics)`, and a minimal driver.
 
 State (a pytree of jax.Arrays, sharded by the logical-axis rules):
-  params     nested dict of float32 master weights (the model's nnx.Param tree as a pure dict)
-  opt_state  optax state of `train.optimizer.make` (Adam moments follow the parameters' sharding)
+  params     the trainable float32 master weights: the model's nnx.Param tree as a pure dict (with LoRA or an
+             objective's extra parameters, a dict holding them; see Trainer)
+  frozen     weights the optimizer never touches (the base model under LoRA, a reference model); only if any
+  opt_state  optax state of `train.optimizer.make` over `params` (Adam moments follow the parameters' sharding)
   step       int32 scalar, advances every call (also over skipped non-finite steps)
   rng        uint32[2] base key of the training stream (per-step randomness is fold_in(rng, step)); split from
              the seed apart from the parameter-init key, so it equals none of the keys init draws
@@ -28,17 +30,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from common.segments import positions_from_segments
 import model as model_lib
+from model import lora as lora_lib
 import parallel
 from parallel import rules as rules_lib
-from train import loss as loss_lib
 from train import mfu as mfu_lib
+from train import objectives
 from train import optimizer as optimizer_lib
 
-BATCH_KEYS = {"inputs": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
-              "loss_mask": jnp.float32}
 # XLA options trading run time for compile time (tiny test models compile ~2x faster on CPU).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-METRICS = ("loss", "z_loss", "total_loss", "grad_norm", "param_norm", "lr", "tokens", "nonfinite")
+STEP_METRICS = ("grad_norm", "param_norm", "lr", "nonfinite")  # reported by every objective's step
 MOE_METRICS = model_lib.moe.STATS  # MoE models add these (means over MoE layers and microbatches)
 EXPERT_LOAD = "moe_expert_load"  # the [E] vector among them, logged as moe_load/<expert> (share of assignments)
 
@@ -47,8 +48,32 @@ def _tree_add(a, b):
   return jax.tree.map(jnp.add, a, b)
 
 
+def _follow_params(opt_state, param_shardings, default):
+  """Shardings for an optimizer state: a leaf whose key path ends with a parameter's path (Adam's mu/nu, also
+  inside masked / multi-transform states) takes that parameter's sharding; counters and the like `default`."""
+  by_path = {tuple(path): s for path, s in jax.tree_util.tree_leaves_with_path(param_shardings)}
+  def lookup(path, leaf):
+    for i in range(len(path)):
+      s = by_path.get(tuple(path[i:]))
+      if s is not None and len(s.spec) <= len(leaf.shape):
+        return s
+    return default
+  return jax.tree_util.tree_map_with_path(lookup, opt_state)
+
+
 class Trainer:
-  """Builds the sharded train state and the jitted step for `config` on `mesh` (see module docstring).
+  """Builds the sharded train state and the jitted step of `config.train.objective` on `mesh` (module docstring).
+
+  The objective (train/objectives/) declares its batch arrays, loss and metric sums, extra trainable parameters
+  and frozen models; the Trainer owns the rest: shardings, jit, accumulation, clipping, non-finite skipping, the
+  optimizer over the trainable parameters only, and the state checkpoints save. With train.lora_rank > 0 the
+  model's weights are frozen and LoRA adapters on train.lora_targets are trained instead (model/lora.py).
+
+  State layout: `params` is what the optimizer trains, `frozen` (present only when non-empty) what it does not:
+    plain:  params = the model's parameter tree
+    LoRA:   params = {"lora": adapters, **extras}, frozen = {"model": model tree, ...}
+    extras: params = {"model": model tree, **extras} (objective heads)
+  plus frozen[name] = a copy of the starting model for each of the objective's `frozen_models`.
 
   Checks before anything compiles (ValueError naming the key / axis): heads vs the tensor axis, parameter
   dimensions vs their mesh axes, batch_size vs grad_accum and data x fsdp, rows per process (only the batch's
@@ -59,9 +84,16 @@ class Trainer:
     """`compiler_options`: XLA options for every compile of this trainer (e.g. FAST_COMPILE in tests)."""
     self.config, self.mesh = config, mesh
     t = config.train
+    self.objective = objectives.make(config)
+    self.batch_keys = dict(self.objective.batch_keys)
+    self.lora_rank = int(t.lora_rank)
+    if self.lora_rank < 0:
+      raise ValueError(f"config.train.lora_rank={self.lora_rank} must be >= 0 (0 = full fine-tuning)")
+    self.lora_targets = lora_lib.check_targets(t.lora_targets) if self.lora_rank else ()
+    self.lora_scale = float(t.lora_alpha) / self.lora_rank if self.lora_rank else 0.0
     self.rules = rules_lib.fit_rules(rules_lib.logical_rules(config.mesh), config.model, mesh)
     self._check_batch()
-    self.tx = optimizer_lib.make(t)
+    self.tx = optimizer_lib.with_frozen(optimizer_lib.make(t), tuple(t.freeze))
     self.lr_fn = optimizer_lib.schedule(t)
     self._replicated = parallel.sharding.replicated(mesh)
 
@@ -73,30 +105,41 @@ class Trainer:
     if jax.tree.leaves(rest):
       raise ValueError("train.step keeps only nnx.Param state; the model has other variables: "
                        f"{jax.tree.map(lambda x: x.shape, rest)}")
-    rules_lib.check_divisible(param_specs, nnx.to_pure_dict(abstract_params), mesh)
-    self.param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), param_specs,
-                                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    model_params = nnx.to_pure_dict(abstract_params)
+    rules_lib.check_divisible(param_specs, model_params, mesh)
+    if self.lora_rank and not lora_lib.kernels(model_params, self.lora_targets):
+      raise ValueError(f"config.train.lora_targets={self.lora_targets!r} matches no parameter of the model")
+    extra_specs = {name: model_lib.axes.spec(names, self.rules)
+                   for name, (_, names) in self.objective.extra_params.items()}
+    adapter_specs = (lora_lib.specs(param_specs, model_params, self.lora_targets) if self.lora_rank else {})
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    to_sharding = lambda tree: jax.tree.map(lambda p: NamedSharding(mesh, p), tree, is_leaf=is_spec)
+    self.param_shardings = to_sharding(param_specs)  # the model's parameter tree
+    self._abstract_model_params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                               model_params, self.param_shardings)
+    trainable_specs, frozen_specs = self._compose(param_specs, extra_specs, adapter_specs)
+    trainable_shardings, frozen_shardings = to_sharding(trainable_specs), to_sharding(frozen_specs)
     abstract = jax.eval_shape(self._init_state, key)
-    opt_shardings = optax.tree_map_params(
-        self.tx, lambda _, s: s, abstract["opt_state"], self.param_shardings,
-        transform_non_params=lambda _: self._replicated)
-    self.state_shardings = {"params": self.param_shardings, "opt_state": opt_shardings,
+    opt_shardings = _follow_params(abstract["opt_state"], trainable_shardings, self._replicated)
+    self.state_shardings = {"params": trainable_shardings, "opt_state": opt_shardings,
                             "step": self._replicated, "rng": self._replicated}
+    if frozen_specs:
+      self.state_shardings["frozen"] = frozen_shardings
     self._abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, self.state_shardings)
     self.batch_sharding = parallel.sharding.logical_sharding(mesh, self.rules, ("batch", "length"))
-    batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
-    self.metric_names = METRICS
+    batch_shardings = {k: self.batch_sharding for k in self.batch_keys}
+    self.metric_keys = tuple(self.objective.metric_keys) + STEP_METRICS
     if config.model.num_experts:
-      self.metric_names += tuple(k for k in MOE_METRICS if k != EXPERT_LOAD)
-      self.metric_names += tuple(f"moe_load/{e}" for e in range(config.model.num_experts))
-    metric_shardings = {k: self._replicated for k in self.metric_names}
+      self.metric_keys += tuple(k for k in MOE_METRICS if k != EXPERT_LOAD)
+      self.metric_keys += tuple(f"moe_load/{e}" for e in range(config.model.num_experts))
+    metric_shardings = {k: self._replicated for k in self.metric_keys}
     jit = functools.partial(jax.jit, compiler_options=compiler_options)
     self._init_fn = jit(self._init_state, out_shardings=self.state_shardings)
     self.step_fn = jit(self._step, in_shardings=(self.state_shardings, batch_shardings),
                        out_shardings=(self.state_shardings, metric_shardings), donate_argnums=0)
     self.eval_fn = jit(self._eval, in_shardings=(self.state_shardings, batch_shardings),
-                       out_shardings={"loss_sum": self._replicated, "tokens": self._replicated})
+                       out_shardings={k: self._replicated for k in self.objective.eval_keys})
     self._compiled = None
 
   # ---- checks -------------------------------------------------------------------------------------------
@@ -128,52 +171,101 @@ class Trainer:
     params_key, train_key = jax.random.split(key)
     return params_key, train_key
 
+  def _compose(self, model_params, extras, adapters) -> tuple[Any, dict[str, Any]]:
+    """(trainable, frozen) trees from the model's parameters, the objective's extras and the LoRA adapters."""
+    frozen = {name: model_params for name in self.objective.frozen_models}
+    if adapters:
+      return {"lora": adapters, **extras}, dict(frozen, model=model_params)
+    if extras:
+      return {"model": model_params, **extras}, frozen
+    return model_params, frozen
+
+  def _decompose(self, params, frozen) -> tuple[Any, dict[str, Any]]:
+    """(model parameters for the forward pass, the objective's extras): inverse of `_compose`, LoRA merged."""
+    if self.lora_rank:
+      extras = {k: v for k, v in params.items() if k != "lora"}
+      return lora_lib.merge(frozen["model"], params["lora"], self.lora_scale), extras
+    if self.objective.extra_params:
+      return params["model"], {k: v for k, v in params.items() if k != "model"}
+    return params, {}
+
   def _init_state(self, key) -> dict[str, Any]:
     params_key, train_key = self.init_keys(key)
     with parallel.activate(self.mesh, self.rules, inside_jit=True):
-      params = nnx.to_pure_dict(nnx.state(self._new_model(params_key), nnx.Param))
-    return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32),
-            "rng": train_key}
+      model_params = nnx.to_pure_dict(nnx.state(self._new_model(params_key), nnx.Param))
+      std = self.config.model.init_std
+      extras = {name: std * jax.random.normal(jax.random.fold_in(params_key, 2 + i), shape, jnp.float32)
+                for i, (name, (shape, _)) in enumerate(sorted(self.objective.extra_params.items()))}
+      adapters = (lora_lib.init(jax.random.fold_in(params_key, 3), model_params, self.lora_targets,
+                                self.lora_rank) if self.lora_rank else {})
+    params, frozen = self._compose(model_params, extras, adapters)
+    state = {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32),
+             "rng": train_key}
+    if frozen:
+      state["frozen"] = frozen
+    return state
 
   def init(self, seed: int | None = None) -> dict[str, Any]:
     """A fresh state from `seed` (default config.train.seed), created directly sharded on the mesh."""
     seed = self.config.train.seed if seed is None else seed
     return self._init_fn(jax.random.PRNGKey(seed))
 
+  def with_model_params(self, state: dict[str, Any], model_params: Any) -> dict[str, Any]:
+    """`state` with the model's weights replaced by `model_params` (sharded like `param_shardings`) wherever the
+    layout keeps them: trained, frozen under LoRA, and as every frozen copy (init_from)."""
+    state = dict(state)
+    frozen = dict(state.get("frozen", {}))
+    for name in self.objective.frozen_models:
+      frozen[name] = model_params
+    if self.lora_rank:
+      frozen["model"] = model_params
+    elif self.objective.extra_params:
+      state["params"] = dict(state["params"], model=model_params)
+    else:
+      state["params"] = model_params
+    if frozen:
+      state["frozen"] = frozen
+    return state
+
   def abstract_state(self) -> dict[str, Any]:
     """The state as ShapeDtypeStructs carrying their shardings (orbax restore targets, AOT compilation)."""
     return self._abstract_state
+
+  def abstract_model_params(self) -> Any:
+    """The model's parameter tree as ShapeDtypeStructs with their shardings (whatever the state layout)."""
+    return self._abstract_model_params
 
   def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
     """One global batch as ShapeDtypeStructs: [batch_size, seq_len] each, rows over data+fsdp."""
     t = self.config.train
     return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dt, sharding=self.batch_sharding)
-            for k, dt in BATCH_KEYS.items()}
+            for k, dt in self.batch_keys.items()}
 
   def model(self, state: dict[str, Any]) -> model_lib.Transformer:
-    """An nnx Transformer holding `state`'s parameters (shared buffers, not copies)."""
-    return self._merge(state["params"])
+    """An nnx Transformer holding `state`'s model parameters (LoRA adapters merged into the weights)."""
+    model_params, _ = self._decompose(state["params"], state.get("frozen", {}))
+    return self._merge(model_params)
 
   def _merge(self, params) -> model_lib.Transformer:
     return nnx.merge(self._graphdef, params)
 
   # ---- step ---------------------------------------------------------------------------------------------
-  def _sums(self, params, batch, tokens=1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """((ce + z) sums / tokens + MoE losses, {ce, z, tokens, MoE statistics} sums) for one (micro)batch;
-    `tokens` = the global batch's.
+  def _sums(self, params, frozen, batch, normalizer=1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(objective loss / normalizer + MoE losses, the objective's sums) for one (micro)batch; `normalizer` = the
+    global batch's.
 
     MoE: + moe_aux_loss * balance + router_z_loss * z_router, each a mean over MoE layers of this microbatch
-    (model.moe.router_stats), divided by grad_accum so the accumulated objective averages the microbatches.
+    (model.moe.router_stats, returned by `Objective.forward` divided by grad_accum so the accumulated objective
+    averages the microbatches).
     """
-    model = self._merge(params)
-    t = self.config.train
-    logits_BLV, aux = model(batch["inputs"], batch["segment_ids"], batch["positions"], return_aux=True)
-    sums = loss_lib.loss_sums(logits_BLV, batch["targets"], batch["loss_mask"], t.z_loss)
-    objective = (sums["ce"] + sums["z"]) / tokens
-    if aux:
-      sums.update({k: aux[k] / t.grad_accum for k in MOE_METRICS})
-      objective += t.moe_aux_loss * sums["moe_aux_loss"] + t.router_z_loss * sums["router_z_loss"]
-    return objective, sums
+    model_params, extras = self._decompose(params, frozen)
+    frozen_models = {name: self._merge(frozen[name]) for name in self.objective.frozen_models}
+    sums = self.objective.sums(self._merge(model_params), batch, extras, frozen_models)
+    loss = self.objective.loss(sums) / normalizer
+    if self.config.model.num_experts:
+      t = self.config.train
+      loss += t.moe_aux_loss * sums["moe_aux_loss"] + t.router_z_loss * sums["router_z_loss"]
+    return loss, sums
 
   def _microbatches(self, batch):
     """[B, L] -> [A, B/A, L] with microbatch a = rows a, a+A, ...: each device keeps its own rows (no
@@ -185,34 +277,38 @@ class Trainer:
       return jax.lax.with_sharding_constraint(x_ABL, NamedSharding(self.mesh, spec))
     return jax.tree.map(split, batch)
 
-  def _grads(self, params, batch, tokens):
-    """Gradient of the mean loss over the whole batch's tokens, summed over microbatches, and the loss sums."""
+  def _grads(self, params, frozen, batch, normalizer):
+    """Gradient of the objective over the whole batch (w.r.t. the trainable parameters), summed over
+    microbatches, and the objective's sums."""
     grad_fn = jax.grad(self._sums, has_aux=True)
+    trainable_shardings = self.state_shardings["params"]
     if self.config.train.grad_accum == 1:
-      return grad_fn(params, batch, tokens)
-    zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), self.param_shardings)
+      return grad_fn(params, frozen, batch, normalizer)
+    zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), trainable_shardings)
     m = self.config.model
     zero_sums = {k: jnp.zeros((m.num_experts,) if k == EXPERT_LOAD else (), jnp.float32)
-                 for k in ("ce", "z", "tokens") + (MOE_METRICS if m.num_experts else ())}
+                 for k in tuple(self.objective.sum_keys) + (MOE_METRICS if m.num_experts else ())}
     def body(carry, microbatch):
-      grads, sums = grad_fn(params, microbatch, tokens)
-      grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
+      grads, sums = grad_fn(params, frozen, microbatch, normalizer)
+      grads = jax.lax.with_sharding_constraint(grads, trainable_shardings)
       return (_tree_add(carry[0], grads), _tree_add(carry[1], sums)), None
     (grads, sums), _ = jax.lax.scan(body, (zeros, zero_sums), self._microbatches(batch))
     return grads, sums
 
   def _step(self, state, batch):
     with parallel.activate(self.mesh, self.rules, inside_jit=True):
-      params, step = state["params"], state["step"]
-      # Dividing by the whole batch's token count inside every microbatch's loss makes the accumulated
-      # gradient exactly that of the large batch's mean loss.
-      tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
-      grads, sums = self._grads(params, batch, tokens)
-      grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
-      loss, z_loss = sums["ce"] / tokens, sums["z"] / tokens
+      params, step, frozen = state["params"], state["step"], state.get("frozen", {})
+      # Dividing by the whole batch's normalizer (e.g. loss tokens) inside every microbatch's loss makes the
+      # accumulated gradient exactly that of the large batch's mean loss.
+      normalizer = self.objective.normalizer(batch)
+      grads, sums = self._grads(params, frozen, batch, normalizer)
+      grads = jax.lax.with_sharding_constraint(grads, self.state_shardings["params"])
+      reported = self.objective.metrics(sums, normalizer)
       grad_norm = optax.tree.norm(grads)
       lr = self.lr_fn(step)
-      finite = jnp.isfinite(loss) & jnp.isfinite(z_loss) & jnp.isfinite(grad_norm)
+      finite = jnp.isfinite(grad_norm)
+      for value in reported.values():
+        finite &= jnp.isfinite(value)
 
       def update(operands):
         params, opt_state, grads = operands
@@ -222,21 +318,23 @@ class Trainer:
       # A conditional, not a select: no second copy of parameters and moments is kept for the skip case.
       new_params, opt_state = jax.lax.cond(finite, update, lambda operands: operands[:2],
                                            (params, state["opt_state"], grads))
-      metrics = {"loss": loss, "z_loss": z_loss, "total_loss": loss + z_loss, "grad_norm": grad_norm,
-                 "param_norm": optax.tree.norm(new_params), "lr": lr, "tokens": sums["tokens"],
+      metrics = {**reported, "grad_norm": grad_norm, "param_norm": optax.tree.norm(new_params), "lr": lr,
                  "nonfinite": 1.0 - finite.astype(jnp.float32)}
       if self.config.model.num_experts:
         metrics.update({k: sums[k] for k in MOE_METRICS if k != EXPERT_LOAD})
         metrics.update({f"moe_load/{e}": load for e, load in enumerate(sums[EXPERT_LOAD])})
         t = self.config.train
-        metrics["total_loss"] += t.moe_aux_loss * sums["moe_aux_loss"] + t.router_z_loss * sums["router_z_loss"]
-      new_state = {"params": new_params, "opt_state": opt_state, "step": step + 1, "rng": state["rng"]}
+        if "total_loss" in metrics:
+          metrics["total_loss"] += t.moe_aux_loss * sums["moe_aux_loss"] + t.router_z_loss * sums["router_z_loss"]
+      new_state = dict(state, params=new_params, opt_state=opt_state, step=step + 1)
       return new_state, {k: v.astype(jnp.float32) for k, v in metrics.items()}
 
   def _eval(self, state, batch):
     with parallel.activate(self.mesh, self.rules, inside_jit=True):
-      _, sums = self._sums(state["params"], batch)
-    return {"loss_sum": sums["ce"], "tokens": sums["tokens"]}
+      frozen = state.get("frozen", {})
+      model_params, extras = self._decompose(state["params"], frozen)
+      frozen_models = {name: self._merge(frozen[name]) for name in self.objective.frozen_models}
+      return self.objective.eval_sums(self._merge(model_params), batch, extras, frozen_models)
 
   # ---- compiled facts -----------------------------------------------------------------------------------
   def compiled(self):
@@ -261,7 +359,7 @@ class Trainer:
 
     Global rows = local rows x process count (train batches: config.train.batch_size; eval batches may differ).
     """
-    local = {k: np.asarray(local_batch[k], dtype=dt) for k, dt in BATCH_KEYS.items()}
+    local = {k: np.asarray(local_batch[k], dtype=dt) for k, dt in self.batch_keys.items()}
     return parallel.sharding.global_batch(local, self.batch_sharding)
 
 

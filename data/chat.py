@@ -1,0 +1,283 @@
+"""Conversations: parsing chat records, rendering them with a chat template, and the assistant-token loss mask.
+
+Records (JSONL, one per line; source kind `chat:PATH` or the built-in `builtin:instruct`):
+  {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+  {"prompt": "..." | [messages], "completion": "..." | [messages]}     (prompt turns, then assistant turns)
+An optional "family" string names the task family for per-family evaluation.
+
+Templates (`config.data.chat_template`):
+  meshlm  the default, Llama-3-like: BOS, then per message `<|role|> content <|end_of_turn|>`; a generation
+          prompt ends with `<|assistant|>`. The markers are the tokenizer's reserved control pieces, inserted by
+          id, so no text a user types can produce them (data/tokenizer.py RESERVED).
+  auto    an HF tokenizer's own Jinja `chat_template` (tokenizer_config.json) when it has one, else meshlm.
+  PATH    a Jinja file in Hugging Face's chat-template language.
+Jinja templates render text; special tokens (BOS, role headers) are matched in that text by the tokenizer, and
+the assistant spans are found by rendering each prefix of the conversation (the span of assistant turn i is the
+text between the rendering of messages[:i] with the generation prompt and that of messages[:i+1]).
+
+Loss mask (`config.data.chat_loss`): `assistant` = the tokens of every assistant turn including its end-of-turn
+marker (not the role marker that opens it); `all` = every token. Conversations longer than seq_len + 1 tokens
+are truncated (`config.data.chat_truncation`): `right` drops the end, `left` drops the beginning (keeps the
+last turns); each is counted in `data/chat_truncated`. Bad records (no assistant turn, an unknown role, a role
+the tokenizer has no marker for, no messages) are counted per reason (`data/chat_skipped_<reason>`) and skipped,
+or raise with config.data.strict.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from data import files
+from data import sources as sources_lib
+
+ROLES = ("system", "user", "assistant")
+MARKERS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+END_OF_TURN = "<|end_of_turn|>"
+# The meshlm template in Hugging Face's Jinja chat-template language (exported as tokenizer_config.json's
+# `chat_template`, so `apply_chat_template` renders the same tokens).
+MESHLM_JINJA = ("{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] "
+                "+ '<|end_of_turn|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+class ChatError(ValueError):
+  """A conversation that cannot be used; `reason` is a short counter name (no_assistant, unknown_role, ...)."""
+
+  def __init__(self, reason: str, message: str):
+    super().__init__(message)
+    self.reason = reason
+
+
+def parse_record(record: Any) -> list[dict[str, str]]:
+  """A chat record (module docstring) -> its list of {"role", "content"} messages; ChatError if malformed."""
+  if not isinstance(record, dict):
+    raise ChatError("not_an_object", f"a chat record must be a JSON object, got {type(record).__name__}")
+  if "messages" in record:
+    messages = record["messages"]
+  elif "prompt" in record and "completion" in record:
+    prompt, completion = record["prompt"], record["completion"]
+    messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)) + (
+        [{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion))
+  else:
+    raise ChatError("no_messages", f"a chat record needs 'messages' or 'prompt' + 'completion'; it has "
+                    f"{sorted(record)}")
+  if not isinstance(messages, list) or not messages:
+    raise ChatError("no_messages", "the record's 'messages' is empty or not a list")
+  out = []
+  for m in messages:
+    if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+      raise ChatError("bad_message", f"each message needs a 'role' and a string 'content'; got {m!r:.80}")
+    if m.get("role") not in ROLES:
+      raise ChatError("unknown_role", f"unknown role {m.get('role')!r}; roles are {', '.join(ROLES)}")
+    out.append({"role": m["role"], "content": m["content"]})
+  if not any(m["role"] == "assistant" for m in out):
+    raise ChatError("no_assistant", "the conversation has no assistant turn: nothing to learn from it")
+  return out
+
+
+class MeshlmTemplate:
+  """The built-in template (module docstring), rendered token by token with the markers inserted by id."""
+  name = "meshlm"
+  jinja = MESHLM_JINJA
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+    missing = [p for p in (MARKERS["user"], MARKERS["assistant"], END_OF_TURN) if not _has_piece(tokenizer, p)]
+    if missing:
+      raise ValueError(f"the tokenizer {getattr(tokenizer, 'path', '')!r} lacks the special pieces {missing} the "
+                       "meshlm chat template needs; use a meshlm tokenizer (data/tokenizer.py reserves them) or set "
+                       "config.data.chat_template to a Jinja template written for this tokenizer")
+    self.ids = {role: tokenizer.special_id(p) for role, p in MARKERS.items() if _has_piece(tokenizer, p)}
+    self.end_id = tokenizer.special_id(END_OF_TURN)
+
+  def stop_ids(self) -> tuple[int, ...]:
+    return (self.end_id, self.tokenizer.eos_id)
+
+  def render(self, messages: Sequence[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """(token ids, assistant flags) of a whole conversation, BOS first."""
+    ids, flags = [self.tokenizer.bos_id], [0]
+    for m in messages:
+      if m["role"] not in self.ids:
+        raise ChatError("missing_marker", f"the tokenizer has no marker piece {MARKERS[m['role']]!r} for role "
+                        f"{m['role']!r}")
+      body = self.tokenizer.encode(m["content"]) + [self.end_id]
+      flag = int(m["role"] == "assistant")
+      ids += [self.ids[m["role"]]] + body
+      flags += [0] + [flag] * len(body)
+    return ids, flags
+
+  def prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` followed by the generation prompt (the assistant marker)."""
+    ids = self.render(messages)[0] if messages else [self.tokenizer.bos_id]
+    return ids + [self.ids["assistant"]]
+
+
+class JinjaTemplate:
+  """A Hugging Face Jinja chat template rendered with jinja2 (sandboxed), tokenized with special-token matching."""
+  name = "jinja"
+
+  def __init__(self, tokenizer, source: str):
+    import jinja2  # pylint: disable=g-import-not-at-top
+    from jinja2 import sandbox  # pylint: disable=g-import-not-at-top
+    self.tokenizer, self.jinja = tokenizer, source
+    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+    def raise_exception(message):
+      raise jinja2.exceptions.TemplateError(message)
+    env.globals["raise_exception"] = raise_exception
+    self._template = env.from_string(source)
+    self._bos = tokenizer.id_to_piece(tokenizer.bos_id)
+    self._eos = tokenizer.id_to_piece(tokenizer.eos_id)
+
+  def stop_ids(self) -> tuple[int, ...]:
+    return tuple(getattr(self.tokenizer, "stop_ids", (self.tokenizer.eos_id,)))
+
+  def text(self, messages, add_generation_prompt: bool = False) -> str:
+    return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                 bos_token=self._bos, eos_token=self._eos)
+
+  def render(self, messages: Sequence[dict[str, str]]) -> tuple[list[int], list[int]]:
+    full = self.text(messages)
+    cuts, spans = {0, len(full)}, []
+    for i, m in enumerate(messages):
+      if m["role"] != "assistant":
+        continue
+      start, end = len(self.text(messages[:i], True)), len(self.text(messages[:i + 1]))
+      if not (full.startswith(self.text(messages[:i], True)) and full.startswith(self.text(messages[:i + 1]))):
+        raise ChatError("template_not_prefix", "the chat template does not render conversations prefix by prefix "
+                        "(the rendering of a prefix is not a prefix of the whole); the assistant spans are unknown")
+      spans.append((start, end))
+      cuts |= {start, end}
+    ids, flags = [], []
+    bounds = sorted(cuts)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+      chunk = self.tokenizer.encode_with_specials(full[a:b])
+      flag = int(any(s <= a and b <= e for s, e in spans))
+      ids += chunk
+      flags += [flag] * len(chunk)
+    return ids, flags
+
+  def prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    return self.tokenizer.encode_with_specials(self.text(messages, True))
+
+
+def write_chat_template(directory: str, jinja: str) -> None:
+  """Sets `chat_template` in DIRECTORY/tokenizer_config.json (created if absent, other keys kept), so that
+  `transformers`' `apply_chat_template` renders conversations as the run was trained (exports call this)."""
+  path = os.path.join(directory, "tokenizer_config.json")
+  config = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      config = json.load(f)
+  config["chat_template"] = jinja
+  with open(path + ".tmp", "w") as f:
+    json.dump(config, f, indent=2)
+  os.replace(path + ".tmp", path)
+
+
+def _has_piece(tokenizer, piece: str) -> bool:
+  try:
+    tokenizer.special_id(piece)
+    return True
+  except KeyError:
+    return False
+
+
+def make_template(data_config, tokenizer):
+  """The template named by config.data.chat_template for `tokenizer` (ValueError naming the key and the fix)."""
+  name = data_config.chat_template
+  if name == "auto":
+    source = getattr(tokenizer, "chat_template", None)
+    return JinjaTemplate(tokenizer, source) if source else MeshlmTemplate(tokenizer)
+  if name == "meshlm":
+    return MeshlmTemplate(tokenizer)
+  if os.path.isfile(name):
+    with open(name) as f:
+      return JinjaTemplate(tokenizer, f.read())
+  raise ValueError(f"config.data.chat_template={name!r} is not auto, meshlm or an existing Jinja file")
+
+
+@dataclasses.dataclass
+class ChatEncoder:
+  """Record text -> {inputs, targets, loss_mask} of at most seq_len tokens (module docstring), or None."""
+  template: Any
+  seq_len: int
+  loss: str = "assistant"
+  truncation: str = "right"
+  strict: bool = False
+
+  def __post_init__(self):
+    if self.loss not in ("assistant", "all"):
+      raise ValueError(f"config.data.chat_loss={self.loss!r} must be 'assistant' or 'all'")
+    if self.truncation not in ("right", "left"):
+      raise ValueError(f"config.data.chat_truncation={self.truncation!r} must be 'right' or 'left'")
+
+  def __call__(self, text: str, where: str = "chat record") -> dict[str, np.ndarray] | None:
+    try:
+      messages = parse_record(json.loads(text))
+      ids, flags = self.template.render(messages)
+    except json.JSONDecodeError as e:
+      return self._skip("unparseable", f"{where}: unparseable JSON ({e})")
+    except ChatError as e:
+      return self._skip(e.reason, f"{where}: {e}")
+    ids, flags = np.asarray(ids, np.int32), np.asarray(flags, np.float32)
+    inputs, targets, mask = ids[:-1], ids[1:], flags[1:] if self.loss == "assistant" else np.ones(len(ids) - 1,
+                                                                                                   np.float32)
+    if len(inputs) > self.seq_len:
+      files.COUNTERS["chat_truncated"] += 1
+      keep = slice(0, self.seq_len) if self.truncation == "right" else slice(len(inputs) - self.seq_len, None)
+      inputs, targets, mask = inputs[keep], targets[keep], mask[keep]
+    if not mask.any():
+      return self._skip("no_loss_tokens", f"{where}: no assistant token is left after truncation to "
+                        f"{self.seq_len} tokens (config.data.chat_truncation={self.truncation!r})")
+    return {"inputs": inputs, "targets": targets, "loss_mask": mask}
+
+  def _skip(self, reason: str, message: str):
+    if self.strict:
+      raise ValueError(message + "; fix the record or set config.data.strict=False to skip such records")
+    files.COUNTERS[f"chat_skipped_{reason}"] += 1
+    files.warn_once(f"chat:{reason}", message + " -- skipped (counted in data/chat_skipped_" + reason + ")")
+    return None
+
+
+def is_chat_source(spec) -> bool:
+  """Whether a parsed mixture item holds conversations (chat:PATH or builtin:instruct)."""
+  return spec.kind == "chat" or (spec.kind == "builtin" and spec.arg == "instruct")
+
+
+@dataclasses.dataclass
+class EvalItem:
+  family: str
+  messages: list[dict[str, str]]  # the conversation before its last assistant turn
+  answer: str  # the last assistant turn's content
+
+
+def eval_items(data_config, per_family: int, eval_fraction: float | None = None) -> list[EvalItem]:
+  """Held-out prompts with reference answers from the chat sources' eval split: up to `per_family` per family
+  (a record's "family", else its source name), in a fixed order."""
+  specs, srcs = sources_lib.open_sources(data_config)
+  fraction = data_config.eval_fraction if eval_fraction is None else eval_fraction
+  items: dict[str, list[EvalItem]] = {}
+  for spec, src in zip(specs, srcs):
+    if not is_chat_source(spec):
+      continue
+    for i in sources_lib.source_split(src, fraction, "eval"):
+      try:
+        record = json.loads(src[int(i)])
+        messages = parse_record(record)
+      except (json.JSONDecodeError, ChatError):
+        continue
+      last = max(j for j, m in enumerate(messages) if m["role"] == "assistant")
+      family = str(record.get("family") or spec.name)
+      bucket = items.setdefault(family, [])
+      if len(bucket) < per_family:
+        bucket.append(EvalItem(family, messages[:last], messages[last]["content"]))
+  return [item for family in sorted(items) for item in items[family]]
+
+
+def exact_match(prediction: str, answer: str) -> bool:
+  """Exact match after stripping surrounding whitespace (lm-eval's `exact_match` with ignore_whitespace at ends)."""
+  return prediction.strip() == answer.strip()

@@ -1,0 +1,49 @@
+"""Exact match of greedy chat answers on held-out prompts: `eval_exact_match` and `eval_exact_match/<family>`.
+
+The prompts are the conversations of the chat sources' eval split up to their last assistant turn (rendered with
+the run's template and its generation prompt); the reference is that turn's content. Generation is greedy
+(temperature 0) with the shared sampler `model.generate.generate`, stopping at the template's end-of-turn / EOS
+ids, at most config.train.eval_max_new_tokens tokens. A prediction matches when it equals the reference after
+stripping surrounding whitespace (data.chat.exact_match).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from data import chat as chat_lib
+from data import sources as sources_lib
+
+
+def template_for(config, tokenizer):
+  """The run's chat template when its data has chat sources (data/chat.py make_template), else None."""
+  specs = sources_lib.parse_spec(config.data.sources, tuple(config.data.weights))
+  if not any(chat_lib.is_chat_source(s) for s in specs):
+    return None
+  return chat_lib.make_template(config.data, tokenizer)
+
+
+def eval_items(config, template) -> list[chat_lib.EvalItem]:
+  """Up to config.train.eval_generations held-out prompts per task family."""
+  del template  # the items are messages; they are rendered when generated
+  return chat_lib.eval_items(config.data, per_family=config.train.eval_generations)
+
+
+def exact_match(model, tokenizer, template, items: Sequence[chat_lib.EvalItem], max_new_tokens: int,
+                batch_size: int = 64) -> dict[str, float]:
+  """{"eval_exact_match": fraction over all items, "eval_exact_match/<family>": fraction per family}."""
+  from model import generate as generate_lib  # pylint: disable=g-import-not-at-top
+  stops = tuple(template.stop_ids())
+  hits: dict[str, list[bool]] = {}
+  for start in range(0, len(items), batch_size):
+    chunk = items[start:start + batch_size]
+    prompts = [template.prompt(item.messages) for item in chunk]
+    outs = generate_lib.generate(model, prompts, max_new_tokens, temperature=0.0, stop_ids=stops)
+    for item, out in zip(chunk, outs):
+      answer = tokenizer.decode([t for t in out if t not in stops])
+      hits.setdefault(item.family, []).append(chat_lib.exact_match(answer, item.answer))
+  if not hits:
+    return {}
+  every = [h for family in hits.values() for h in family]
+  out = {"eval_exact_match": sum(every) / len(every)}
+  out.update({f"eval_exact_match/{family}": sum(h) / len(h) for family, h in sorted(hits.items())})
+  return out

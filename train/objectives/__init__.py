@@ -1,0 +1,19 @@
+"""Training objectives of the one Trainer (`train.objective`): one module per objective (see base.py)."""
+from __future__ import annotations
+
+from train.objectives.base import Objective, TOKEN_BATCH_KEYS
+from train.objectives.lm import LanguageModel
+from train.objectives.sft import SupervisedFineTuning
+
+OBJECTIVES = {cls.name: cls for cls in (LanguageModel, SupervisedFineTuning)}
+
+
+def make(config) -> Objective:
+  """The objective named by config.train.objective (ValueError naming the key otherwise)."""
+  name = config.train.objective
+  if name not in OBJECTIVES:
+    raise ValueError(f"config.train.objective={name!r} is not one of {', '.join(OBJECTIVES)}")
+  return OBJECTIVES[name](config)
+
+
+__all__ = ["OBJECTIVES", "Objective", "TOKEN_BATCH_KEYS", "make"]
