@@ -26,6 +26,8 @@ def export(workdir: str, output: str, step: int | None = None) -> str:
   hf.save(run.model, output)
   hf_tokenizer.write(run.tokenizer_path, output, model_max_length=run.config.model.max_seq_len)
   shutil.copyfile(run.tokenizer_path, os.path.join(output, "tokenizer.model"))
+  from data import chat  # pylint: disable=g-import-not-at-top
+  chat.write_chat_template(output, run.chat_template or chat.MESHLM_JINJA)  # generation renders chats alike
   return output
 
 

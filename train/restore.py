@@ -37,6 +37,7 @@ class Run:
   mesh: jax.sharding.Mesh
   rules: tuple
   step: int | None
+  chat_template: str | None = None  # the Jinja template a chat run trained with (exports write it)
 
 
 def _inference_config(config_dict: Mapping[str, Any], mesh_overrides: Mapping[str, int] | None):
@@ -95,10 +96,12 @@ def load_run(workdir: str, step: int | None = None, mesh_overrides: Mapping[str,
       lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, p)),
       nnx.to_pure_dict(abstract_state), nnx.to_pure_dict(specs),
       is_leaf=lambda x: isinstance(x, PartitionSpec))
-  params = checkpointer.restore_subtree({"params": abstract_params}, step)["params"]
+  from train import loop  # pylint: disable=g-import-not-at-top
+  params = loop.restore_model_params(checkpointer, step, abstract_params)  # LoRA runs: adapters merged
   nnx.replace_by_pure_dict(abstract_state, params)
   model = nnx.merge(graphdef, abstract_state)
-  return Run(config, model, _tokenizer_file(workdir, config, meta), mesh, rules, step)
+  return Run(config, model, _tokenizer_file(workdir, config, meta), mesh, rules, step,
+             meta.get(loop.CHAT_TEMPLATE_KEY))
 
 
 def _tokenizer_file(workdir: str, config, meta: Mapping[str, Any]) -> str:
