@@ -42,7 +42,7 @@ def lora_run():
   trainer = _trainer(4)
   start = trainer.init()
   base_before = jax.device_get(start["frozen"]["model"])
-  state, losses = _train(trainer, 4, start)
+  state, losses = _train(trainer, 4, start, same_batch=True)  # one batch: its loss must fall
   return {"trainer": trainer, "state": state, "base_before": base_before, "losses": losses}
 
 
