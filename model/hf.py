@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,9 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from model import axes
 from model import config as config_lib
+from model import safetensors_io
 from model.transformer import Transformer
 
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
@@ -134,23 +136,53 @@ def config_to_hf(cfg: Mapping[str, Any]) -> dict:
   return hf
 
 
+def _ranges(index: tuple, shape: Sequence[int]) -> list[range]:
+  return [range(*sl.indices(n)) for sl, n in zip(index, shape)]
+
+
+def _flat_index(ranges: Sequence[range], shape: Sequence[int]):
+  """Row-major flat positions of the block `ranges` of an array of `shape`, as a slice when contiguous."""
+  if not ranges:
+    return slice(0, 1)
+  flat = np.ravel_multi_index(np.meshgrid(*ranges, indexing="ij"), tuple(shape)).reshape(-1)
+  if flat.size and flat[-1] - flat[0] + 1 == flat.size:
+    return slice(int(flat[0]), int(flat[-1]) + 1)
+  return flat
+
+
 class Entry(NamedTuple):
   """One tensor of the two-way name table. `hf` may hold `{i}` (layer) and `{j}` (expert); `path` is the meshlm
   parameter path inside the model (`layers/...` paths: inside one layer; `{j}` entries: one expert's slice).
-  `to_hf(w)` turns meshlm's array into the HF tensor; `from_hf(w, shape)` the HF tensor into meshlm's `shape`."""
+  `n_in` = 0: the HF tensor has meshlm's layout; n_in > 0: meshlm's einsum kernel [n_in input dims..., output
+  dims...] is the HF Linear weight [out, in] (the dims of each side flattened row-major)."""
   hf: str
   path: str
-  to_hf: Callable[[np.ndarray], np.ndarray]
-  from_hf: Callable[[np.ndarray, tuple], np.ndarray]
+  n_in: int
 
+  def hf_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+    """The HF tensor's shape for a meshlm tensor of `shape`."""
+    if not self.n_in:
+      return tuple(shape)
+    return (int(np.prod(shape[self.n_in:])), int(np.prod(shape[:self.n_in])))
 
-def _linear(n_in: int) -> tuple[Callable, Callable]:
-  """A meshlm einsum kernel [in dims (n_in of them)..., out dims...] <-> an HF Linear weight [out, in]."""
-  return (lambda w: w.reshape(int(np.prod(w.shape[:n_in])), -1).T,
-          lambda w, shape: w.T.reshape(shape))
+  def to_hf(self, w: np.ndarray) -> np.ndarray:
+    """meshlm array -> HF tensor."""
+    return w.reshape(int(np.prod(w.shape[:self.n_in])), -1).T if self.n_in else w
 
-
-_SAME = (lambda w: w, lambda w, shape: w.reshape(shape))
+  def read(self, reader: safetensors_io.Reader, name: str, shape: Sequence[int], index: tuple) -> np.ndarray:
+    """The block `index` (one slice per dim) of the meshlm tensor of `shape` stored as HF tensor `name`, read
+    from the files without reading the rest of the tensor (stored dtype)."""
+    ranges = _ranges(index, shape)
+    if not self.n_in:
+      return reader.read(name, tuple(slice(r.start, r.stop, r.step) for r in ranges))
+    rows = _flat_index(ranges[self.n_in:], shape[self.n_in:])
+    cols = _flat_index(ranges[:self.n_in], shape[:self.n_in])
+    if isinstance(rows, slice) and isinstance(cols, slice):
+      w = reader.read(name, (rows, cols))
+    else:
+      as_array = lambda ix: np.arange(ix.start, ix.stop) if isinstance(ix, slice) else ix
+      w = reader.read(name, np.ix_(as_array(rows), as_array(cols)))
+    return w.T.reshape([len(r) for r in ranges])
 
 
 def name_table(cfg) -> list[Entry]:
@@ -160,28 +192,28 @@ def name_table(cfg) -> list[Entry]:
   `block_sparse_moe.experts.{j}.w1/w3/w2` (gate/up [F, D], down [D, F]).
   """
   table = [
-      Entry("model.embed_tokens.weight", "embed/embedding", *_SAME),
-      Entry("model.norm.weight", "final_norm/scale", *_SAME),
-      Entry("model.layers.{i}.self_attn.q_proj.weight", "layers/attn/q", *_linear(1)),
-      Entry("model.layers.{i}.self_attn.k_proj.weight", "layers/attn/k", *_linear(1)),
-      Entry("model.layers.{i}.self_attn.v_proj.weight", "layers/attn/v", *_linear(1)),
-      Entry("model.layers.{i}.self_attn.o_proj.weight", "layers/attn/o", *_linear(2)),
-      Entry("model.layers.{i}.input_layernorm.weight", "layers/attn_norm/scale", *_SAME),
-      Entry("model.layers.{i}.post_attention_layernorm.weight", "layers/mlp_norm/scale", *_SAME),
+      Entry("model.embed_tokens.weight", "embed/embedding", 0),
+      Entry("model.norm.weight", "final_norm/scale", 0),
+      Entry("model.layers.{i}.self_attn.q_proj.weight", "layers/attn/q", 1),
+      Entry("model.layers.{i}.self_attn.k_proj.weight", "layers/attn/k", 1),
+      Entry("model.layers.{i}.self_attn.v_proj.weight", "layers/attn/v", 1),
+      Entry("model.layers.{i}.self_attn.o_proj.weight", "layers/attn/o", 2),
+      Entry("model.layers.{i}.input_layernorm.weight", "layers/attn_norm/scale", 0),
+      Entry("model.layers.{i}.post_attention_layernorm.weight", "layers/mlp_norm/scale", 0),
   ]
   if not cfg.tie_embeddings:
-    table.append(Entry("lm_head.weight", "unembed", *_linear(1)))
+    table.append(Entry("lm_head.weight", "unembed", 1))
   if cfg.num_experts:
     moe = "model.layers.{i}.block_sparse_moe"
-    table += [Entry(f"{moe}.gate.weight", "layers/moe/router", *_linear(1)),
-              Entry(f"{moe}.experts.{{j}}.w1.weight", "layers/moe/gate", *_linear(1)),
-              Entry(f"{moe}.experts.{{j}}.w3.weight", "layers/moe/up", *_linear(1)),
-              Entry(f"{moe}.experts.{{j}}.w2.weight", "layers/moe/down", *_linear(1))]
+    table += [Entry(f"{moe}.gate.weight", "layers/moe/router", 1),
+              Entry(f"{moe}.experts.{{j}}.w1.weight", "layers/moe/gate", 1),
+              Entry(f"{moe}.experts.{{j}}.w3.weight", "layers/moe/up", 1),
+              Entry(f"{moe}.experts.{{j}}.w2.weight", "layers/moe/down", 1)]
   else:
-    table += [Entry("model.layers.{i}.mlp.up_proj.weight", "layers/mlp/up", *_linear(1)),
-              Entry("model.layers.{i}.mlp.down_proj.weight", "layers/mlp/down", *_linear(1))]
+    table += [Entry("model.layers.{i}.mlp.up_proj.weight", "layers/mlp/up", 1),
+              Entry("model.layers.{i}.mlp.down_proj.weight", "layers/mlp/down", 1)]
     if cfg.mlp_type != "gelu":
-      table.append(Entry("model.layers.{i}.mlp.gate_proj.weight", "layers/mlp/gate", *_linear(1)))
+      table.append(Entry("model.layers.{i}.mlp.gate_proj.weight", "layers/mlp/gate", 1))
   return table
 
 
@@ -242,85 +274,156 @@ def _entries(model, cfg):
         yield e, e.hf.format(i=i), var, index
 
 
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-  from safetensors import safe_open
-  index = os.path.join(path, "model.safetensors.index.json")
-  if os.path.exists(index):
-    with open(index) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
-  else:
-    files = ["model.safetensors"]
-  tensors = {}
-  for name in files:
-    with safe_open(os.path.join(path, name), framework="flax") as f:
-      for key in f.keys():
-        tensors[key] = f.get_tensor(key)
-  return tensors
-
-
 def _get(tree, path: str):
   for part in path.split("/"):
     tree = getattr(tree, part)
   return tree
 
 
-def load(path: str, dtype: str = "float32", compute_dtype: str | None = None, **model_overrides) -> Transformer:
-  """Reads a Hugging Face Llama/Mistral/Mixtral directory into a meshlm Transformer.
+def _progress(desc: str, enabled: bool, total: int | None = None) -> Callable[[Iterable], Iterable]:
+  """A tqdm bar over an iterable on process 0 when `enabled` and stderr is a terminal."""
+  from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+  on = enabled and jax.process_index() == 0
+  return lambda it: tqdm(it, desc=desc, unit="tensor", total=total, disable=None if on else True,
+                         dynamic_ncols=True)
+
+
+def _plan_reads(path: str, reader: safetensors_io.Reader, model, cfg) -> dict[int, tuple[Any, list]]:
+  """id(variable) -> (variable, [(index inside the variable, table entry, HF name)]) for every parameter,
+  checked against the files' headers before any data is read: a missing tensor, a shape that disagrees with
+  config.json or a tensor meshlm does not map raises ValueError naming it."""
+  plan: dict[int, tuple[Any, list]] = {}
+  used = set()
+  for entry, name, var, index in _entries(model, cfg):
+    if name not in reader:
+      raise ValueError(f"{path}: tensor {name!r} missing from the safetensors files")
+    used.add(name)
+    want = entry.hf_shape(var.shape[len(index):])
+    if tuple(reader.shape(name)) != want:
+      fields = ", ".join(f"{h}={cfg[k]}" for k, h in SHAPE_FIELDS.items())
+      raise ValueError(f"{path}: tensor {name!r} has shape {list(reader.shape(name))} but config.json implies "
+                       f"{list(want)} ({fields}); the weights and config.json disagree")
+    plan.setdefault(id(var), (var, []))[1].append((index, entry, name))
+  unused = sorted(set(reader.names()) - used - {"lm_head.weight"})
+  if unused:
+    raise ValueError(f"{path}: tensors meshlm does not map: {', '.join(unused[:5])}"
+                     f"{' ...' if len(unused) > 5 else ''}")
+  return plan
+
+
+def _read_block(reader, reads, shape, block_index, dtype) -> np.ndarray:
+  """The block `block_index` (slices over `shape`) of one meshlm variable, assembled from its HF tensors
+  (`reads`: (index of the tensor in the variable's leading layer/expert dims, entry, name)), each converted to
+  float32 and then `dtype` slice by slice."""
+  lead = len(reads[0][0])
+  ranges = _ranges(block_index, shape)
+  out = np.empty([len(r) for r in ranges], dtype)
+  by_index = {index: (entry, name) for index, entry, name in reads}
+  for pos in np.ndindex(*[len(r) for r in ranges[:lead]]):
+    entry, name = by_index[tuple(r[p] for r, p in zip(ranges[:lead], pos))]
+    w = entry.read(reader, name, shape[lead:], block_index[lead:])
+    out[pos] = w.astype(np.float32).astype(dtype)
+  return out
+
+
+def _active_mesh():
+  """(mesh, rules) made current by `parallel.activate` (or jax.set_mesh + model.axes.axis_rules); None if none."""
+  if not axes.active():
+    return None
+  mesh = jax.sharding.get_mesh()
+  return (mesh, axes.current_rules()) if mesh is not None and not mesh.empty else None
+
+
+def load(path: str, dtype: str = "float32", compute_dtype: str | None = None, *, mesh=None, rules=None,
+         progress: bool = True, **model_overrides) -> Transformer:
+  """Reads a Hugging Face Llama/Mistral/Mixtral directory (model.safetensors or sharded files + index) into a
+  meshlm Transformer.
 
   dtype: parameter dtype ("float32", "bfloat16"); compute_dtype: activation dtype (default: dtype). Other
-  `config.model` keys (scan_layers, attention_impl, moe_impl, ...) may be overridden by keyword. A tensor whose
-  shape disagrees with config.json is refused with the config fields that set that shape.
+  `config.model` keys (scan_layers, attention_impl, moe_impl, ...) may be overridden by keyword.
+  mesh, rules (a jax Mesh and logical-axis rules; default: those made current by `parallel.activate`, if any):
+  each parameter is built as a global array sharded by the rules, every device's block read from the
+  memory-mapped files on its own (`jax.make_array_from_callback`), so host memory holds one block at a time
+  besides what the devices hold. Without a mesh the parameters land unsharded on the default device.
+  A tensor whose shape disagrees with config.json is refused with the config fields that set that shape; a
+  missing or truncated file is named (safetensors_io.FileError, a ValueError).
   """
   with open(os.path.join(path, "config.json")) as f:
     cfg = config_from_hf(json.load(f))
   cfg.update(param_dtype=dtype, dtype=compute_dtype or dtype, **model_overrides)
   cfg = config_lib.validate(cfg)
-  tensors = _read_safetensors(path)
-  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-  pdtype = config_lib.DTYPES[cfg.param_dtype]
-  values: dict[int, tuple[Any, np.ndarray]] = {}  # id(variable) -> (variable, float32 value being filled)
-  used = set()
-  for entry, name, var, index in _entries(model, cfg):
-    if name not in tensors:
-      raise ValueError(f"{path}: tensor {name!r} missing from the safetensors files")
-    used.add(name)
-    if id(var) not in values:
-      values[id(var)] = (var, np.zeros(var.shape, np.float32))
-    target = values[id(var)][1]
-    shape = target[index].shape
-    w = np.asarray(tensors[name].astype(jnp.float32))
-    want = entry.to_hf(np.zeros(shape, np.float32)).shape
-    if w.shape != want:
-      fields = ", ".join(f"{h}={cfg[k]}" for k, h in SHAPE_FIELDS.items())
-      raise ValueError(f"{path}: tensor {name!r} has shape {list(w.shape)} but config.json implies {list(want)} "
-                       f"({fields}); the weights and config.json disagree")
-    target[index] = entry.from_hf(w, shape)
-  for var, value in values.values():
-    var.set_value(jnp.asarray(value, pdtype))
-  unused = sorted(set(tensors) - used - {"lm_head.weight"})
-  if unused:
-    raise ValueError(f"{path}: tensors meshlm does not map: {', '.join(unused[:5])}"
-                     f"{' ...' if len(unused) > 5 else ''}")
+  reader = safetensors_io.Reader(path)
+  if mesh is None:
+    mesh, rules = _active_mesh() or (None, None)
+  pdtype = np.dtype(config_lib.DTYPES[cfg.param_dtype])
+  if mesh is None:
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  else:
+    with jax.set_mesh(mesh), axes.axis_rules(rules):
+      model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  plan = _plan_reads(path, reader, model, cfg)
+  for var, reads in _progress(f"loading {os.path.basename(os.path.normpath(path))}", progress)(plan.values()):
+    shape = tuple(var.shape)
+    if mesh is None:
+      value = jnp.asarray(_read_block(reader, reads, shape, tuple(slice(None) for _ in shape), np.float32), pdtype)
+    else:
+      sharding = jax.sharding.NamedSharding(mesh, var.get_value().sharding.spec)
+      value = jax.make_array_from_callback(shape, sharding,
+                                           lambda index, reads=reads, shape=shape: _read_block(
+                                               reader, reads, shape, index, pdtype))
+    var.set_value(value)
   return model
 
 
-def save(model: Transformer, path: str, dtype: str | None = None) -> None:
-  """Writes `model` as a Hugging Face directory (config.json + model.safetensors) that transformers loads.
+_take = jax.jit(lambda x, index: x[tuple(index)])  # one tensor of a stacked parameter, compiled once per shape
 
-  dtype: stored dtype ("float32", "bfloat16"; default: the model's param_dtype).
+
+def _host_tensor(x: jax.Array, index: tuple) -> np.ndarray:
+  """x[index] (a layer and/or expert of a stacked parameter; () = all of x) on the host, gathered from every
+  device and process; only that tensor is copied."""
+  if index:
+    x = _take(x, jnp.asarray(index, jnp.int32))
+  if not x.is_fully_addressable:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(jax.device_get(x))
+
+
+def save(model: Transformer, path: str, dtype: str | None = None, *,
+         max_shard_size: int | str = safetensors_io.DEFAULT_SHARD_SIZE, progress: bool = True,
+         values: Callable[[tuple], Any] | None = None) -> list[str]:
+  """Writes `model` as a Hugging Face directory that transformers loads: config.json and model.safetensors, or
+  when the weights exceed `max_shard_size` bytes (int, or "5GB"/"500MB"; default 5 GB) Hugging Face's sharded
+  layout `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`. Returns the weight files.
+
+  Tensors are gathered and written one at a time (a layer's or expert's slice of a stacked parameter at a time),
+  so host memory holds one tensor; with several processes all take part in the gathers and process 0 writes.
+  dtype: stored dtype ("float32", "bfloat16", "float16"; default: the model's param_dtype).
+  values(path) -> array, optional: the value of the parameter at `path` (its key path in the model's nnx
+  state), for a `model` that holds only shapes (nnx.eval_shape): `train.export` streams a checkpoint through it.
   """
-  from safetensors.flax import save_file
   cfg = ml_collections.ConfigDict(model.cfg.to_dict())
   hf = config_to_hf(cfg)
-  out_dtype = config_lib.DTYPES[dtype or cfg.param_dtype]
-  host: dict[int, np.ndarray] = {}
-  tensors = {}
-  for entry, name, var, index in _entries(model, cfg):
-    if id(var) not in host:
-      host[id(var)] = np.asarray(jax.device_get(var.get_value()), np.float32)
-    tensors[name] = jnp.asarray(np.ascontiguousarray(entry.to_hf(host[id(var)][index])), out_dtype)
-  os.makedirs(path, exist_ok=True)
-  hf["torch_dtype"] = hf["dtype"] = dtype or cfg.param_dtype
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(hf, f, indent=2)
-  save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+  out_dtype = np.dtype(config_lib.DTYPES[dtype or cfg.param_dtype])
+  entries = list(_entries(model, cfg))
+  tensors = [(name, entry.hf_shape(var.shape[len(index):]), out_dtype) for entry, name, var, index in entries]
+  paths = {id(v): p for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
+  cache: dict[int, Any] = {}  # the variable being written (consecutive entries share stacked variables)
+
+  def produce(i):
+    entry, _, var, index = entries[i]
+    if id(var) not in cache:
+      cache.clear()
+      cache[id(var)] = values(paths[id(var)]) if values is not None else var.get_value()
+    w = _host_tensor(jnp.asarray(cache[id(var)]), index)
+    if jax.process_index():
+      return None
+    return np.ascontiguousarray(entry.to_hf(w.astype(np.float32))).astype(out_dtype)
+
+  if jax.process_index() == 0:
+    os.makedirs(path, exist_ok=True)
+    hf["torch_dtype"] = hf["dtype"] = dtype or cfg.param_dtype
+    with open(os.path.join(path, "config.json"), "w") as f:
+      json.dump(hf, f, indent=2)
+  return safetensors_io.write(path, tensors, produce, safetensors_io.parse_size(max_shard_size),
+                              _progress(f"saving {os.path.basename(os.path.normpath(path))}", progress))

@@ -562,7 +562,11 @@ def _init_from(trainer, path: str) -> dict[str, Any]:
     hf.check_compatible(m, path)  # names the differing config fields (hidden_size, ...) with both values
   except ValueError as e:
     raise TrainingError(f"train.init_from={path!r}: {e}") from None
-  loaded = hf.load(path, dtype=m.param_dtype, compute_dtype=m.dtype, scan_layers=m.scan_layers)
+  try:  # each device reads its own blocks of the weights: the model never passes whole through one host
+    loaded = hf.load(path, dtype=m.param_dtype, compute_dtype=m.dtype, scan_layers=m.scan_layers,
+                     mesh=trainer.mesh, rules=trainer.rules)
+  except ValueError as e:  # a missing or truncated file, a tensor that does not fit: named in the message
+    raise TrainingError(f"train.init_from={path!r}: {e}") from None
   params = nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
   want = jax.tree.map(lambda a: (a.shape, a.dtype), abstract)
   got = jax.tree.map(lambda a: (a.shape, a.dtype), params)

@@ -8,6 +8,7 @@ run's `config.mesh`, or `mesh_overrides` such as {"data": 1, "fsdp": -1}; -1 = t
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tempfile
 from typing import Any, Mapping
@@ -50,13 +51,19 @@ def _inference_config(config_dict: Mapping[str, Any], mesh_overrides: Mapping[st
   return config
 
 
-def place(model, config: ml_collections.ConfigDict, mesh_overrides: Mapping[str, int] | None = None):
-  """(model with its parameters sharded on a mesh built from config.mesh, mesh, rules)."""
+def _mesh_and_rules(config: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, tuple]:
+  """The mesh of config.mesh and the logical-axis rules fitted to config.model (RunError naming the problem)."""
   try:
     mesh = mesh_lib.make_mesh(config.mesh)
   except ValueError as e:
     raise RunError(f"{e} (pass --mesh to choose another layout, e.g. --mesh data=-1)") from None
   rules = tuple(rules_lib.fit_rules(rules_lib.logical_rules(config.mesh), config.model, mesh))
+  return mesh, rules
+
+
+def place(model, config: ml_collections.ConfigDict, mesh_overrides: Mapping[str, int] | None = None):
+  """(model with its parameters sharded on a mesh built from config.mesh, mesh, rules)."""
+  mesh, rules = _mesh_and_rules(config)
   from model import Transformer  # pylint: disable=g-import-not-at-top
   with parallel.activate(mesh, rules):
     abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
@@ -67,8 +74,9 @@ def place(model, config: ml_collections.ConfigDict, mesh_overrides: Mapping[str,
   return nnx.merge(graphdef, state), mesh, rules
 
 
-def load_run(workdir: str, step: int | None = None, mesh_overrides: Mapping[str, int] | None = None) -> Run:
-  """The run's model at checkpoint `step` (default: the latest), placed on the mesh; see the module docstring."""
+def open_checkpoint(workdir: str, step: int | None = None) -> tuple[ckpt_lib.Checkpointer, int, dict[str, Any]]:
+  """(read-only checkpointer, step, metadata) of `workdir`'s checkpoint `step` (default: the latest); RunError
+  naming the path and the fix when there is none."""
   if not os.path.isdir(workdir):
     raise RunError(f"--workdir {workdir!r} is not a directory; give a meshlm run directory (python -m train)")
   try:
@@ -77,18 +85,19 @@ def load_run(workdir: str, step: int | None = None, mesh_overrides: Mapping[str,
     step = step if step is not None else (found if found is not None else checkpointer.latest_step())
     if step is None:
       raise RunError(f"{directory}: no complete checkpoint; train first (python -m train --workdir {workdir})")
-    meta = checkpointer.metadata(step)
+    return checkpointer, step, checkpointer.metadata(step)
   except ckpt_lib.CheckpointError as e:
     raise RunError(str(e)) from None
+
+
+def load_run(workdir: str, step: int | None = None, mesh_overrides: Mapping[str, int] | None = None) -> Run:
+  """The run's model at checkpoint `step` (default: the latest), placed on the mesh; see the module docstring."""
+  checkpointer, step, meta = open_checkpoint(workdir, step)
   config = _inference_config(meta["config"], mesh_overrides)
   from model import Transformer  # pylint: disable=g-import-not-at-top
   abstract_model = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract_model)
-  try:
-    mesh = mesh_lib.make_mesh(config.mesh)
-  except ValueError as e:
-    raise RunError(f"{e} (pass --mesh to choose another layout, e.g. --mesh data=-1)") from None
-  rules = tuple(rules_lib.fit_rules(rules_lib.logical_rules(config.mesh), config.model, mesh))
+  mesh, rules = _mesh_and_rules(config)
   with parallel.activate(mesh, rules):
     specs = nnx.get_partition_spec(nnx.state(nnx.eval_shape(lambda: Transformer(config.model,
                                                                                  rngs=nnx.Rngs(0)))))
@@ -100,11 +109,11 @@ def load_run(workdir: str, step: int | None = None, mesh_overrides: Mapping[str,
   params = loop.restore_model_params(checkpointer, step, abstract_params)  # LoRA runs: adapters merged
   nnx.replace_by_pure_dict(abstract_state, params)
   model = nnx.merge(graphdef, abstract_state)
-  return Run(config, model, _tokenizer_file(workdir, config, meta), mesh, rules, step,
+  return Run(config, model, tokenizer_file(workdir, config, meta), mesh, rules, step,
              meta.get(loop.CHAT_TEMPLATE_KEY))
 
 
-def _tokenizer_file(workdir: str, config, meta: Mapping[str, Any]) -> str:
+def tokenizer_file(workdir: str, config, meta: Mapping[str, Any]) -> str:
   """The run's SentencePiece model: config.data.tokenizer, WORKDIR/tokenizer.model, or the checkpoint's copy."""
   candidates = [config.data.tokenizer] if config.data.get("tokenizer") else []
   run_dir = workdir if os.path.isdir(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)) else None
@@ -127,12 +136,13 @@ def load_hf(directory: str, mesh_config: Mapping[str, int] | None = None):
   from model import hf  # pylint: disable=g-import-not-at-top
   if not os.path.isfile(os.path.join(directory, "config.json")):
     raise RunError(f"--hf {directory!r} holds no config.json; give a Hugging Face model directory")
+  config = base.get_config()
   try:
-    model = hf.load(directory)
+    with open(os.path.join(directory, "config.json")) as f:
+      config.model = hf.config_from_hf(json.load(f))
+    config = _inference_config(config.to_dict(), mesh_config)
+    mesh, rules = _mesh_and_rules(config)
+    model = hf.load(directory, mesh=mesh, rules=rules)  # each device reads its own blocks of the weights
   except ValueError as e:
     raise RunError(str(e)) from None
-  config = base.get_config()
-  config.model = ml_collections.ConfigDict(model.cfg.to_dict())
-  config = _inference_config(config.to_dict(), mesh_config)
-  model, mesh, rules = place(model, config)
   return model, hf_tokenizer.HFTokenizer(directory), mesh, rules
