@@ -532,6 +532,8 @@ def restore_model_params(checkpointer: ckpt_lib.Checkpointer, step: int | None, 
   from model import lora as lora_lib  # pylint: disable=g-import-not-at-top
   rank, targets = int(saved["lora_rank"]), tuple(saved["lora_targets"])
   adapters = jax.eval_shape(lambda: lora_lib.init(jax.random.PRNGKey(0), abstract, targets, rank))
+  if not adapters:  # `abstract` (a part of the tree, as train.export restores it) holds no adapted kernel
+    return checkpointer.restore_subtree({"frozen": {"model": abstract}}, step)["frozen"]["model"]
   first = jax.tree.leaves(abstract)[0].sharding
   replicated = jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
   adapters = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), adapters)
