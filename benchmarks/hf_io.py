@@ -7,9 +7,11 @@ Writes a random Llama-shaped checkpoint in float32 (1gb: d 1024, 12 layers, MLP 
 parameters, 1.07 GB; 100mb: d 512, 6 layers) as Hugging Face files (model.hf.save, 5 GB shards), then runs each
 mode in a fresh subprocess on 8 CPU devices and reports, per mode:
   seconds, gb_per_s      wall time of the load or save (blocked until the arrays are ready) and bytes / time
-  rss_growth_gb          growth of the peak RSS over the measured step: for loads `ru_maxrss` after importing
-                         jax and building the mesh vs after loading; for the save the peak (VmHWM, reset through
-                         /proc/self/clear_refs after the load) during the save over the RSS before it
+  rss_growth_gb          growth of the peak RSS over the measured step: for loads the peak (VmHWM, what
+                         `ru_maxrss` reports minus the parent's RSS that Linux carries into a child's ru_maxrss)
+                         after importing jax and building the mesh vs after loading; for the save the peak
+                         (VmHWM reset through /proc/self/clear_refs after the load) during the save over the RSS
+                         before it
   rss_growth_x_model     rss_growth_gb / the checkpoint's size
 Modes: load_unsharded (`model.hf.load` without a mesh), load_sharded (`model.hf.load` on an fsdp=8 mesh),
 transformers (`AutoModelForCausalLM.from_pretrained(dir, dtype=float32)`), save_sharded (`model.hf.save` of the
@@ -36,7 +38,7 @@ SIZES = {
 
 # Runs in the subprocess: argv = mode, checkpoint dir, scratch dir. Prints one JSON line.
 CHILD = r"""
-import json, os, resource, sys, time
+import json, os, sys, time
 mode, src, scratch = sys.argv[1:4]
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
@@ -44,11 +46,13 @@ import numpy as np
 from flax import nnx
 
 def rss_gb():
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux -> ~GB
+  # The peak RSS of this process image: VmHWM, as ru_maxrss would be if Linux did not carry the forking
+  # parent's RSS over into the child's ru_maxrss across exec.
+  return status_gb("VmHWM")
 
 def status_gb(key):
   with open("/proc/self/status") as f:
-    return next(int(l.split()[1]) for l in f if l.startswith(key)) / 1e6
+    return next(int(l.split()[1]) for l in f if l.startswith(key)) * 1024 / 1e9  # kB = KiB
 
 mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
 rules = (("batch", "fsdp"), ("length", None), ("kv_length", None), ("embed", "fsdp"), ("heads", None),

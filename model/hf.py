@@ -5,6 +5,10 @@ Weights map one to one through one two-way name table (`name_table`): HF Linear 
 transposed/reshaped into meshlm's einsum kernels; Mixtral's per-expert matrices stack into [E, D, F] kernels;
 RoPE uses the same rotate-half convention, so q/k need no permutation. Fields meshlm cannot represent are refused
 with a ValueError naming them. Neither torch nor transformers is needed.
+
+Both directions stream (docs/hf.md): `load` with a mesh builds every parameter sharded, each device's block read
+alone from the memory-mapped files (`model.safetensors_io`); `save` gathers and writes one tensor at a time into
+Hugging Face's sharded layout.
 """
 from __future__ import annotations
 

@@ -98,7 +98,6 @@ class Reader:
       if absent:
         raise FileError(f"{path}: {absent[0]} is listed in {INDEX} under {weight_map[absent[0]]} but that file "
                         "does not hold it; download or export the checkpoint again")
-    self._maps: dict[str, np.memmap] = {}
 
   def names(self) -> list[str]:
     return list(self._tensors)
@@ -110,13 +109,15 @@ class Reader:
     return self._tensors[name].shape
 
   def read(self, name: str, index: tuple = ()) -> np.ndarray:
-    """tensor[index] (NumPy basic or `np.ix_` indexing), copied out of the memory map."""
+    """tensor[index] (NumPy basic or `np.ix_` indexing), copied out of a memory map of that tensor alone: the
+    map closes on return, so the pages read do not stay in this process's resident memory."""
     t = self._tensors[name]
-    if t.file not in self._maps:
-      self._maps[t.file] = np.memmap(t.file, dtype=np.uint8, mode="r")
-    count = int(np.prod(t.shape))
-    flat = self._maps[t.file][t.begin:t.begin + count * t.dtype.itemsize]
-    return np.array(flat.view(t.dtype).reshape(t.shape)[index])
+    if not t.shape or 0 in t.shape:
+      return np.zeros(t.shape, t.dtype)[index]
+    mapped = np.memmap(t.file, dtype=t.dtype, mode="r", offset=t.begin, shape=t.shape)
+    block = np.array(mapped[index])
+    del mapped  # unmaps (the last reference)
+    return block
 
 
 def plan(tensors: Sequence[tuple[str, tuple[int, ...], np.dtype]], max_shard_size: int) -> list[list[int]]:

@@ -130,8 +130,12 @@ def _hf_source(directory: str):
   def restore(abstract_params):
     import jax  # pylint: disable=g-import-not-at-top
     from flax import nnx  # pylint: disable=g-import-not-at-top
+    from parallel import rules as rules_lib  # pylint: disable=g-import-not-at-top
     m = config.model
-    loaded = hf.load(directory, dtype=m.param_dtype, compute_dtype=m.dtype, scan_layers=m.scan_layers)
+    mesh = jax.tree.leaves(abstract_params)[0].sharding.mesh  # each device reads its own blocks of the weights
+    rules = rules_lib.fit_rules(rules_lib.logical_rules(config.mesh), m, mesh)
+    loaded = hf.load(directory, dtype=m.param_dtype, compute_dtype=m.dtype, scan_layers=m.scan_layers, mesh=mesh,
+                     rules=rules)
     params = nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
     return jax.device_put(params, jax.tree.map(lambda a: a.sharding, abstract_params))
 
