@@ -67,11 +67,11 @@ else:
   from model import hf
   sharded = mode != "load_unsharded"
   kwargs = {"mesh": mesh, "rules": rules} if sharded else {}
+  import inspect
+  if "progress" in inspect.signature(hf.load).parameters:  # not in an earlier checkout's load()
+    kwargs["progress"] = False
   before = rss_gb(); t0 = time.perf_counter()
-  try:
-    m = hf.load(src, progress=False, **kwargs)
-  except TypeError:  # an earlier checkout's load() (no mesh, no progress)
-    m = hf.load(src)
+  m = hf.load(src, **kwargs)
   jax.block_until_ready(nnx.state(m, nnx.Param))
   seconds, growth = time.perf_counter() - t0, rss_gb() - before
   if mode == "save_sharded":
@@ -119,7 +119,7 @@ def main(argv=None):
     env = dict(os.environ, PYTHONPATH=args.code, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     for mode in args.modes.split(","):
       done = subprocess.run([sys.executable, "-c", CHILD, mode, src, tmp], env=env, capture_output=True,
-                            text=True, check=False)
+                            text=True, check=False, cwd=args.code)  # `python -c` imports from its cwd first
       if done.returncode:
         results.append({"mode": mode, "error": done.stderr[-2000:]})
         continue

@@ -422,7 +422,8 @@ def save(model: Transformer, path: str, dtype: str | None = None, *,
     w = _host_tensor(jnp.asarray(cache[id(var)]), index)
     if jax.process_index():
       return None
-    return np.ascontiguousarray(entry.to_hf(w.astype(np.float32))).astype(out_dtype)
+    w = np.ascontiguousarray(entry.to_hf(w.astype(np.float32, copy=False)))  # copies only to transpose or cast
+    return w.astype(out_dtype, copy=False)
 
   if jax.process_index() == 0:
     os.makedirs(path, exist_ok=True)
