@@ -338,6 +338,19 @@ def _active_mesh():
   return (mesh, axes.current_rules()) if mesh is not None and not mesh.empty else None
 
 
+def _sharded(shape: tuple, sharding, read: Callable[[tuple], np.ndarray]) -> jax.Array:
+  """The global array of `shape` laid out by `sharding`, each local device's block `read(index)` and placed
+  before the next is read (unlike jax.make_array_from_callback, which holds every local block on the host
+  first); devices holding the same block (replicated axes) share one read."""
+  blocks, last = [], (None, None)
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    key = tuple((s.start, s.stop, s.step) for s in index)
+    if key != last[0]:
+      last = (key, read(index))
+    blocks.append(jax.device_put(last[1], device))
+  return jax.make_array_from_single_device_arrays(shape, sharding, blocks)
+
+
 def load(path: str, dtype: str = "float32", compute_dtype: str | None = None, *, mesh=None, rules=None,
          progress: bool = True, **model_overrides) -> Transformer:
   """Reads a Hugging Face Llama/Mistral/Mixtral directory (model.safetensors or sharded files + index) into a
@@ -347,7 +360,7 @@ def load(path: str, dtype: str = "float32", compute_dtype: str | None = None, *,
   `config.model` keys (scan_layers, attention_impl, moe_impl, ...) may be overridden by keyword.
   mesh, rules (a jax Mesh and logical-axis rules; default: those made current by `parallel.activate`, if any):
   each parameter is built as a global array sharded by the rules, every device's block read from the
-  memory-mapped files on its own (`jax.make_array_from_callback`), so host memory holds one block at a time
+  memory-mapped files on its own and placed before the next is read, so host memory holds one block at a time
   besides what the devices hold. Without a mesh the parameters land unsharded on the default device.
   A tensor whose shape disagrees with config.json is refused with the config fields that set that shape; a
   missing or truncated file is named (safetensors_io.FileError, a ValueError).
@@ -371,10 +384,8 @@ def load(path: str, dtype: str = "float32", compute_dtype: str | None = None, *,
     if mesh is None:
       value = jnp.asarray(_read_block(reader, reads, shape, tuple(slice(None) for _ in shape), np.float32), pdtype)
     else:
-      sharding = jax.sharding.NamedSharding(mesh, var.get_value().sharding.spec)
-      value = jax.make_array_from_callback(shape, sharding,
-                                           lambda index, reads=reads, shape=shape: _read_block(
-                                               reader, reads, shape, index, pdtype))
+      value = _sharded(shape, jax.sharding.NamedSharding(mesh, var.get_value().sharding.spec),
+                       lambda index, reads=reads, shape=shape: _read_block(reader, reads, shape, index, pdtype))
     var.set_value(value)
   return model
 
