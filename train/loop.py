@@ -398,7 +398,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
       window_wait += time.perf_counter() - t0
       step += 1
       if step in tc.debug_nan_steps:  # fault injection: a NaN loss mask makes this step's loss and grads NaN
-        local = dict(local, loss_mask=np.full_like(local["loss_mask"], np.nan))
+        local = {k: np.full_like(v, np.nan) if k.endswith("loss_mask") else v for k, v in local.items()}
       state, metrics = trainer.step_fn(state, trainer.batch_to_device(local))
       window_steps += 1
       if pending is not None:
@@ -457,7 +457,8 @@ def _log_eval(log: logger_lib.MetricLogger, step: int, ev: dict[str, float]) -> 
   log.log(step, ev)
   extra = "".join(f", {k.removeprefix('eval_').replace('_', ' ')} {v:.3f}" for k, v in ev.items()
                   if k not in ("eval_loss", "eval_perplexity") and "/" not in k)
-  log.message(f"step {step}: eval loss {ev['eval_loss']:.4f}, perplexity {ev['eval_perplexity']:.2f}{extra}")
+  perplexity = f", perplexity {ev['eval_perplexity']:.2f}" if "eval_perplexity" in ev else ""
+  log.message(f"step {step}: eval loss {ev['eval_loss']:.4f}{perplexity}{extra}")
   return ev["eval_loss"]
 
 
