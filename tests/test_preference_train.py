@@ -104,7 +104,8 @@ def test_rewards_and_loss_equal_pytorch_on_the_exported_trunk(setup, reference):
     rewards[side] = []
     for ids, _ in _rows(batch, side):
       with torch.no_grad():
-        hidden = model(torch.tensor(ids[None, :-1]), output_hidden_states=True).hidden_states[-1][0, -1].double().numpy()
+        out = model(torch.tensor(ids[None, :-1]), output_hidden_states=True)
+      hidden = out.hidden_states[-1][0, -1].double().numpy()
       rewards[side].append(hidden @ reference["head"])
   rc, rr, m = np.array(rewards["chosen"]), np.array(rewards["rejected"]), batch["margin"][:, 0]
   first = reference["reward"]["metrics"][0]
