@@ -156,30 +156,12 @@ def pair(seed: int, index: int) -> dict:
           "rejected": wrong_answer(record["family"], answer, rng)}
 
 
-class PreferenceTask:
-  """`builtin:preference`: `size` generated pairs (JSON text); the held-out split is by a hash of the prompt (the
-  instruct task's, so no held-out prompt of either task is trained on by the other)."""
+class PreferenceTask(instruct.InstructTask):
+  """`builtin:preference`: `size` generated pairs (JSON text) with the instruct task's prompt-hash split, so no
+  held-out prompt of either task is trained on by the other."""
 
   def __init__(self, name: str = "preference", seed: int = 0, size: int = 40_000, eval_fraction: float = 0.02):
-    self.name, self.seed, self.size, self.eval_fraction = name, seed, size, eval_fraction
-    self._splits: dict[str, np.ndarray] | None = None
-
-  def __len__(self) -> int:
-    return self.size
+    super().__init__(name, seed, size, eval_fraction)
 
   def __getitem__(self, index: int) -> str:
     return json.dumps(pair(self.seed, int(index)))
-
-  def split_indices(self, split: str) -> np.ndarray:
-    """Sorted indices of `split` ("train" | "eval")."""
-    if split not in ("train", "eval"):
-      raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    if self._splits is None:
-      flags = np.array([instruct.held_out(instruct.item(self.seed, i)["messages"][0]["content"], self.eval_fraction)
-                        for i in range(self.size)])
-      self._splits = {"eval": np.flatnonzero(flags), "train": np.flatnonzero(~flags)}
-    return self._splits[split]
-
-  def __getstate__(self):
-    return dict(self.__dict__, _splits=None)
-
