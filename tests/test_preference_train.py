@@ -221,15 +221,18 @@ def test_run_resumes_bit_exactly_and_the_scorer_equals_pytorch(setup, objective,
 
   # Scoring: a chat record rendered with the run's template and a plain text, vs transformers on the export.
   import torch
-  from train import export
-  assert export.main(["--workdir", workdir, "--output", str(root / "hf")]) == 0
+  from train import restore
+  hf.save(restore.load_run(workdir).model, str(root / "hf"))  # the trunk as train.export writes it
   model = _torch_model(str(root / "hf"))
   head = got[("params", reward_objective.HEAD)]
   tok = setup["tok"]
   record = {"prompt": PAIRS[1]["prompt"], "completion": PAIRS[1]["chosen"]}
   from data import chat
-  texts = [json.dumps(record), "Hello there, a plain text."]
-  ids = [chat.MeshlmTemplate(tok).render(chat.parse_record(record))[0], [tok.bos_id] + tok.encode(texts[1])]
+  short = {"prompt": PAIRS[0]["prompt"], "completion": PAIRS[0]["chosen"]}
+  texts = [json.dumps(record), "Hello there, a plain text.", json.dumps(short)]
+  ids = [chat.MeshlmTemplate(tok).render(chat.parse_record(r))[0] for r in (record, short)]
+  assert len(ids[0]) > 32 >= len(ids[1])  # the long one is scored on its last model.max_seq_len tokens
+  ids = [ids[0][-32:], [tok.bos_id] + tok.encode(texts[1]), ids[1]]
   want_rewards = []
   for x in ids:
     with torch.no_grad():
@@ -237,7 +240,7 @@ def test_run_resumes_bit_exactly_and_the_scorer_equals_pytorch(setup, objective,
     want_rewards.append(hidden @ head)
   np.testing.assert_allclose(reward_api.score(workdir, texts), want_rewards, rtol=1e-4, atol=1e-5)
   lines = root / "texts.jsonl"
-  lines.write_text(json.dumps(record) + "\n\n" + json.dumps({"text": texts[1]}) + "\n")
+  lines.write_text(json.dumps(record) + "\n\n" + json.dumps({"text": texts[1]}) + "\n" + texts[2] + "\n")
   capsys.readouterr()
   assert reward_api.main(["--workdir", workdir, "--input", str(lines)]) == 0
   printed = [json.loads(line)["reward"] for line in capsys.readouterr().out.splitlines()]

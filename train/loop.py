@@ -197,8 +197,8 @@ def _resolve_start(config: ml_collections.ConfigDict, workdir: str) -> ml_collec
     else:
       directory, step = ckpt_lib.find_checkpoint_dir(tc.init_from)
       entry = ckpt_lib.Checkpointer(directory, read_only=True).metadata(step).get(TOKENIZER_KEY)
-      if entry:
-        ckpt_lib.decode_file(entry, workdir)
+      if entry and "base64" in entry:  # under the name this run looks for (the file may have had another name)
+        ckpt_lib.decode_file(dict(entry, name="tokenizer.model"), workdir)
   return config
 
 
