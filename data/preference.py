@@ -7,15 +7,17 @@ are (data/chat.py). `margin` (optional, default 0) is how much more the chosen c
 reward-model loss asks r_chosen - r_rejected to exceed it).
 
 Encoding: each pair becomes one batch row per side, unpacked (one sequence per row, so a pair stays whole on one
-data shard): `chosen_inputs`, `chosen_targets`, `chosen_segment_ids` (1 on tokens, 0 on padding),
-`chosen_positions`, `chosen_loss_mask` (1 on the completion's tokens: the assistant turns after the prompt
-including their end-of-turn markers, 0 on the prompt and padding), the same `rejected_*`, and `margin`
-(the pair's margin repeated along the row, so every batch array is [rows, seq_len]).
+data shard): `chosen_inputs` (the whole rendered sequence t_0..t_{n-1}, its last token included so that a reward
+model reads its features there), `chosen_targets` (t_1..t_{n-1}, then padding), `chosen_segment_ids` (1 on the
+n tokens, 0 on padding), `chosen_positions`, `chosen_loss_mask` (1 where the target is a completion token: the
+assistant turns after the prompt including their end-of-turn markers; 0 on the prompt, the last input and
+padding), the same `rejected_*`, and `margin` (the pair's margin repeated along the row, so every batch array
+is [rows, seq_len]).
 
 Bad pairs are counted per reason in `data/preference_skipped_<reason>` and skipped with one warning per reason (or
 raise with config.data.strict): a missing or ill-typed field (`missing_field`), identical chosen and rejected
 completions (`identical`: they carry no preference), an empty completion (`empty_completion`), a pair longer than
-seq_len + 1 tokens (`too_long`: truncating would cut the very tokens that differ), and the chat reasons.
+seq_len tokens (`too_long`: truncating would cut the very tokens that differ), and the chat reasons.
 """
 from __future__ import annotations
 
@@ -84,19 +86,19 @@ class PairEncoder:
       return self._skip("unparseable", f"{where}: unparseable JSON ({e})")
     except chat_lib.ChatError as e:
       return self._skip(e.reason, f"{where}: {e}")
-    longest = max(len(ids) for ids, _ in sides) - 1
+    longest = max(len(ids) for ids, _ in sides)
     if longest > self.seq_len:
       return self._skip("too_long", f"{where}: the pair needs {longest} tokens, more than config.train.seq_len="
                         f"{self.seq_len}; raise seq_len or shorten the record")
     out = {}
     for side, (ids, mask) in zip(SIDES, sides):
-      n = len(ids) - 1
+      n = len(ids)  # every token is an input (the reward reads the last one); the last has no target
       row = {"inputs": np.full(self.seq_len, self.pad_id, np.int32), "targets": np.full(self.seq_len, self.pad_id,
                                                                                         np.int32),
              "segment_ids": np.zeros(self.seq_len, np.int32), "positions": np.zeros(self.seq_len, np.int32),
              "loss_mask": np.zeros(self.seq_len, np.float32)}
-      row["inputs"][:n], row["targets"][:n] = ids[:-1], ids[1:]
-      row["segment_ids"][:n], row["positions"][:n], row["loss_mask"][:n] = 1, np.arange(n), mask[1:]
+      row["inputs"][:n], row["targets"][:n - 1] = ids, ids[1:]
+      row["segment_ids"][:n], row["positions"][:n], row["loss_mask"][:n - 1] = 1, np.arange(n), mask[1:]
       out.update({f"{side}_{k}": v for k, v in row.items()})
     out["margin"] = np.full(self.seq_len, margin, np.float32)
     return out

@@ -48,10 +48,10 @@ def test_a_pair_renders_prompt_then_completion_with_the_completion_masked(tok):
       completion = _messages(record[side], "assistant")
       ids, flags = expected(tok, prompt + completion)  # the meshlm template written out by hand
       n_prompt = len(expected(tok, prompt)[0]) + 1  # ... and the assistant marker opening the completion
-      n = len(ids) - 1
-      np.testing.assert_array_equal(out[f"{side}_inputs"][:n], ids[:-1])
-      np.testing.assert_array_equal(out[f"{side}_targets"][:n], ids[1:])
-      mask = np.asarray(flags[1:], np.float32)
+      n = len(ids)  # every token is an input; the last has no target
+      np.testing.assert_array_equal(out[f"{side}_inputs"][:n], ids)
+      np.testing.assert_array_equal(out[f"{side}_targets"][:n - 1], ids[1:])
+      mask = np.asarray(flags[1:] + [0], np.float32)
       mask[:n_prompt - 1] = 0  # targets inside the prompt are context
       np.testing.assert_array_equal(out[f"{side}_loss_mask"][:n], mask)
       assert out[f"{side}_loss_mask"][:n].sum() == len(tok.encode(completion[-1]["content"])) + 1  # + end of turn

@@ -87,11 +87,11 @@ def _torch_model(path):
 
 
 def _rows(batch, side):
-  """(token ids incl. the last target, completion mask over targets) of each row of one side."""
+  """(the sequence's token ids [n], completion mask over its targets ids[1:] [n-1]) of each row of one side."""
   for r in range(batch[f"{side}_inputs"].shape[0]):
     n = int((batch[f"{side}_segment_ids"][r] > 0).sum())
-    yield (np.concatenate([batch[f"{side}_inputs"][r, :n], batch[f"{side}_targets"][r, n - 1:n]]),
-           batch[f"{side}_loss_mask"][r, :n])
+    assert batch[f"{side}_loss_mask"][r, n - 1:].sum() == 0  # the last token has no target
+    yield batch[f"{side}_inputs"][r, :n], batch[f"{side}_loss_mask"][r, :n - 1]
 
 
 def test_rewards_and_loss_equal_pytorch_on_the_exported_trunk(setup, reference):
@@ -104,7 +104,7 @@ def test_rewards_and_loss_equal_pytorch_on_the_exported_trunk(setup, reference):
     rewards[side] = []
     for ids, _ in _rows(batch, side):
       with torch.no_grad():
-        out = model(torch.tensor(ids[None, :-1]), output_hidden_states=True)
+        out = model(torch.tensor(ids[None]), output_hidden_states=True)
       hidden = out.hidden_states[-1][0, -1].double().numpy()
       rewards[side].append(hidden @ reference["head"])
   rc, rr, m = np.array(rewards["chosen"]), np.array(rewards["rejected"]), batch["margin"][:, 0]
