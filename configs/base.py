@@ -59,7 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.router_z_loss = 0.001  # coefficient of the MoE router z-loss (mean logsumexp(router logits)^2, ST-MoE)
   t.eval_tasks = ""  # benchmark tasks NAME:PATH[,...] (docs/evaluation.md) run at every evaluation; empty = none
   t.eval_tasks_limit = 0  # documents per eval task during training (the first N); 0 = all
-  t.objective = "lm"  # what the step optimises: lm (next-token loss on loss_mask) | sft (chat data, assistant tokens)
+  t.objective = "lm"  # what the step optimises: lm (next-token) | sft (chat, assistant tokens) | reward | dpo (pairs)
   t.lora_rank = 0  # LoRA adapter rank on lora_targets, base weights frozen; 0 = train every weight
   t.lora_alpha = 16.0  # LoRA scale numerator: adapted W = W + (lora_alpha / lora_rank) * A @ B
   t.lora_targets = ("q", "k", "v", "o")  # projections LoRA adapts (any of q k v o gate up down)
@@ -67,6 +67,10 @@ def get_config() -> ml_collections.ConfigDict:
   t.eval_generations = 0  # held-out chat prompts per task family answered greedily at each eval (eval_exact_match); 0 = off
   t.eval_max_new_tokens = 32  # longest greedy answer generated for eval_exact_match
   t.freeze = ()  # parameter-path substrings kept frozen: zero update, no optimizer state (e.g. ("embed", "norm"))
+  t.reward_center = 0.0  # reward objective: coefficient of the centering term mean((r_chosen + r_rejected)^2); 0 = off
+  t.dpo_beta = 0.1  # dpo: KL strength beta (implicit reward = beta * log(pi / pi_ref))
+  t.dpo_loss = "sigmoid"  # dpo loss: sigmoid (DPO) | ipo (IPO, squared) | hinge (SLiC, max(0, 1 - beta*h))
+  t.dpo_label_smoothing = 0.0  # dpo sigmoid loss: probability eps that a label is flipped (conservative DPO); 0 = off
 
   d = c.data = ml_collections.ConfigDict()
   d.sources = "builtin"  # builtin (Python's own docs + stdlib source) or a mixture spec; see data/sources.py

@@ -11,7 +11,9 @@ A document d_1..d_n becomes inputs BOS d_1..d_n and targets d_1..d_n EOS; docume
 into row-sized pieces (first_fit) or across rows (concat). Conversations (chat sources, data/chat.py) are rendered
 with the chat template, truncated to seq_len (never split: first_fit packing keeps each one whole in one row) and
 carry their assistant-token loss mask. segment_ids number the pieces in a row from 1
-(0 = padding), positions restart at 0 for every piece, and padding has loss_mask 0.
+(0 = padding), positions restart at 0 for every piece, and padding has loss_mask 0. Preference sources
+(data/preference.py) give one pair per row instead, unpacked: `chosen_*` and `rejected_*` versions of those five
+arrays and `margin`, so both sides of a pair sit in the same row of the same data shard.
 
 Resume. `get_state()` holds each batch row's packer state (keyed by global row) next to the layout: process
 index/count, batch size, sequence length, worker count, packing, sources. `set_state()` continues exactly and
@@ -30,6 +32,7 @@ import numpy as np
 from common.segments import positions_from_segments
 from data import chat as chat_lib
 from data import mixture as mixture_lib
+from data import preference as preference_lib
 from data import sources as sources_lib
 from data import tokenizer as tokenizer_lib
 
@@ -84,6 +87,27 @@ class _Tokenize:
     targets = np.concatenate([ids, [self.tokenizer.eos_id]]).astype(np.int32)
     return {"inputs": inputs, "targets": targets, "loss_mask": np.ones(len(inputs), np.float32),
             "source_ids": np.full(len(inputs), source_id, np.int32)}
+
+
+class _EncodePair:
+  """(source_id, text) -> one pair's rows (data/preference.py) plus `source_ids` [seq_len] (the source on the
+  chosen side's tokens, -1 on its padding), or None for a skipped pair."""
+
+  def __init__(self, encoder: preference_lib.PairEncoder):
+    self.encoder = encoder
+
+  def __call__(self, element):
+    source_id, text = element
+    out = self.encoder(text)
+    if out is None:
+      return None
+    return dict(out, source_ids=np.where(out["chosen_segment_ids"] > 0, source_id, -1).astype(np.int32))
+
+
+def _pair_stream(mixture: grain.MapDataset, row: int, global_rows: int, encode: _EncodePair) -> grain.IterDataset:
+  """Rows of global batch row `row` from preference pairs: pairs row, row+global_rows, ... (one pair per row)."""
+  ds = mixture[row::global_rows].map(encode)
+  return ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)).filter(_is_document)
 
 
 def _is_document(element) -> bool:
@@ -181,20 +205,22 @@ class _Finalize(grain.IterDataset):
   """Top of the pipeline (main process): strips per-token source ids into counters, checks and adds the layout
   metadata to the state."""
 
-  def __init__(self, parent: grain.IterDataset, meta: dict[str, Any], source_names: Sequence[str], bos_id: int):
+  def __init__(self, parent: grain.IterDataset, meta: dict[str, Any], source_names: Sequence[str], bos_id: int,
+               inputs_key: str = "inputs"):
     super().__init__(parent)
-    self.meta, self.source_names, self.bos_id = meta, list(source_names), bos_id
+    self.meta, self.source_names, self.bos_id, self.inputs_key = meta, list(source_names), bos_id, inputs_key
 
   def __iter__(self):
-    return DataIterator(self._parent.__iter__(), self.meta, self.source_names, self.bos_id)
+    return DataIterator(self._parent.__iter__(), self.meta, self.source_names, self.bos_id, self.inputs_key)
 
 
 class DataIterator(grain.DatasetIterator):
   """What `make_iterator` returns: a grain DatasetIterator of batch dicts with `stats()` and a checked state."""
 
-  def __init__(self, parent, meta, source_names, bos_id):
+  def __init__(self, parent, meta, source_names, bos_id, inputs_key: str = "inputs"):
     super().__init__(parent)
-    self.meta, self.source_names, self.bos_id = meta, source_names, bos_id
+    # inputs_key: the array whose BOS tokens count documents (`chosen_inputs` for preference pairs)
+    self.meta, self.source_names, self.bos_id, self.inputs_key = meta, source_names, bos_id, inputs_key
     n = len(source_names)
     self._counts = {"batches": 0, "tokens": 0, "slots": 0, "source_tokens": [0] * n, "source_docs": [0] * n}
 
@@ -208,7 +234,7 @@ class DataIterator(grain.DatasetIterator):
     c["tokens"] += int(real.sum())
     c["slots"] += int(source_ids.size)
     tok = np.bincount(source_ids[real], minlength=n)
-    docs = np.bincount(source_ids[real & (batch["inputs"] == self.bos_id)], minlength=n)
+    docs = np.bincount(source_ids[real & (batch[self.inputs_key] == self.bos_id)], minlength=n)
     c["source_tokens"] = [a + int(b) for a, b in zip(c["source_tokens"], tok)]
     c["source_docs"] = [a + int(b) for a, b in zip(c["source_docs"], docs)]
     return batch
@@ -310,6 +336,10 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
   specs, srcs = sources_lib.open_sources(d)
   seed = d.shuffle_seed if split == "train" else _EVAL_ORDER_SEED
   mixture = mixture_dataset(specs, srcs, split, d.eval_fraction, seed)
+  pair_sources = [spec.name for spec in specs if preference_lib.is_preference_source(spec)]
+  if pair_sources and len(pair_sources) < len(specs):
+    raise ValueError(f"config.data.sources mixes preference sources ({', '.join(pair_sources)}) with other kinds; "
+                     "a preference run (train.objective=reward|dpo) reads only preference sources")
   chat_sources = [i for i, spec in enumerate(specs) if chat_lib.is_chat_source(spec)]
   chat = None
   if chat_sources and d.packing != "first_fit":
@@ -320,8 +350,13 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
                                 d.strict)
   tokenize = _Tokenize(tokenizer, chat, chat_sources)
   rows = batch_size // process_count
-  streams = [_row_stream(mixture, process_index * rows + r, batch_size, tokenize, d, seq_len)
-             for r in range(rows)]
+  if pair_sources:
+    encode = _EncodePair(preference_lib.PairEncoder(chat_lib.make_template(d, tokenizer), seq_len,
+                                                    tokenizer.pad_id, d.strict))
+    streams = [_pair_stream(mixture, process_index * rows + r, batch_size, encode) for r in range(rows)]
+  else:
+    streams = [_row_stream(mixture, process_index * rows + r, batch_size, tokenize, d, seq_len)
+               for r in range(rows)]
   ds = _Rows(streams, [process_index * rows + r for r in range(rows)])
   # Evaluation reads a few batches from a fresh iterator each time: worker start-up would dominate, and a
   # prefetch thread would outlive an iterator that is dropped without close(); it reads synchronously.
@@ -337,7 +372,8 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
           "packing_bins": d.packing_bins, "shuffle_seed": d.shuffle_seed,
           # Names, weights and document counts fix the order; paths may move (local -> gs://) between runs.
           "sources": [f"{s.name}={s.kind}@{s.weight:.6g}:{len(src)} documents" for s, src in zip(specs, srcs)]}
-  return _Finalize(ds, meta, [s.name for s in specs], tokenizer.bos_id)
+  return _Finalize(ds, meta, [s.name for s in specs], tokenizer.bos_id,
+                   "chosen_inputs" if pair_sources else "inputs")
 
 
 def make_iterator(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "train",

@@ -16,6 +16,8 @@ Mixture spec (`config.data.sources`): a string of comma-separated items, or a tu
   arrayrecord:/data/*.array_record one document per record (UTF-8 text)
   chat:/data/sft/*.jsonl          one conversation per line (data/chat.py: messages or prompt/completion)
   instruct=builtin:instruct       the built-in instruction task (data/instruct.py), generated from a seed
+  preference:/data/pairs/*.jsonl  one preference pair per line (data/preference.py: prompt, chosen, rejected)
+  pairs=builtin:preference        the built-in preference task (data/preference.py), generated from a seed
 
 Weights are document sampling weights (normalised to sum to 1); `config.data.weights`, when set, overrides them.
 Files are opened, decompressed and decoded by `data.files`, with its rules for bad input (the same as curation's).
@@ -40,7 +42,7 @@ from data import files
 
 log = logging.getLogger(__name__)
 
-KINDS = ("builtin", "text", "jsonl", "parquet", "arrayrecord", "chat")
+KINDS = ("builtin", "text", "jsonl", "parquet", "arrayrecord", "chat", "preference")
 BUILTIN_DEFAULT = "prose=builtin:prose@0.9,code=builtin:code@0.1"
 # Held-out documents are chosen by a fixed permutation, independent of the shuffle seed, so that changing the
 # shuffle seed never moves a document between the training and evaluation splits.
@@ -91,9 +93,9 @@ def parse_spec(sources: str | Sequence[str], weights: Sequence[float] = ()) -> l
       raise SpecError(f"cannot parse source {p!r}: expected [NAME=]KIND:PATH[@WEIGHT] with KIND one of "
                       f"{', '.join(KINDS)} (e.g. 'web=jsonl:/data/*.jsonl@0.9')")
     kind, arg = m["kind"], m["arg"]
-    if kind == "builtin" and arg not in ("prose", "code", "instruct"):
-      raise SpecError(f"unknown built-in source {arg!r} in {p!r}: use builtin:prose, builtin:code or "
-                      "builtin:instruct")
+    if kind == "builtin" and arg not in ("prose", "code", "instruct", "preference"):
+      raise SpecError(f"unknown built-in source {arg!r} in {p!r}: use builtin:prose, builtin:code, "
+                      "builtin:instruct or builtin:preference")
     name = m["name"] or (arg if kind == "builtin" else kind)
     weight = float(m["weight"]) if m["weight"] else 1.0
     specs.append(SourceSpec(name, kind, arg, weight))
@@ -189,7 +191,7 @@ class JsonlFiles:
     record, error = files.parse_json(files.decode_utf8(raw, path, warn=False), where)
     if error:
       return self._skip("unparseable_records", path, error)
-    if self.field == "":  # chat sources: the whole record, rendered later by data/chat.py
+    if self.field == "":  # chat / preference sources: the whole record, rendered later (data/chat.py, preference.py)
       return json.dumps(record)
     text, error = files.record_text(record, self.field, where)
     if error:
@@ -345,9 +347,12 @@ def open_source(spec: SourceSpec, text_field: str = "text", strict: bool = False
   if spec.kind == "builtin" and spec.arg == "instruct":
     from data import instruct  # pylint: disable=g-import-not-at-top
     return instruct.InstructTask(spec.name)
+  if spec.kind == "builtin" and spec.arg == "preference":
+    from data import preference  # pylint: disable=g-import-not-at-top
+    return preference.PreferenceTask(spec.name)
   if spec.kind == "builtin":
     return Builtin(spec.name, spec.arg)
-  if spec.kind == "chat":
+  if spec.kind in ("chat", "preference"):
     return JsonlFiles(spec.name, spec.arg, "", strict)
   if spec.kind == "text":
     return TextFiles(spec.name, spec.arg)

@@ -11,13 +11,14 @@ from __future__ import annotations
 from typing import Sequence
 
 from data import chat as chat_lib
+from data import preference as preference_lib
 from data import sources as sources_lib
 
 
 def template_for(config, tokenizer):
-  """The run's chat template when its data has chat sources (data/chat.py make_template), else None."""
+  """The run's chat template when its data has chat or preference sources (data/chat.py make_template), else None."""
   specs = sources_lib.parse_spec(config.data.sources, tuple(config.data.weights))
-  if not any(chat_lib.is_chat_source(s) for s in specs):
+  if not any(chat_lib.is_chat_source(s) or preference_lib.is_preference_source(s) for s in specs):
     return None
   return chat_lib.make_template(config.data, tokenizer)
 

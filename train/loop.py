@@ -197,8 +197,8 @@ def _resolve_start(config: ml_collections.ConfigDict, workdir: str) -> ml_collec
     else:
       directory, step = ckpt_lib.find_checkpoint_dir(tc.init_from)
       entry = ckpt_lib.Checkpointer(directory, read_only=True).metadata(step).get(TOKENIZER_KEY)
-      if entry:
-        ckpt_lib.decode_file(entry, workdir)
+      if entry and "base64" in entry:  # under the name this run looks for (the file may have had another name)
+        ckpt_lib.decode_file(dict(entry, name="tokenizer.model"), workdir)
   return config
 
 
@@ -286,6 +286,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
     trainer = step_lib.Trainer(config, mesh)  # validates the model, mesh and batch settings before any work
   except ValueError as e:  # MeshError and config checks: the message names the key
     raise SetupError(str(e)) from None
+  _check_data_kind(config, trainer)
   if latest is not None:
     _check_state_layout(trainer, checkpoint_dir, latest)
     if primary:
@@ -398,7 +399,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
       window_wait += time.perf_counter() - t0
       step += 1
       if step in tc.debug_nan_steps:  # fault injection: a NaN loss mask makes this step's loss and grads NaN
-        local = dict(local, loss_mask=np.full_like(local["loss_mask"], np.nan))
+        local = {k: np.full_like(v, np.nan) if k.endswith("loss_mask") else v for k, v in local.items()}
       state, metrics = trainer.step_fn(state, trainer.batch_to_device(local))
       window_steps += 1
       if pending is not None:
@@ -457,7 +458,8 @@ def _log_eval(log: logger_lib.MetricLogger, step: int, ev: dict[str, float]) -> 
   log.log(step, ev)
   extra = "".join(f", {k.removeprefix('eval_').replace('_', ' ')} {v:.3f}" for k, v in ev.items()
                   if k not in ("eval_loss", "eval_perplexity") and "/" not in k)
-  log.message(f"step {step}: eval loss {ev['eval_loss']:.4f}, perplexity {ev['eval_perplexity']:.2f}{extra}")
+  perplexity = f", perplexity {ev['eval_perplexity']:.2f}" if "eval_perplexity" in ev else ""
+  log.message(f"step {step}: eval loss {ev['eval_loss']:.4f}{perplexity}{extra}")
   return ev["eval_loss"]
 
 
@@ -498,6 +500,26 @@ def _close_checkpointer(checkpointer: ckpt_lib.Checkpointer, raise_errors: bool)
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
+def _check_data_kind(config, trainer) -> None:
+  """SetupError unless the objective and the data agree on pairs: reward/dpo read preference sources only."""
+  from data import preference  # pylint: disable=g-import-not-at-top
+  from data import sources as sources_lib  # pylint: disable=g-import-not-at-top
+  try:
+    specs = sources_lib.parse_spec(config.data.sources, tuple(config.data.weights))
+  except ValueError as e:
+    raise SetupError(str(e)) from None
+  pair_data = any(preference.is_preference_source(s) for s in specs)
+  pair_objective = set(trainer.batch_keys) == set(preference.BATCH_KEYS)
+  if pair_objective and not pair_data:
+    raise SetupError(f"config.train.objective={config.train.objective!r} trains on preference pairs but "
+                     f"config.data.sources={config.data.sources!r} has no preference source; use "
+                     "preference:PATH.jsonl (prompt/chosen/rejected lines) or builtin:preference")
+  if pair_data and not pair_objective:
+    raise SetupError(f"config.data.sources={config.data.sources!r} holds preference pairs, which "
+                     f"config.train.objective={config.train.objective!r} cannot read; use train.objective=reward "
+                     "or dpo")
+
+
 def _check_state_layout(trainer, checkpoint_dir: str, step: int) -> None:
   """SetupError unless checkpoint `step` holds exactly the state `trainer` builds (leaves, shapes, dtypes)."""
   import configs  # pylint: disable=g-import-not-at-top
@@ -525,9 +547,12 @@ def _restore_tokenizer_file(checkpoint_dir: str, step: int, workdir: str) -> Non
 
 def restore_model_params(checkpointer: ckpt_lib.Checkpointer, step: int | None, abstract: Any) -> Any:
   """The model weights of a meshlm checkpoint onto `abstract`'s shardings (ShapeDtypeStructs of the model's
-  parameter tree); a LoRA run's (train.lora_rank > 0) come with its adapters merged in (W + alpha/r * A @ B)."""
+  parameter tree); a LoRA run's (train.lora_rank > 0) come with its adapters merged in (W + alpha/r * A @ B); a
+  run with an objective head (reward) gives its trunk."""
   saved = checkpointer.metadata(step).get("config", {}).get("train", {})
   if not saved.get("lora_rank", 0):
+    if any(k.startswith("params/model/") for k in checkpointer.state_layout(step)):  # beside a head (reward run)
+      return checkpointer.restore_subtree({"params": {"model": abstract}}, step)["params"]["model"]
     return checkpointer.restore_subtree({"params": abstract}, step)["params"]
   from model import lora as lora_lib  # pylint: disable=g-import-not-at-top
   rank, targets = int(saved["lora_rank"]), tuple(saved["lora_targets"])

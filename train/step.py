@@ -215,8 +215,8 @@ class Trainer:
     layout keeps them: trained, frozen under LoRA, and as every frozen copy (init_from)."""
     state = dict(state)
     frozen = dict(state.get("frozen", {}))
-    for name in self.objective.frozen_models:
-      frozen[name] = model_params
+    for name in self.objective.frozen_models:  # own buffers: the step donates the state, each buffer once
+      frozen[name] = self._copy_params(model_params)
     if self.lora_rank:
       frozen["model"] = model_params
     elif self.objective.extra_params:
@@ -226,6 +226,10 @@ class Trainer:
     if frozen:
       state["frozen"] = frozen
     return state
+
+  def _copy_params(self, model_params: Any) -> Any:
+    """A copy of the model's parameter tree in new device buffers, sharded like `param_shardings`."""
+    return jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=self.param_shardings)(model_params)
 
   def abstract_state(self) -> dict[str, Any]:
     """The state as ShapeDtypeStructs carrying their shardings (orbax restore targets, AOT compilation)."""

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from train.objectives.base import Objective, TOKEN_BATCH_KEYS
+from train.objectives.dpo import DirectPreference
 from train.objectives.lm import LanguageModel
+from train.objectives.reward import RewardModel
 from train.objectives.sft import SupervisedFineTuning
 
-OBJECTIVES = {cls.name: cls for cls in (LanguageModel, SupervisedFineTuning)}
+OBJECTIVES = {cls.name: cls for cls in (LanguageModel, SupervisedFineTuning, RewardModel, DirectPreference)}
 
 
 def make(config) -> Objective:
