@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 from train.objectives.base import Objective, TOKEN_BATCH_KEYS
+from train.objectives.grpo import GroupRelativePolicyOptimization
 from train.objectives.lm import LanguageModel
+from train.objectives.ppo import ProximalPolicyOptimization
 from train.objectives.sft import SupervisedFineTuning
 
-OBJECTIVES = {cls.name: cls for cls in (LanguageModel, SupervisedFineTuning)}
+OBJECTIVES = {cls.name: cls for cls in (LanguageModel, SupervisedFineTuning,
+                                         ProximalPolicyOptimization, GroupRelativePolicyOptimization)}
 
 
 def make(config) -> Objective:
