@@ -26,7 +26,7 @@ class GroupRelativePolicyOptimization(base.Objective):
   name = "grpo"
   batch_keys = RL_BATCH_KEYS
   sum_keys = ("policy", "kl", "entropy", "clipped", "ratio_dev", "tokens")
-  metric_keys = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "ratio_dev", "tokens")
+  metric_keys = ("loss", "policy_loss", "kl_k3", "entropy", "clip_frac", "ratio_dev", "tokens")
   eval_keys = ("logp", "ref_logp")
 
   def __init__(self, config):
@@ -58,9 +58,9 @@ class GroupRelativePolicyOptimization(base.Objective):
     return sums["policy"] + self.config.rl.kl_coef * sums["kl"]
 
   def metrics(self, sums, normalizer):
-    """Means per completion token; kl = the k3 estimate of KL(policy || reference) (0 without a reference)."""
+    """Means per completion token; kl_k3 = the k3 estimate of KL(policy || reference) (0 without a reference)."""
     mean = lambda k: sums[k] / normalizer
-    return {"loss": self.loss(sums) / normalizer, "policy_loss": mean("policy"), "kl": mean("kl"),
+    return {"loss": self.loss(sums) / normalizer, "policy_loss": mean("policy"), "kl_k3": mean("kl"),
             "entropy": mean("entropy"), "clip_frac": mean("clipped"), "ratio_dev": mean("ratio_dev"),
             "tokens": sums["tokens"]}
 
