@@ -3,8 +3,8 @@
 `rl.prompts` is either
   PATH             a JSONL file (.gz read too), one prompt per line: {"prompt": "text"} or {"messages": [...]}
                    (a conversation ending with a user turn); other fields are ignored
-  builtin:greater  the built-in task: "Write a number greater than N." for N in [10, 999], answered right when the
-                   reply is a whole number > N (`greater_reward`)
+  builtin:greater  the built-in task: "Write a number greater than N." for N in [1000, 9999], answered right when the
+                   reply is a whole number > N written without leading zeros (`greater_reward`)
 Held-out prompts are chosen by a hash of the prompt text (data.instruct.held_out), so a held-out prompt never
 occurs in training.
 """
@@ -20,21 +20,23 @@ from data import instruct
 
 GREATER_SIZE = 20_000
 _GREATER = re.compile(r"greater than (\d+)")
+_NUMBER = re.compile(r"[1-9][0-9]{0,11}")  # a whole number as written: no sign, no leading zero
 
 
 def greater_prompt(seed: int, index: int) -> str:
   """Prompt `index` of the built-in task (N drawn from a generator seeded by (seed, index))."""
-  n = int(np.random.default_rng([seed, index]).integers(10, 1000))
+  n = int(np.random.default_rng([seed, index]).integers(1000, 10_000))
   return f"Write a number greater than {n}."
 
 
 def greater_reward(prompt: str, completion: str) -> float:
-  """1.0 when `completion` (stripped) is a whole number greater than the prompt's N, else 0.0."""
+  """1.0 when `completion` (stripped) is a whole number without leading zeros greater than the prompt's N,
+  else 0.0."""
   match = _GREATER.search(prompt)
   if match is None:
     raise ValueError(f"prompt {prompt!r} is not a builtin:greater prompt ('... greater than N')")
   answer = completion.strip()
-  return float(answer.isdigit() and len(answer) < 12 and int(answer) > int(match.group(1)))
+  return float(_NUMBER.fullmatch(answer) is not None and int(answer) > int(match.group(1)))
 
 
 def _messages(record, where: str) -> list[dict[str, str]]:

@@ -52,15 +52,15 @@ def base(tmp_path_factory):
   recipe.write_text(BASE.format(tokenizer=tok))
   prompts = root / "prompts.jsonl"
   prompts.write_text("".join(json.dumps({"prompt": f"Say something about {i}."}) + "\n" for i in range(200)))
-  return {"root": root, "recipe": str(recipe), "prompts": str(prompts)}
+  return {"root": root, "recipe": str(recipe), "prompts": str(prompts), "tokenizer": tok}
 
 
 def _config(base, algorithm, **overrides):
   recipe = {"ppo": "ppo_tiny", "grpo": "grpo_tiny", "best_of_n": "best_of_n_tiny"}[algorithm]
   values = {"model.vocab_size": 320, "model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4,
             "model.num_kv_heads": 2, "model.head_dim": 16, "model.mlp_dim": 128, "model.max_seq_len": 64,
-            "train.base_recipe": base["recipe"], "train.batch_size": 8, "train.seq_len": 32, "train.lr": 1e-3,
-            "rl.prompts": base["prompts"], "rl.reward": "py:rl_testing:length", "rl.iterations": 3,
+            "train.base_recipe": base["recipe"], "train.batch_size": 8, "train.seq_len": 48, "train.lr": 1e-3,
+            "data.tokenizer": base["tokenizer"], "rl.prompts": base["prompts"], "rl.reward": "py:rl_testing:length", "rl.iterations": 3,
             "rl.prompts_per_iteration": 4, "rl.samples_per_prompt": 4 if algorithm != "ppo" else 2,
             "rl.max_new_tokens": 6, "rl.eval_every": 3, "rl.eval_prompts": 4, "checkpoint.every": 1,
             "checkpoint.keep": 5, "log.progress": False, "log.tensorboard": False}
@@ -175,7 +175,7 @@ def _config_overrides(base):
   config = _config(base, "grpo")
   reference = configs.load("grpo_tiny")
   out = {}
-  for section in ("model", "train", "rl", "checkpoint", "log"):
+  for section in ("model", "train", "data", "rl", "checkpoint", "log"):
     for key, value in config[section].items():
       if value != reference[section][key]:
         out[f"{section}.{key}"] = value
@@ -205,7 +205,7 @@ def test_bad_input_exits_2_and_writes_nothing(base, grpo_run, capsys):
   cases = [
       ({"rl.reward": f"rm:{base['root']}/no_such_run"}, "no reward-model run directory"),
       ({"rl.reward": "py:rl_testing:no_such_function"}, "cannot load no_such_function"),
-      ({"rl.max_new_tokens": 30}, "exceeds train.seq_len"),
+      ({"rl.max_new_tokens": 40}, "exceeds train.seq_len"),
       ({"train.objective": "sft"}, "--config.train.objective=grpo"),
   ]
   for overrides, message in cases:
