@@ -3,7 +3,7 @@
 `rl.prompts` is either
   PATH             a JSONL file (.gz read too), one prompt per line: {"prompt": "text"} or {"messages": [...]}
                    (a conversation ending with a user turn); other fields are ignored
-  builtin:greater  the built-in task: "Write a number greater than N." for N in [1000, 9999], answered right when the
+  builtin:greater  the built-in task: "Write a number greater than N." for N in [1000, 99999], answered right when the
                    reply is a whole number > N written without leading zeros (`greater_reward`)
 Held-out prompts are chosen by a hash of the prompt text (data.instruct.held_out), so a held-out prompt never
 occurs in training.
@@ -25,7 +25,7 @@ _NUMBER = re.compile(r"[1-9][0-9]{0,11}")  # a whole number as written: no sign,
 
 def greater_prompt(seed: int, index: int) -> str:
   """Prompt `index` of the built-in task (N drawn from a generator seeded by (seed, index))."""
-  n = int(np.random.default_rng([seed, index]).integers(1000, 10_000))
+  n = int(np.random.default_rng([seed, index]).integers(1000, 100_000))
   return f"Write a number greater than {n}."
 
 
