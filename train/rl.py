@@ -36,10 +36,14 @@ import sys
 import time
 from typing import Any, Sequence
 
-import jax
-import jax.numpy as jnp
-import ml_collections
-import numpy as np
+if __name__ == "__main__":  # pin the platform as `python -m train` does, before JAX is imported
+  from train import __main__ as train_main  # pylint: disable=g-import-not-at-top
+  train_main._default_platform()  # pylint: disable=protected-access
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
+import ml_collections  # pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from train import checkpoint as ckpt_lib
 from train import logger as logger_lib
@@ -98,6 +102,8 @@ class Reward:
           raise ValueError(f"the scorer returned {out.shape[0]} rewards for {len(texts)} texts")
       except Exception as e:  # pylint: disable=broad-except  (a bad scorer call drops the batch, counted)
         return np.array([self._fail(f"{type(e).__name__}: {e}") for _ in texts])
+      for i in np.flatnonzero(~np.isfinite(out)):
+        out[i] = self._fail(f"the reward model's score {out[i]} for text {texts[i]!r} is not finite")
     else:
       out = np.empty(len(prompts))
       for i, (prompt, completion) in enumerate(zip(prompts, completions)):
@@ -105,10 +111,9 @@ class Reward:
           out[i] = float(self._pair(prompt, completion))
         except Exception as e:  # pylint: disable=broad-except  (user code: any error drops this sample)
           out[i] = self._fail(f"{type(e).__name__}: {e}")
-    for i in np.flatnonzero(~np.isfinite(out)):
-      if not math.isnan(out[i]) or not self.failures:
-        self._fail(f"reward {out[i]} for completion {completions[i]!r}")
-      out[i] = math.nan
+          continue
+        if not math.isfinite(out[i]):
+          out[i] = self._fail(f"the reward {out[i]} for completion {completion!r} is not finite")
     return out
 
 
@@ -510,8 +515,6 @@ def _run(config, workdir: str, stop, overrides, reward: Reward) -> dict[str, Any
 
 def main(argv: Sequence[str] | None = None) -> int:
   """`python -m train.rl`: exit 0 done (or stopped with a checkpoint), 1 training failed, 2 bad input."""
-  from train import __main__ as train_main  # pylint: disable=g-import-not-at-top
-  train_main._default_platform()  # pylint: disable=protected-access
   import configs  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(prog="python -m train.rl", description=__doc__.split("\n")[0])
   parser.add_argument("--workdir", default=None, help="run directory (default: runs/<config name>)")
