@@ -42,10 +42,11 @@ def greater_reward(prompt: str, completion: str) -> float:
 def _messages(record, where: str) -> list[dict[str, str]]:
   if isinstance(record, dict) and isinstance(record.get("prompt"), str):
     return [{"role": "user", "content": record["prompt"]}]
-  if isinstance(record, dict) and isinstance(record.get("messages"), list):
-    messages = chat_lib.parse_record({"messages": record["messages"]}) if record["messages"] else []
-    if messages and messages[-1]["role"] == "user":
-      return messages
+  messages = record.get("messages") if isinstance(record, dict) else None
+  if (isinstance(messages, list) and messages and all(
+      isinstance(m, dict) and m.get("role") in chat_lib.ROLES and isinstance(m.get("content"), str) for m in messages)
+      and messages[-1]["role"] == "user"):
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
   raise ValueError(f"{where}: a prompt line must be {{\"prompt\": \"text\"}} or {{\"messages\": [...]}} ending with "
                    "a user turn")
 
@@ -72,10 +73,7 @@ def load(spec: str, eval_fraction: float, seed: int = 0) -> dict[str, list[list[
       record, problem = files.parse_json(line, f"{spec} line {i + 1}")
       if problem:
         raise ValueError(problem)
-      try:
-        conversations.append(_messages(record, f"{spec} line {i + 1}"))
-      except chat_lib.ChatError as e:
-        raise ValueError(f"{spec} line {i + 1}: {e}") from None
+      conversations.append(_messages(record, f"{spec} line {i + 1}"))
   split = {"train": [], "eval": []}
   for conversation in conversations:
     held = instruct.held_out(conversation[-1]["content"], eval_fraction)

@@ -216,3 +216,21 @@ def test_bad_input_exits_2_and_writes_nothing(base, grpo_run, capsys):
     assert not (workdir / "config.json").exists() and not (workdir / "checkpoints").exists()
   assert rl.main([f"--workdir={base['root']}/runs/bad2", "--config.rl.reward=rm:/nonexistent/run"]) == 2
   assert "no reward-model run directory" in capsys.readouterr().err
+
+
+def test_greater_reward_and_prompt_files(tmp_path):
+  from data import rl_prompts
+  prompt = "Write a number greater than 4321."
+  cases = {"4322": 1.0, " 99999\n": 1.0, "4321": 0.0, "04322": 0.0, "-5000": 0.0, "5000 apples": 0.0, "": 0.0}
+  assert {c: rl_prompts.greater_reward(prompt, c) for c in cases} == cases
+  with pytest.raises(ValueError, match="not a builtin:greater prompt"):
+    rl_prompts.greater_reward("Say hi.", "1")
+  split = rl_prompts.load("builtin:greater", 0.05)
+  assert not {s[0]["content"] for s in split["train"]} & {s[0]["content"] for s in split["eval"]}
+  assert 0.03 < len(split["eval"]) / rl_prompts.GREATER_SIZE < 0.07
+  path = tmp_path / "p.jsonl"
+  path.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}]}\n{"completion": "c"}\n')
+  with pytest.raises(ValueError, match="p.jsonl line 3"):
+    rl_prompts.load(str(path), 0.5)
+  with pytest.raises(ValueError, match="no such file"):
+    rl_prompts.load(str(tmp_path / "missing.jsonl"), 0.5)

@@ -523,16 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   except configs.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
-  try:
-    run(config, workdir, args.overrides)
-  except (loop.SetupError, loop.WorkdirError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  except loop.TrainingError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
-  return 0
+  from train import __main__ as train_main  # pylint: disable=g-import-not-at-top
+  return train_main.run_in_workdir(run, config, args)
 
 
 if __name__ == "__main__":
