@@ -1,6 +1,6 @@
 """Every meshlm setting with its default. Other configs start from this one and change a few keys.
 
-Sections: model, mesh, train, data, checkpoint, log, distributed. Unknown keys are rejected (the ConfigDict is
+Sections: model, mesh, train, data, checkpoint, log, distributed, rl. Unknown keys are rejected (the ConfigDict is
 locked), so a typo in an override fails before anything runs.
 """
 import ml_collections
@@ -113,6 +113,35 @@ def get_config() -> ml_collections.ConfigDict:
   ds.mode = "auto"  # auto: start jax.distributed when the environment shows several processes | on | off
   ds.cpu_collectives = "gloo"  # cross-process collectives on CPU: gloo | mpi
   ds.timeout_s = 300  # seconds to wait for all processes to join
+
+  rl = c.rl = ml_collections.ConfigDict()  # reinforcement learning (`python -m train.rl`, docs/post-training.md)
+  rl.algorithm = "grpo"  # ppo | grpo | best_of_n (rejection-sampling fine-tuning); sets train.objective ppo | grpo | sft
+  rl.reward = "py:data.rl_prompts:greater_reward"  # py:MODULE:FUNCTION (prompt, completion) -> float | rm:RUN (reward model)
+  rl.prompts = "builtin:greater"  # JSONL file of prompts ({"prompt": ...} or {"messages": [...]}) | builtin:greater
+  rl.eval_fraction = 0.05  # share of the prompts held out for eval_reward_mean (chosen by a hash of the prompt text)
+  rl.iterations = 100  # rollout iterations (best_of_n: rounds); also the checkpoint step
+  rl.prompts_per_iteration = 16  # prompts sampled per iteration
+  rl.samples_per_prompt = 4  # completions per prompt: GRPO's group size G, best_of_n's K (PPO: usually 1)
+  rl.max_new_tokens = 16  # longest completion; prompt + completion must fit in train.seq_len + 1 tokens
+  rl.temperature = 1.0  # sampling temperature; the training forward pass uses the same (log-probs of logits / T)
+  rl.kl_coef = 0.05  # beta: PPO's per-token KL penalty in the reward, GRPO's k3 KL loss weight (0 = no reference)
+  rl.kl_target = 0.0  # PPO adaptive KL controller target (KL per sequence, Ziegler et al. 2019); 0 = fixed kl_coef
+  rl.kl_horizon = 10_000  # adaptive KL controller horizon in samples
+  rl.gamma = 1.0  # PPO discount per token
+  rl.lam = 0.95  # PPO GAE lambda
+  rl.clip = 0.2  # policy ratio clip range epsilon (PPO and GRPO)
+  rl.value_clip = 0.2  # PPO value clip range around the rollout's values
+  rl.vf_coef = 0.1  # PPO value-loss weight in the loss (the value head shares the policy trunk)
+  rl.ent_coef = 0.0  # PPO entropy bonus weight
+  rl.whiten_advantages = True  # PPO: advantages normalised to mean 0, std 1 over the rollout's completion tokens
+  rl.epochs = 2  # passes over each rollout batch (minibatches of train.batch_size rows); best_of_n: SFT epochs per round
+  rl.length_penalty = 0.0  # subtracted from the reward per completion token
+  rl.missing_eos_penalty = 0.0  # subtracted from the reward of a completion that never produced a stop token
+  rl.max_bad_rewards = 20  # halt once this many rewards raised or were non-finite (each such rollout is dropped)
+  rl.eval_every = 5  # iterations between held-out evaluations (eval_reward_mean); 0 = off
+  rl.eval_prompts = 64  # held-out prompts sampled (temperature rl.temperature, one each) per evaluation
+  rl.eval_best_of = 0  # also report eval_best_of_n_reward_mean: the best of this many samples per held-out prompt; 0 = off
+  rl.seed = 0  # rollout RNG: iteration i samples with a seed derived from (seed, i), so a resumed run repeats it
 
   c.lock()
   return c

@@ -45,9 +45,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   except configs.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  # loop.run checks the workdir before any device work
+  return run_in_workdir(loop.run, config, args)
+
+
+def run_in_workdir(run, config, args) -> int:
+  """`run(config, workdir, overrides)` in --workdir (default runs/<config name>) -> the exit code: 0 done, 2 bad
+  config or workdir (loop.SetupError / WorkdirError), 1 training failed (loop.TrainingError); errors on stderr."""
+  from train import loop  # pylint: disable=g-import-not-at-top
   workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
   try:
-    loop.run(config, workdir, args.overrides)  # checks the workdir before any device work
+    run(config, workdir, args.overrides)
   except (loop.SetupError, loop.WorkdirError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

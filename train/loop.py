@@ -220,6 +220,8 @@ def _make_base_run(recipe: str, base_workdir: str) -> str:
     with open(saved) as f:
       found = json.load(f)
     want = _config_dict(base)
+    if base.train.base_recipe and not base.train.init_from:  # a chained recipe's run saved its resolved start
+      found = dict(found, train=dict(found.get("train", {}), init_from=""))
     # What the weights depend on; logging, checkpoint cadence, mesh and process settings may differ.
     if any(found.get(section) != want[section] for section in ("model", "train", "data")):
       raise SetupError(f"{base_workdir} holds a run whose model, train or data config differs from the "

@@ -1,6 +1,8 @@
-"""`python -m train.plot WORKDIR [--out FILE]`: a PNG of training and eval loss, learning rate and tokens/s.
+"""`python -m train.plot WORKDIR [--out FILE]`: a PNG of training and eval loss, learning rate and tokens/s (and,
+for `python -m train.rl` runs, reward and KL to the reference).
 
-Reads WORKDIR/metrics.jsonl (written by `python -m train`) and writes WORKDIR/metrics.png by default.
+Reads WORKDIR/metrics.jsonl (written by `python -m train` or `python -m train.rl`) and writes WORKDIR/metrics.png
+by default; panels without any data in the run are left out.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ PANELS = (  # (title, [(metric key, legend label), ...], y scale)
     ("loss", [("loss", "train"), ("eval_loss", "eval")], "linear"),
     ("learning rate", [("lr", "lr")], "linear"),
     ("tokens / s", [("tokens_per_sec", "tokens/s")], "linear"),
+    ("reward", [("reward_mean", "train rollouts"), ("eval_reward_mean", "eval")], "linear"),
+    ("KL to reference (nats / completion)", [("kl", "kl")], "linear"),
 )
 
 
@@ -35,8 +39,9 @@ def plot(workdir: str, out: str | None = None) -> str:
     raise FileNotFoundError(f"no metrics in {os.path.join(workdir, logger.METRICS_FILE)}: run "
                             f"`python -m train --workdir={workdir}` first")
   out = out or os.path.join(workdir, "metrics.png")
-  fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
-  for ax, (title, keys, scale) in zip(axes, PANELS):
+  panels = [p for p in PANELS if any(series(records, key)[0] for key, _ in p[1])] or PANELS[:1]
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+  for ax, (title, keys, scale) in zip(axes[0], panels):
     for key, label in keys:
       steps, values = series(records, key)
       if steps:

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 from train.objectives.base import Objective, TOKEN_BATCH_KEYS
 from train.objectives.dpo import DirectPreference
+from train.objectives.grpo import GroupRelativePolicyOptimization
 from train.objectives.lm import LanguageModel
+from train.objectives.ppo import ProximalPolicyOptimization
 from train.objectives.reward import RewardModel
 from train.objectives.sft import SupervisedFineTuning
 
-OBJECTIVES = {cls.name: cls for cls in (LanguageModel, SupervisedFineTuning, RewardModel, DirectPreference)}
+OBJECTIVES = {cls.name: cls for cls in (LanguageModel, SupervisedFineTuning, RewardModel, DirectPreference,
+                                         ProximalPolicyOptimization, GroupRelativePolicyOptimization)}
 
 
 def make(config) -> Objective:

@@ -1,0 +1,236 @@
+"""`python -m train.rl` end to end on a small model: GRPO, PPO and best-of-N runs from a base run, the sampler's
+log-probs against the training forward pass, resume after SIGKILL, bad rewards and bad input."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import configs
+import rl_testing
+from chat_testing import TEXT
+from data import tokenizer as tokenizer_lib
+from train import loop
+from train import rl
+
+BASE = """from configs import tiny
+def get_config():
+  c = tiny.get_config()
+  c.model.update(vocab_size=320, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
+                 max_seq_len=64)
+  c.train.update(steps=2, batch_size=8, seq_len=64, eval_every=0, log_every=1)
+  c.data.update(tokenizer={tokenizer!r})
+  c.log.progress = False
+  return c
+"""
+
+
+def _records(workdir):
+  return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+
+
+def _saved_state(workdir, step):
+  import orbax.checkpoint as ocp
+  from etils import epath
+  path = epath.Path(workdir) / "checkpoints" / str(step) / "state"
+  handler = ocp.PyTreeCheckpointHandler()
+  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), handler.metadata(path).tree)
+  return ocp.tree.to_flat_dict(handler.restore(path, args=ocp.args.PyTreeRestore(restore_args=args)))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+  """A tokenizer, a 2-step base run's recipe and a prompts file; the base run is made by the first RL run."""
+  root = tmp_path_factory.mktemp("rl")
+  tok = tokenizer_lib.train(TEXT, str(root / "tok.model"), 320)
+  recipe = root / "base_small.py"
+  recipe.write_text(BASE.format(tokenizer=tok))
+  prompts = root / "prompts.jsonl"
+  prompts.write_text("".join(json.dumps({"prompt": f"Say something about {i}."}) + "\n" for i in range(200)))
+  return {"root": root, "recipe": str(recipe), "prompts": str(prompts), "tokenizer": tok}
+
+
+def _config(base, algorithm, **overrides):
+  recipe = {"ppo": "ppo_tiny", "grpo": "grpo_tiny", "best_of_n": "best_of_n_tiny"}[algorithm]
+  values = {"model.vocab_size": 320, "model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4,
+            "model.num_kv_heads": 2, "model.head_dim": 16, "model.mlp_dim": 128, "model.max_seq_len": 64,
+            "train.base_recipe": base["recipe"], "train.batch_size": 8, "train.seq_len": 48, "train.lr": 1e-3,
+            "data.tokenizer": base["tokenizer"], "rl.prompts": base["prompts"], "rl.reward": "py:rl_testing:length", "rl.iterations": 3,
+            "rl.prompts_per_iteration": 4, "rl.samples_per_prompt": 4 if algorithm != "ppo" else 2,
+            "rl.max_new_tokens": 6, "rl.eval_every": 3, "rl.eval_prompts": 4, "checkpoint.every": 1,
+            "checkpoint.keep": 5, "log.progress": False, "log.tensorboard": False}
+  if algorithm == "best_of_n":
+    values.update({"rl.prompts_per_iteration": 8, "rl.eval_best_of": 3})
+  values.update(overrides)
+  return configs.load(recipe, **values)
+
+
+@pytest.fixture(scope="module")
+def grpo_run(base):
+  workdir = str(base["root"] / "runs" / "grpo")
+  summary = rl.run(_config(base, "grpo"), workdir)
+  return {"workdir": workdir, "summary": summary, "records": _records(workdir)}
+
+
+@pytest.mark.slow
+def test_grpo_run_logs_rewards_kl_and_consistent_logprobs(grpo_run):
+  records = grpo_run["records"]
+  train = [r for r in records if "reward_mean" in r]
+  evals = [r for r in records if "eval_reward_mean" in r]
+  assert [r["step"] for r in train] == [1, 2, 3] and [r["step"] for r in evals] == [0, 3]
+  for r in train:
+    # the rewards are the completions' lengths / 10: between 0 and 6 tokens' worth of characters
+    assert 0 <= r["reward_mean"] and r["kl"] >= -1e-6 and r["nonfinite"] == 0
+    assert r["logp_diff"] <= 1e-4  # the sampler's log-probs vs the training forward pass
+    assert r["ratio_dev_first"] <= 1e-6  # old log-probs recomputed with the same pass: ratio 1 at first
+  assert train[0]["kl"] == pytest.approx(0.0, abs=1e-5)  # the policy starts as the reference
+  assert any(r["kl"] > 1e-6 for r in train[1:])  # and moves away from it
+  assert grpo_run["summary"]["iteration"] == 3
+
+
+@pytest.mark.slow
+def test_ppo_run_trains_value_head_and_policy(base):
+  workdir = str(base["root"] / "runs" / "ppo")
+  rl.run(_config(base, "ppo"), workdir)
+  train = [r for r in _records(workdir) if "reward_mean" in r]
+  assert len(train) == 3
+  for r in train:
+    assert r["logp_diff"] <= 1e-4 and r["ratio_dev_first"] <= 1e-6 and r["nonfinite"] == 0
+    assert np.isfinite(r["explained_variance"]) and r["value_loss"] > 0 and 0 <= r["clip_frac"] <= 1
+  state = _saved_state(workdir, 3)
+  assert ("params", "value_head") in state and ("frozen", "reference", "embed", "embedding") in state
+  # the reference stays the starting model while the policy moves
+  start = _saved_state(workdir, 1)
+  key = ("params", "model", "embed", "embedding")
+  assert not np.array_equal(state[key], start[key])
+  assert np.array_equal(state[("frozen", "reference", "embed", "embedding")],
+                        start[("frozen", "reference", "embed", "embedding")])
+
+
+@pytest.mark.slow
+def test_best_of_n_keeps_the_best_answers(base):
+  workdir = str(base["root"] / "runs" / "bon")
+  rl.run(_config(base, "best_of_n"), workdir)
+  records = _records(workdir)
+  train = [r for r in records if "reward_mean" in r]
+  assert len(train) == 3
+  for r in train:
+    assert r["best_reward_mean"] >= r["reward_mean"]  # the kept answer is each prompt's best
+  evals = [r for r in records if "eval_reward_mean" in r]
+  assert all(r["eval_best_of_n_reward_mean"] >= r["eval_reward_mean"] - 0.3 for r in evals)
+
+
+def test_best_of_n_choice_breaks_ties_by_the_seed():
+  """`_best_of_n_batch` keeps the highest reward; equal rewards are settled by the iteration's seed alone."""
+  class Fake:
+    config = configs.load("best_of_n_tiny", **{"rl.samples_per_prompt": 3, "train.seq_len": 8})
+  roll = {"shaped": np.array([0.1, 0.9, 0.9, np.nan, 0.2, 0.1]), "valid": np.array([1, 1, 1, 0, 1, 1], bool),
+          "raw": np.array([0.1, 0.9, 0.9, np.nan, 0.2, 0.1]), "prompt_ids": [[1, 2]] * 6,
+          "tokens": [[3], [4], [5], [6], [7], [8]]}
+  picks = []
+  for iteration in range(20):
+    metrics = {}
+    batch = rl.Session._best_of_n_batch(Fake(), roll, iteration, metrics)
+    picks.append(int(batch["targets"][0, 1]))
+    assert int(batch["targets"][1, 1]) == 7 and metrics["best_reward_mean"] == pytest.approx(0.55)
+    again = rl.Session._best_of_n_batch(Fake(), roll, iteration, {})
+    assert int(again["targets"][0, 1]) == picks[-1]
+  assert set(picks) == {4, 5}
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_is_bit_exact(base, grpo_run):
+  """A run killed (SIGKILL) after its first checkpoint and restarted ends with the same parameters, rewards and
+  KL as the uninterrupted run."""
+  workdir = str(base["root"] / "runs" / "grpo_killed")
+  config_file = base["root"] / "grpo_small.py"
+  overrides = {k: v for k, v in _config_overrides(base).items()}
+  config_file.write_text("import configs\ndef get_config():\n  return configs.load('grpo_tiny', **%r)\n" % overrides)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.path.dirname(__file__)]), JAX_PLATFORMS="cpu")
+  command = [sys.executable, "-m", "train.rl", f"--config={config_file}", f"--workdir={workdir}"]
+  proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  deadline = time.time() + 600
+  while not os.path.isdir(os.path.join(workdir, "checkpoints", "1")) and time.time() < deadline:
+    assert proc.poll() is None, proc.stderr.read().decode()
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr
+  want, got = _saved_state(grpo_run["workdir"], 3), _saved_state(workdir, 3)
+  assert got.keys() == want.keys()
+  for k in want:
+    assert np.array_equal(got[k], want[k]), k
+  pick = lambda records: [(r["step"], r.get("reward_mean"), r.get("kl"), r.get("eval_reward_mean")) for r in records]
+  assert pick(_records(workdir)) == pick(grpo_run["records"])
+
+
+def _config_overrides(base):
+  """The grpo fixture's overrides as a dict (so a subprocess loads the same config)."""
+  config = _config(base, "grpo")
+  reference = configs.load("grpo_tiny")
+  out = {}
+  for section in ("model", "train", "data", "rl", "checkpoint", "log"):
+    for key, value in config[section].items():
+      if value != reference[section][key]:
+        out[f"{section}.{key}"] = value
+  return out
+
+
+@pytest.mark.slow
+def test_bad_rewards_are_dropped_counted_and_halt_the_run(base, grpo_run):
+  del grpo_run  # (the base run exists)
+  rl_testing.CALLS.update(flaky=0, bad=0)
+  workdir = str(base["root"] / "runs" / "flaky")
+  rl.run(_config(base, "grpo", **{"rl.reward": "py:rl_testing:flaky", "rl.max_bad_rewards": 1000,
+                                  "rl.iterations": 2, "rl.eval_every": 0}), workdir)
+  train = [r for r in _records(workdir) if "reward_mean" in r]
+  # calls 0..15 and 16..31: those with i % 5 in (0, 1) are bad, 7 in each iteration
+  assert rl_testing.CALLS["flaky"] == 32 and train[-1]["bad_rewards_total"] == rl_testing.CALLS["bad"] == 14
+  assert [r["bad_rewards"] for r in train] == [7, 7] and all(np.isfinite(r["loss"]) for r in train)
+  rl_testing.CALLS.update(flaky=0, bad=0)
+  with pytest.raises(loop.TrainingError, match="rl.max_bad_rewards"):
+    rl.run(_config(base, "grpo", **{"rl.reward": "py:rl_testing:flaky", "rl.max_bad_rewards": 5,
+                                    "rl.eval_every": 0}), str(base["root"] / "runs" / "halted"))
+
+
+@pytest.mark.slow
+def test_bad_input_exits_2_and_writes_nothing(base, grpo_run, capsys):
+  del grpo_run
+  cases = [
+      ({"rl.reward": f"rm:{base['root']}/no_such_run"}, "no reward-model run directory"),
+      ({"rl.reward": "py:rl_testing:no_such_function"}, "cannot load no_such_function"),
+      ({"rl.max_new_tokens": 40}, "exceeds train.seq_len"),
+      ({"train.objective": "sft"}, "--config.train.objective=grpo"),
+  ]
+  for overrides, message in cases:
+    workdir = base["root"] / "runs" / "bad"
+    config = _config(base, "grpo", **overrides)
+    with pytest.raises(loop.SetupError, match=message):
+      rl.run(config, str(workdir))
+    assert not (workdir / "config.json").exists() and not (workdir / "checkpoints").exists()
+  assert rl.main([f"--workdir={base['root']}/runs/bad2", "--config.rl.reward=rm:/nonexistent/run"]) == 2
+  assert "no reward-model run directory" in capsys.readouterr().err
+
+
+def test_greater_reward_and_prompt_files(tmp_path):
+  from data import rl_prompts
+  prompt = "Write a number greater than 4321."
+  cases = {"4322": 1.0, " 99999\n": 1.0, "4321": 0.0, "04322": 0.0, "-5000": 0.0, "5000 apples": 0.0, "": 0.0}
+  assert {c: rl_prompts.greater_reward(prompt, c) for c in cases} == cases
+  with pytest.raises(ValueError, match="not a builtin:greater prompt"):
+    rl_prompts.greater_reward("Say hi.", "1")
+  split = rl_prompts.load("builtin:greater", 0.05)
+  assert not {s[0]["content"] for s in split["train"]} & {s[0]["content"] for s in split["eval"]}
+  assert 0.03 < len(split["eval"]) / rl_prompts.GREATER_SIZE < 0.07
+  path = tmp_path / "p.jsonl"
+  path.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}]}\n{"completion": "c"}\n')
+  with pytest.raises(ValueError, match="p.jsonl line 3"):
+    rl_prompts.load(str(path), 0.5)
+  with pytest.raises(ValueError, match="no such file"):
+    rl_prompts.load(str(tmp_path / "missing.jsonl"), 0.5)
