@@ -14,7 +14,7 @@ One iteration (rl.algorithm):
   best_of_n  K = rl.samples_per_prompt samples per prompt, the best by reward kept (ties broken by a draw from
              the iteration's seed), rl.epochs passes of the `sft` objective on the kept answers (one round).
 Rewards: `py:MODULE:FUNCTION` called with (prompt text, completion text) -> float, or `rm:RUN`, a reward-model
-run scored through `train.reward.load_scorer` on the rendered prompt + completion text. A reward that raises or
+run scored through `train.reward.load_scorer` on the conversation + completion as a chat record. A reward that raises or
 is not finite drops its sample (zero loss mask) and is counted (`bad_rewards`); the run halts once
 rl.max_bad_rewards have been counted. Optional penalties: rl.length_penalty per token, rl.missing_eos_penalty.
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import json
 import math
 import os
 import sys
@@ -58,9 +59,15 @@ def seed_for(base: int, stream: int, iteration: int, extra: int = 0) -> int:
   return int(np.random.SeedSequence([base, stream, iteration, extra]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
+def reward_text(conversation: Sequence[dict], completion: str) -> str:
+  """What a reward model scores for one rollout: the conversation and the completion as a JSON chat record, which
+  `train.reward` renders with the reward run's own template, as its preference pairs were in training."""
+  return json.dumps({"messages": list(conversation) + [{"role": "assistant", "content": completion}]})
+
+
 class Reward:
   """rl.reward as a batch function: (prompts, completions, texts) -> float64 [N], NaN where a reward raised or
-  was not finite. `texts` (rendered prompt + completion) is what a reward model scores."""
+  was not finite. `texts` (`reward_text`: the conversation + completion as a chat record) is what a reward model scores."""
 
   def __init__(self, spec: str):
     self.spec, self.failures = spec, []
@@ -167,7 +174,8 @@ class Session:
                                 temperature=r.temperature, stop_ids=self.stop_ids, seed=seed)
     completions = [self.tokenizer.decode([t for t in toks if t not in self.stop_ids]) for toks in gen.tokens]
     prompt_texts = [c[-1]["content"] for c in conversations for _ in range(repeats)]
-    texts = [self.tokenizer.decode(p + t) for p, t in zip(prompt_ids, gen.tokens)]
+    texts = [reward_text(c, completion) for c, completion in
+             zip([c for c in conversations for _ in range(repeats)], completions)]
     failures = len(self.reward.failures)
     raw = self.reward(prompt_texts, completions, texts)
     ended = np.array([bool(t) and t[-1] in self.stop_ids for t in gen.tokens])
