@@ -63,6 +63,10 @@ def rolling_windows(tokens: Sequence[int], prefix: int, max_len: int) -> list[tu
   return [(ctx[:len(ctx) - (len(cont) - 1)], cont) for ctx, cont in windows]
 
 
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
 def _bucket(length: int, max_len: int, minimum: int = _MIN_BUCKET) -> int:
   """Padded size for `length`: the next of minimum * (1, 1.5, 2, 3, 4, 6, ...) (two sizes per octave: at most a
   third of a batch is padding beyond its longest row, and few shapes compile), capped at max(max_len, length)."""
@@ -98,10 +102,13 @@ class LM:
                         if self.specials else None)
     self._graphdef, self._state = nnx.split(model)
     self._sharding = parallel.sharding.logical_sharding(mesh, self.rules, ("batch", "length"))
-    row_axes = self._sharding.spec[0] if len(self._sharding.spec) else None
-    row_axes = (row_axes,) if isinstance(row_axes, str) else tuple(row_axes or ())
-    shards = int(np.prod([mesh.shape[a] for a in row_axes])) if row_axes else 1
-    self.batch_size = -(-batch_size // shards) * shards
+    def shards(dim):  # devices the logical axis of `dim` is split over
+      spec = self._sharding.spec
+      axes = spec[dim] if len(spec) > dim else None
+      axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+      return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    self.batch_size = -(-batch_size // shards(0)) * shards(0)
+    self._length_shards = shards(1)  # padded lengths are multiples of it (sequence parallelism)
     self._score_fn = jax.jit(self._score)
 
   def update(self, model) -> None:
@@ -211,8 +218,8 @@ class LM:
       batches = tqdm(batches, desc="scoring", unit="batch", leave=False)
     pending = []
     for batch in batches:
-      L = _bucket(len(rows[batch[0]][0]), self.max_len)
-      C = _bucket(max(len(rows[i][1]) for i in batch), L, minimum=_MIN_CONT_BUCKET)
+      L = _round_up(_bucket(len(rows[batch[0]][0]), self.max_len), self._length_shards)
+      C = _round_up(_bucket(max(len(rows[i][1]) for i in batch), L, minimum=_MIN_CONT_BUCKET), self._length_shards)
       inputs_BL = np.zeros((self.batch_size, L), np.int32)
       index_BC = np.zeros((self.batch_size, C), np.int32)
       targets_BC = np.zeros((self.batch_size, C), np.int32)

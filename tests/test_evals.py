@@ -77,7 +77,7 @@ def test_batch_size_does_not_change_scores(single, tok):
 def test_sharded_on_eight_devices_equals_one_device(single, config, tok):
   cfg = configs.load("tiny")
   cfg.model = config.model
-  cfg.mesh.update(data=2, fsdp=2, tensor=2)
+  cfg.mesh.update(data=1, fsdp=2, sequence=2, tensor=2)  # rows, lengths and heads/vocabulary all split
   model, mesh, rules = restore.place(single.model, cfg)
   assert mesh.devices.size == 8
   sharded = LM(model, tok, mesh, rules, batch_size=16)

@@ -196,3 +196,22 @@ def test_exported_tokenizer_gives_sentencepiece_ids(setup):
     assert hf(text, add_special_tokens=False).input_ids == sp.encode(text), repr(text)
     assert hf(text).input_ids == [sp.bos_id] + sp.encode(text), repr(text)  # BOS added by default
     assert hf.decode(sp.encode(text)) == sp.decode(sp.encode(text)), repr(text)
+
+
+def test_apply_chat_template_matches_lm_eval(setup, reference):
+  """lm-eval with `apply_chat_template`: the meshlm backend's chat rendering (markers as their ids) scores what
+  the hf backend scores through the exported tokenizer's chat template."""
+  tmp, run, export = setup
+  import lm_eval
+  from lm_eval.tasks import TaskManager
+  import train.lm_eval  # noqa: F401  (registers meshlm)
+  out = {}
+  for model, args in (("hf", f"pretrained={export},dtype=float32"), ("meshlm", f"workdir={run}")):
+    res = lm_eval.simple_evaluate(model=model, model_args=args, tasks=["meshlm_mc"], batch_size=4, device="cpu",
+                                  task_manager=TaskManager(include_path=str(tmp)), log_samples=True,
+                                  bootstrap_iters=0, apply_chat_template=True)
+    out[model] = sorted(res["samples"]["meshlm_mc"], key=lambda s: s["doc_id"])
+  for ours, ref in zip(out["meshlm"], out["hf"]):
+    assert "<|user|>" in ours["arguments"][0][0] and ours["arguments"][0][0].endswith("<|assistant|>")
+    np.testing.assert_allclose([float(x[0]) for x in ours["filtered_resps"]],
+                               [float(x[0]) for x in ref["filtered_resps"]], atol=1e-4, rtol=0)
