@@ -163,7 +163,7 @@ def test_lm_eval_command_line_with_the_meshlm_backend(setup, reference, tmp_path
       got = sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
     assert len(got) == len(ref_samples[task])
     for g, r in zip(got, ref_samples[task]):
-      lls = lambda s: [float(x[0]) if isinstance(x, list) else float(x) for x in s["filtered_resps"]]
+      lls = lambda s: [float(x[0]) if isinstance(x, (list, tuple)) else float(x) for x in s["filtered_resps"]]
       np.testing.assert_allclose(lls(g), lls(r), atol=1e-4, rtol=0)
     for metric in metrics:
       np.testing.assert_allclose(results[task][f"{metric},none"], ref_results[task][f"{metric},none"], rtol=1e-5)
