@@ -1,13 +1,19 @@
 """Loglikelihood requests/s: meshlm's evals.LM vs lm-evaluation-harness's hf backend on the same exported model.
 
-`python benchmarks/evals.py --workdir runs/tiny [--requests 256] [--batch_size 32]` exports the run (train.export),
-scores the same (context, continuation) requests with both and prints one JSON object: requests/s of each, the
-speed-up, and the largest per-request |log-likelihood| difference. For the ~50M model, train one first, e.g.
-`python -m train --workdir runs/m50 --config.model.d_model=512 --config.model.num_layers=8 ...` (a few steps).
+`python benchmarks/evals.py --workdir runs/tiny,runs/m50 [--requests 256] [--batch_size 32] [--repeats 3]`
+exports each run (train.export), scores the same (context, continuation) requests with both, alternating the two
+`--repeats` times, and prints one JSON line per run: the median requests/s of each (every repeat listed), the
+speed-up, meshlm's first call (compilation included) and the largest per-request |log-likelihood| difference.
+A ~50M-parameter run to compare with, a few steps:
+`python -m train --workdir runs/m50 --config.model.vocab_size=8192 --config.model.d_model=512
+ --config.model.num_layers=10 --config.model.num_heads=8 --config.model.num_kv_heads=8 --config.model.head_dim=64
+ --config.model.mlp_dim=2048 --config.model.max_seq_len=256 --config.train.steps=20 --config.train.batch_size=8
+ --config.train.seq_len=256 --config.train.eval_every=20 --config.train.eval_steps=1 --config.checkpoint.every=20`.
 """
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -18,6 +24,8 @@ os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALL
 
 
 def requests(n):
+  """n (context, continuation) pairs of Python's own documentation: contexts of 10-49 words, continuations of
+  2-7 words (multiple-choice-like)."""
   import pydoc_data.topics
   words = " ".join(pydoc_data.topics.topics.values()).split()
   out = []
@@ -28,38 +36,56 @@ def requests(n):
   return out
 
 
-def main():
-  p = argparse.ArgumentParser()
-  p.add_argument("--workdir", default="runs/tiny")
-  p.add_argument("--requests", type=int, default=256)
-  p.add_argument("--batch_size", type=int, default=32)
-  args = p.parse_args()
+def _timed(fn):
+  t0 = time.perf_counter()
+  out = fn()
+  return out, time.perf_counter() - t0
+
+
+def bench(workdir, reqs, batch_size, repeats):
+  import flax
+  import jax
   import evals
   from data import tokenizer as tokenizer_lib
-  from train import export, restore
-  reqs = requests(args.requests)
-  run = restore.load_run(args.workdir)
-  lm = evals.LM(run.model, tokenizer_lib.Tokenizer.load(run.tokenizer_path), run.mesh, run.rules,
-                batch_size=args.batch_size)
-  lm.loglikelihood(reqs[:args.batch_size * 2])  # compile the shapes
-  lm.loglikelihood(reqs)
-  t0 = time.perf_counter()
-  ours = lm.loglikelihood(reqs)
-  ours_s = time.perf_counter() - t0
-  out_dir = export.export(args.workdir, tempfile.mkdtemp(prefix="meshlm-bench-"))
   from lm_eval.api.instance import Instance
   from lm_eval.models.huggingface import HFLM
-  hf = HFLM(pretrained=out_dir, dtype="float32", batch_size=args.batch_size, device="cpu")
+  from train import export, restore
+  run = restore.load_run(workdir)
+  lm = evals.LM(run.model, tokenizer_lib.Tokenizer.load(run.tokenizer_path), run.mesh, run.rules,
+                batch_size=batch_size)
+  _, first_s = _timed(lambda: lm.loglikelihood(reqs))  # every shape compiles here
+  out_dir = export.export(workdir, tempfile.mkdtemp(prefix="meshlm-bench-"))
+  hf = HFLM(pretrained=out_dir, dtype="float32", batch_size=batch_size, device="cpu")
   inst = [Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)]
-  hf.loglikelihood(inst[:args.batch_size], disable_tqdm=True)
-  t0 = time.perf_counter()
-  ref = hf.loglikelihood(inst, disable_tqdm=True)
-  ref_s = time.perf_counter() - t0
-  print(json.dumps({
-      "workdir": args.workdir, "params": sum(x.size for x in __import__("jax").tree.leaves(
-          __import__("flax").nnx.state(run.model))), "requests": len(reqs), "batch_size": args.batch_size,
-      "meshlm_requests_per_s": len(reqs) / ours_s, "lm_eval_hf_requests_per_s": len(reqs) / ref_s,
-      "speedup": ref_s / ours_s, "max_abs_ll_diff": max(abs(a[0] - b[0]) for a, b in zip(ours, ref))}))
+  hf.loglikelihood(inst[:batch_size], disable_tqdm=True)  # warm-up
+  ours_s, ref_s = [], []
+  for _ in range(repeats):  # alternating, so both see the same machine load
+    ours, s = _timed(lambda: lm.loglikelihood(reqs))
+    ours_s.append(s)
+    ref, s = _timed(lambda: hf.loglikelihood(inst, disable_tqdm=True))
+    ref_s.append(s)
+  n = len(reqs)
+  return {
+      "workdir": workdir, "params": sum(x.size for x in jax.tree.leaves(flax.nnx.state(run.model))),
+      "max_seq_len": lm.max_len, "requests": n, "batch_size": lm.batch_size, "repeats": repeats,
+      "meshlm_requests_per_s": n / statistics.median(ours_s),
+      "lm_eval_hf_requests_per_s": n / statistics.median(ref_s),
+      "speedup": statistics.median(ref_s) / statistics.median(ours_s),
+      "meshlm_each_s": [round(s, 3) for s in ours_s], "lm_eval_hf_each_s": [round(s, 3) for s in ref_s],
+      "meshlm_first_call_s": first_s, "max_abs_ll_diff": max(abs(a[0] - b[0]) for a, b in zip(ours, ref)),
+      "greedy_equal": all(a[1] == b[1] for a, b in zip(ours, ref))}
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--workdir", default="runs/tiny", help="one run directory or several, comma-separated")
+  p.add_argument("--requests", type=int, default=256)
+  p.add_argument("--batch_size", type=int, default=32)
+  p.add_argument("--repeats", type=int, default=3)
+  args = p.parse_args()
+  reqs = requests(args.requests)
+  for workdir in args.workdir.split(","):
+    print(json.dumps(bench(workdir, reqs, args.batch_size, args.repeats)), flush=True)
 
 
 if __name__ == "__main__":

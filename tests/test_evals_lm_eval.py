@@ -1,7 +1,8 @@
 """meshlm's evaluation against lm-evaluation-harness itself: a model trained a few steps by `python -m train`,
 exported by `python -m train.export`, scored by lm-eval's `hf` backend (PyTorch) on local task YAMLs and by
-`python -m train.evaluate` (JAX, 8 simulated devices): per-document log-likelihoods within 1e-4, identical
-acc / acc_norm, equal perplexities, and the exported tokenizer's ids equal to SentencePiece's."""
+`python -m train.evaluate` (JAX, 8 simulated devices) and by lm-eval's own command line with the meshlm backend
+(`python -m train.lm_eval --model meshlm`): per-document log-likelihoods within 1e-4, identical acc / acc_norm,
+equal perplexities, the same few-shot prompts, and the exported tokenizer's ids equal to SentencePiece's."""
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_LEN = 48  # the model's length: short, so long documents roll over several windows and contexts truncate
+FEWSHOT = 2
 
 MC = [
     {"context": "Question: What do cats drink?\nAnswer:", "choices": ["milk", "gasoline"], "label": 0},
@@ -36,7 +38,8 @@ PPL = [
 def _yaml(path, name, data, kind):
   if kind == "mc":
     body = ('output_type: multiple_choice\ndoc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'
-            'doc_to_target: "{{label}}"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n')
+            'doc_to_target: "{{label}}"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n'
+            'fewshot_split: test\n')  # few-shot examples from the same file, the document itself excluded
   else:
     body = ('output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\nmetric_list:\n'
             '  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n')
@@ -77,6 +80,10 @@ def reference(setup):
                                 tasks=["meshlm_mc", "meshlm_ppl"], task_manager=TaskManager(include_path=str(tmp)),
                                 batch_size=4, device="cpu", log_samples=True, bootstrap_iters=0)
   samples = {k: sorted(v, key=lambda s: s["doc_id"]) for k, v in out["samples"].items()}
+  fewshot = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={export},dtype=float32", tasks=["meshlm_mc"],
+                                    task_manager=TaskManager(include_path=str(tmp)), batch_size=4, device="cpu",
+                                    log_samples=True, bootstrap_iters=0, num_fewshot=FEWSHOT)
+  samples["meshlm_mc_fewshot"] = sorted(fewshot["samples"]["meshlm_mc"], key=lambda s: s["doc_id"])
   return out["results"], samples
 
 
@@ -89,7 +96,15 @@ def ours(setup):
                         "--output", str(output), "--log_samples", "--batch_size", "4", "--no_progress"])
   assert code == 0
   with open(output) as f:
-    return json.load(f)
+    results = json.load(f)
+  export = tmp / "export"  # the exported directory: --hf loads it with its tokenizer.json
+  code = evaluate.main(["--hf", str(export), "--tasks", f"mc:{tmp}/mc.jsonl", "--num_fewshot", str(FEWSHOT),
+                        "--output", str(tmp / "ours_fewshot.json"), "--log_samples", "--batch_size", "16",
+                        "--no_progress"])
+  assert code == 0
+  with open(tmp / "ours_fewshot.json") as f:
+    results["samples"]["mc_fewshot"] = json.load(f)["samples"]["mc"]
+  return results
 
 
 def test_multiple_choice_loglikelihoods_and_accuracy_match_lm_eval(reference, ours):
@@ -119,6 +134,41 @@ def test_eval_tasks_during_training_log_the_same_metrics(setup, ours):
   assert b"eval_mc/acc_norm" in events
 
 
+def test_few_shot_prompts_and_loglikelihoods_match_lm_eval(reference, ours):
+  """`python -m train.evaluate --hf EXPORT --num_fewshot 2` against lm-eval's hf backend with num_fewshot=2."""
+  _, ref_samples = reference
+  ref, got = ref_samples["meshlm_mc_fewshot"], ours["samples"]["mc_fewshot"]
+  assert [s["prompt"] for s in got] == [s["arguments"][0][0] for s in ref]  # same seeded examples, same layout
+  assert all(s["prompt"].count("\n\n") >= FEWSHOT for s in got)
+  for r, g in zip(ref, got):
+    np.testing.assert_allclose(g["lls"], [float(x[0]) for x in r["filtered_resps"]], atol=1e-4, rtol=0)
+
+
+def test_lm_eval_command_line_with_the_meshlm_backend(setup, reference, tmp_path):
+  """`python -m train.lm_eval --model meshlm --model_args workdir=RUN` (lm-eval's CLI, meshlm registered) gives
+  lm-eval's own records with the hf backend's per-document log-likelihoods and metrics."""
+  tmp, run, _ = setup
+  ref_results, ref_samples = reference
+  from train import lm_eval as meshlm_lm_eval
+  assert meshlm_lm_eval.main(["--model", "meshlm", "--model_args", f"workdir={run}", "--tasks",
+                              "meshlm_mc,meshlm_ppl", "--include_path", str(tmp), "--batch_size", "4",
+                              "--output_path", str(tmp_path), "--log_samples"]) == 0
+  [results_file] = tmp_path.rglob("results_*.json")
+  with open(results_file) as f:
+    results = json.load(f)["results"]
+  for task, metrics in (("meshlm_mc", ("acc", "acc_norm")),
+                        ("meshlm_ppl", ("word_perplexity", "byte_perplexity", "bits_per_byte"))):
+    [samples_file] = tmp_path.rglob(f"samples_{task}_*.jsonl")
+    with open(samples_file) as f:
+      got = sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
+    assert len(got) == len(ref_samples[task])
+    for g, r in zip(got, ref_samples[task]):
+      lls = lambda s: [float(x[0]) if isinstance(x, (list, tuple)) else float(x) for x in s["filtered_resps"]]
+      np.testing.assert_allclose(lls(g), lls(r), atol=1e-4, rtol=0)
+    for metric in metrics:
+      np.testing.assert_allclose(results[task][f"{metric},none"], ref_results[task][f"{metric},none"], rtol=1e-5)
+
+
 def _per_doc(samples, metric):
   from evals import metrics
   return [metrics.multiple_choice(s["lls"], s["choices"], s["gold"])[metric] for s in samples]
@@ -146,3 +196,22 @@ def test_exported_tokenizer_gives_sentencepiece_ids(setup):
     assert hf(text, add_special_tokens=False).input_ids == sp.encode(text), repr(text)
     assert hf(text).input_ids == [sp.bos_id] + sp.encode(text), repr(text)  # BOS added by default
     assert hf.decode(sp.encode(text)) == sp.decode(sp.encode(text)), repr(text)
+
+
+def test_apply_chat_template_matches_lm_eval(setup, reference):
+  """lm-eval with `apply_chat_template`: the meshlm backend's chat rendering (markers as their ids) scores what
+  the hf backend scores through the exported tokenizer's chat template."""
+  tmp, run, export = setup
+  import lm_eval
+  from lm_eval.tasks import TaskManager
+  import train.lm_eval  # noqa: F401  (registers meshlm)
+  out = {}
+  for model, args in (("hf", f"pretrained={export},dtype=float32"), ("meshlm", f"workdir={run}")):
+    res = lm_eval.simple_evaluate(model=model, model_args=args, tasks=["meshlm_mc"], batch_size=4, device="cpu",
+                                  task_manager=TaskManager(include_path=str(tmp)), log_samples=True,
+                                  bootstrap_iters=0, apply_chat_template=True)
+    out[model] = sorted(res["samples"]["meshlm_mc"], key=lambda s: s["doc_id"])
+  for ours, ref in zip(out["meshlm"], out["hf"]):
+    assert "<|user|>" in ours["arguments"][0][0] and ours["arguments"][0][0].endswith("<|assistant|>")
+    np.testing.assert_allclose([float(x[0]) for x in ours["filtered_resps"]],
+                               [float(x[0]) for x in ref["filtered_resps"]], atol=1e-4, rtol=0)

@@ -5,8 +5,6 @@ lm-eval 0.4.13 resolves `--model NAME` in its internal registry and reads no plu
 `lm_eval --model meshlm` cannot see an installed package's backend; this program registers `meshlm` (and
 `meshlm-hf` for `hf=DIR`: both accept workdir= or hf=) and then runs lm-eval's own command line. In Python:
 `import train.lm_eval` registers it for `lm_eval.simple_evaluate(model="meshlm", model_args=...)`.
-pyproject.toml also declares the backend under the `lm_eval.models` entry-point group for lm-eval releases that
-discover plugins there.
 """
 from __future__ import annotations
 

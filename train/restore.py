@@ -69,8 +69,11 @@ def place(model, config: ml_collections.ConfigDict, mesh_overrides: Mapping[str,
     abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
     specs = nnx.get_partition_spec(nnx.state(abstract))
   graphdef, state = nnx.split(model)
-  shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-  state = jax.device_put(state, shardings)
+  # Plain dicts on both sides: a model made outside a mesh (model.hf.load) carries other Variable metadata than
+  # the abstract one, and device_put wants the two trees to match exactly.
+  shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), nnx.to_pure_dict(specs),
+                           is_leaf=lambda x: isinstance(x, PartitionSpec))
+  nnx.replace_by_pure_dict(state, jax.device_put(nnx.to_pure_dict(state), shardings))
   return nnx.merge(graphdef, state), mesh, rules
 
 
