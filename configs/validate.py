@@ -81,6 +81,8 @@ RANGES: dict[str, Range] = {
     "train.eval_max_new_tokens": _AT_LEAST_1,
     "train.lora_rank": _AT_LEAST_0,
     "train.lora_alpha": _POSITIVE,
+    "train.pipeline_microbatches": Range(lo=1, special=((0, "mesh.stage"),)),
+    "train.pipeline_repeats": _AT_LEAST_1,
     "data.weights": _POSITIVE,
     "data.tokenizer_vocab_size": Range(lo=1, special=((0, "model.vocab_size"),)),
     "data.tokenizer_character_coverage": Range(lo=0, hi=1, lo_open=True),

@@ -1,4 +1,4 @@
-"""The one device mesh: axes data, fsdp, tensor, sequence, expert, stage (stage reserved at size 1).
+"""The one device mesh: axes data, fsdp, tensor, sequence, expert, stage (pipeline stages, parallel/pipeline.py).
 
 `config.mesh` gives each axis's size inside a slice (ICI; -1 = all remaining devices) and, for data and fsdp, a
 size across slices or hosts (DCN: `dcn_data`, `dcn_fsdp`). Tensor and sequence parallelism stay inside a
@@ -18,7 +18,6 @@ AXES = ("data", "fsdp", "tensor", "sequence", "expert", "stage")
 DCN_AXES = ("data", "fsdp")  # the only axes allowed to span slices / hosts (config keys dcn_data, dcn_fsdp)
 # Device placement order, slowest-network axis first: the innermost axes get the nearest devices.
 _PLACEMENT = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
-_RESERVED = ("stage",)
 
 
 class MeshError(ValueError):
@@ -70,10 +69,6 @@ def mesh_shape(mesh_cfg, num_devices: int, num_granules: int = 1) -> tuple[dict[
   granules); with a DCN product of 1 the devices are treated as one flat group. Raises MeshError naming the
   axis when the sizes cannot match the device count.
   """
-  for a in _RESERVED:
-    if mesh_cfg[a] != 1:
-      raise MeshError(f"config.mesh.{a}={mesh_cfg[a]}: the {a} axis is reserved (size 1) until pipeline "
-                      "parallelism exists; set it to 1")
   dcn = {a: int(mesh_cfg[f"dcn_{a}"]) for a in DCN_AXES}
   if any(n == -1 for n in dcn.values()):
     dcn = _resolve(dcn, num_granules, "slices/hosts", "dcn_")

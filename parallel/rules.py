@@ -2,7 +2,8 @@
 
 Default layout: batch over data+fsdp+expert (outside MoE layers the expert axis is more data parallelism); embed over fsdp for parameters (FSDP / ZeRO-3: gradients and
 optimizer state follow the parameters, so ZeRO-1/2 savings come with it); heads, kv_heads, mlp, vocab over
-tensor (Megatron); the expert dimension of MoE weights over expert; length over sequence for activations, with kv_length unsharded so that under sequence
+tensor (Megatron); the expert dimension of MoE weights over expert; the scanned layer stack over stage
+(pipeline parallelism, parallel/pipeline.py); length over sequence for activations, with kv_length unsharded so that under sequence
 parallelism attention gathers K/V while queries stay split. `config.mesh.rules` overrides entries.
 
 The table is ordered and read with flax `logical_to_mesh_axes` semantics (`model.axes.spec`): when two dimensions
@@ -34,7 +35,7 @@ DEFAULT_RULES: Rules = (
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("experts", "expert"),
-    ("layers", None),
+    ("layers", "stage"),  # the scanned layer stack: contiguous blocks of layers per pipeline stage
 )
 
 
