@@ -17,7 +17,9 @@ from jax.experimental import mesh_utils
 AXES = ("data", "fsdp", "tensor", "sequence", "expert", "stage")
 DCN_AXES = ("data", "fsdp")  # the only axes allowed to span slices / hosts (config keys dcn_data, dcn_fsdp)
 # Device placement order, slowest-network axis first: the innermost axes get the nearest devices.
-_PLACEMENT = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
+# Stage sits inside data/fsdp: a process feeds the rows of its batch shards, which every stage reads, so stages
+# stay within a process (one host's chips) while data/fsdp span hosts; inside a TPU slice all of it is ICI.
+_PLACEMENT = ("data", "fsdp", "stage", "expert", "sequence", "tensor")
 
 
 class MeshError(ValueError):

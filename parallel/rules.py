@@ -35,7 +35,7 @@ DEFAULT_RULES: Rules = (
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("experts", "expert"),
-    ("layers", "stage"),  # the scanned layer stack: contiguous blocks of layers per pipeline stage
+    ("layers", None),  # the scanned layer stack; "stage" (contiguous blocks per pipeline stage) when mesh.stage > 1
 )
 
 
@@ -52,10 +52,13 @@ def _as_axes(value: Any, where: str) -> MeshAxes:
 def logical_rules(mesh_cfg) -> Rules:
   """The logical -> mesh axis table with `config.mesh.rules` overrides applied (same order as DEFAULT_RULES).
 
+  With `config.mesh.stage` > 1 the layer stack maps to `stage` (pipeline parallelism, parallel/pipeline.py).
   `config.mesh.rules` is a sequence of (logical_name, mesh_axis | (mesh_axes...) | None) pairs; an unknown
   name on either side raises ValueError naming it.
   """
   table = dict(DEFAULT_RULES)
+  if int(mesh_cfg.get("stage", 1)) > 1:  # pipeline stages own contiguous blocks of the layer stack
+    table["layers"] = "stage"
   overrides = mesh_cfg.get("rules", ()) or ()
   for i, entry in enumerate(overrides):
     if not isinstance(entry, (tuple, list)) or len(entry) != 2:
