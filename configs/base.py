@@ -70,6 +70,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.pipeline_microbatches = 0  # with mesh.stage > 1: microbatches streamed through the stages (>= stage); 0 = mesh.stage
   t.pipeline_repeats = 1  # with mesh.stage > 1: circular schedule, each microbatch visits every stage this many times
   t.pipeline_remat = False  # with mesh.stage > 1: recompute each stage visit in the backward pass (keep stage inputs only)
+  t.xla_overlap = False  # TPU/GPU: XLA options overlapping collectives with compute (train.step.OVERLAP_OPTIONS)
 
   d = c.data = ml_collections.ConfigDict()
   d.sources = "builtin"  # builtin (Python's own docs + stdlib source) or a mixture spec; see data/sources.py

@@ -95,6 +95,12 @@ def _ordered_mesh(devices, attr, ici_placed, dcn_placed) -> np.ndarray:
   return grid.reshape([d * i for d, i in zip(dcn_placed, ici_placed)])
 
 
+def _spans_processes(placed: np.ndarray, axis: int) -> bool:
+  """Whether moving along `axis` of the device array changes the process."""
+  process_ids = np.vectorize(lambda d: d.process_index, otypes=[int])(placed)
+  return bool(np.any(process_ids != np.take(process_ids, [0], axis=axis)))
+
+
 def make_mesh(mesh_cfg, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
   """Builds the mesh with axes AXES (all `Auto`) from `config.mesh`.
 
@@ -130,6 +136,11 @@ def make_mesh(mesh_cfg, devices: Sequence[Any] | None = None) -> jax.sharding.Me
                   f"{devices[0].platform} devices ({type(e).__name__}: {e}); placing devices in id order, which is "
                   "correct but may make collectives slower", RuntimeWarning, stacklevel=2)
     placed = _ordered_mesh(devices, attr, ici_placed, dcn_placed)
+  if ici["stage"] > 1 and _spans_processes(placed, _PLACEMENT.index("stage")):
+    # The topology-aware layout put stages on different hosts, which would then need the same batch rows (every
+    # stage reads the whole batch shard); take devices in (process, id) order instead, so each host holds whole
+    # stage groups. Inside a TPU slice every link is ICI; collectives may route less directly.
+    placed = _ordered_mesh(devices, "process_index", ici_placed, dcn_placed)
   device_array = np.transpose(placed, np.argsort(order))  # placement order -> AXES order
   return jax.sharding.Mesh(device_array, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 

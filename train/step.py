@@ -40,6 +40,22 @@ from train import optimizer as optimizer_lib
 
 # XLA options trading run time for compile time (tiny test models compile ~2x faster on CPU).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# XLA options that overlap collectives with compute (train.xla_overlap; docs/pipeline.md): async all-gathers,
+# all-reduces and collective-permutes fused into compute with the latency-hiding scheduler on TPU (the set MaxText
+# and Google's reference recipes pass in LIBTPU_INIT_ARGS); on GPU the latency-hiding scheduler, pipelined
+# collectives in scanned loops and collective matmul (windowed einsum) for tensor parallelism.
+OVERLAP_OPTIONS = {
+    "tpu": {"xla_tpu_enable_latency_hiding_scheduler": True, "xla_tpu_enable_async_collective_fusion": True,
+            "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
+            "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": True,
+            "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
+            "xla_tpu_overlap_compute_collective_tc": True, "xla_enable_async_all_gather": "true",
+            "xla_enable_async_all_reduce": "true", "xla_enable_async_collective_permute": "true"},
+    "gpu": {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_pipelined_all_gather": True,
+            "xla_gpu_enable_pipelined_reduce_scatter": True, "xla_gpu_enable_pipelined_all_reduce": True,
+            "xla_gpu_enable_while_loop_double_buffering": True, "xla_gpu_multi_streamed_windowed_einsum": True,
+            "xla_gpu_threshold_for_windowed_einsum_mib": 0},
+}
 STEP_METRICS = ("grad_norm", "param_norm", "lr", "nonfinite")  # reported by every objective's step
 MOE_METRICS = model_lib.moe.STATS  # MoE models add these (means over MoE layers and microbatches)
 EXPERT_LOAD = "moe_expert_load"  # the [E] vector among them, logged as moe_load/<expert> (share of assignments)
@@ -83,9 +99,12 @@ class Trainer:
   """
 
   def __init__(self, config, mesh: jax.sharding.Mesh, compiler_options: dict[str, Any] | None = None):
-    """`compiler_options`: XLA options for every compile of this trainer (e.g. FAST_COMPILE in tests)."""
+    """`compiler_options`: XLA options for every compile of this trainer (e.g. FAST_COMPILE in tests), on top of
+    OVERLAP_OPTIONS for the mesh's platform when config.train.xla_overlap is set."""
     self.config, self.mesh = config, mesh
     t = config.train
+    if t.xla_overlap:
+      compiler_options = {**OVERLAP_OPTIONS.get(mesh.devices.flat[0].platform, {}), **(compiler_options or {})}
     self.objective = objectives.make(config)
     self.batch_keys = dict(self.objective.batch_keys)
     self.lora_rank = int(t.lora_rank)
