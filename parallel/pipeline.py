@@ -26,16 +26,17 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 AXIS = "stage"  # the mesh axis stages are split over
-WEIGHTS = "pipeline_stage_weights"  # checkpoint name of the per-iteration weights (never saved for backward)
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   """How the layer stack is pipelined: S stages, M microbatches, R repeats (circular when R > 1).
 
-  remat: checkpoint each stage call (only the stage inputs of every iteration are kept for the backward pass;
-  the stage's layers are recomputed), bounding activation memory to M+S-1 microbatch boundaries plus one stage's
-  activations, instead of every layer's activations for every microbatch (plain GPipe through autodiff).
+  remat: checkpoint each stage visit (only the stage inputs of every iteration are kept for the backward pass;
+  the stage's layers are recomputed), bounding activation memory to R*M+S-1 microbatch boundaries plus one
+  visit's activations, instead of every layer's activations for every microbatch (plain GPipe through autodiff).
+  Circular schedules (R > 1) always do this: their weights change per iteration, and keeping what the backward
+  pass needs of them would hold a copy of the stage's weights per iteration.
   """
   stages: int
   microbatches: int
@@ -114,14 +115,14 @@ def run(stage_fn: Callable, weights: Any, x: jax.Array, side: Any, schedule: Sch
   weights_RS = jax.tree.map(lambda a: _constrain(a.reshape(R, S, per, *a.shape[1:]), (None, AXIS)), weights)
 
   def visit(weights_R, r, x_b, side_b):
-    # The repeat's weights are picked inside the checkpoint and named, so the backward pass re-gathers them from
-    # the loop-invariant stack instead of keeping a copy per iteration.
-    w = jax.tree.map(lambda a: jax.ad_checkpoint.checkpoint_name(a[r], WEIGHTS), weights_R)
+    # One repeat: a static slice of the loop-invariant stack, which the iteration scan's backward pass reads
+    # as it is. Several: the repeat's weights are picked per iteration, so the visit is recomputed (below)
+    # rather than keeping a copy of the stage's weights (and whatever is derived from them) per iteration.
+    w = jax.tree.map(lambda a: a[0] if R == 1 else a[r], weights_R)
     return stage_fn(w, x_b, side_b)
 
-  policy = (jax.checkpoint_policies.nothing_saveable if schedule.remat
-            else jax.checkpoint_policies.save_anything_except_these_names(WEIGHTS))
-  visit = jax.checkpoint(visit, policy=policy, prevent_cse=False)
+  if schedule.remat or R > 1:
+    visit = jax.checkpoint(visit, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
   stages = jax.vmap(visit, in_axes=(1, 0, 0, 0), spmd_axis_name=AXIS)
   stats_shape = jax.eval_shape(lambda: stage_fn(jax.tree.map(lambda a: a[0, 0], weights_RS), x_M[0],
                                                 jax.tree.map(lambda a: a[0], side_M))[1])

@@ -19,9 +19,10 @@ LAYOUTS = {
     "stage2xfsdp2xtensor2": (2, 1, 2, 2, 2, 1),
     "stage2_repeats2xdata4": (2, 4, 1, 1, 2, 2),
 }
+SEQUENCE = "stage2xsequence2xdata2"  # beyond the issue's three: sequence parallelism inside the stages
 
 
-def _config(stage=1, data=1, fsdp=1, tensor=1, microbatches=0, repeats=1, **model):
+def _config(stage=1, data=1, fsdp=1, tensor=1, microbatches=0, repeats=1, sequence=1, **model):
   c = configs.load("tiny")
   # Layers 0 and 2 attend in an 8-token window, 1 and 3 globally: the windows must travel with their stage.
   c.model.update(vocab_size=256, d_model=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
@@ -29,7 +30,7 @@ def _config(stage=1, data=1, fsdp=1, tensor=1, microbatches=0, repeats=1, **mode
   c.model.update(**model)
   c.train.update(batch_size=8, seq_len=32, lr=1e-2, warmup_steps=1, z_loss=1e-3, clip_norm=0.5,
                  pipeline_microbatches=microbatches, pipeline_repeats=repeats)
-  c.mesh.update(data=data, fsdp=fsdp, tensor=tensor, stage=stage)
+  c.mesh.update(data=data, fsdp=fsdp, tensor=tensor, stage=stage, sequence=sequence)
   return c
 
 
@@ -43,7 +44,7 @@ def _trainer(c, devices=None):
 def _layout_trainer(name):
   """One Trainer per layout, shared by this module's tests so each compiles once."""
   if name not in _TRAINERS:
-    _TRAINERS[name] = _trainer(_config(*LAYOUTS[name]))
+    _TRAINERS[name] = _trainer(_config(2, 2, sequence=2) if name == SEQUENCE else _config(*LAYOUTS[name]))
   return _TRAINERS[name]
 
 
@@ -77,7 +78,7 @@ def reference():
   return {"grads": grads, "sums": sums, "losses": losses, "params": jax.device_get(state["params"])}
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("name", [*LAYOUTS, pytest.param(SEQUENCE, marks=pytest.mark.slow)])
 def test_pipelined_gradients_match_single_device(reference, name):
   trainer = _layout_trainer(name)
   state = trainer.init()

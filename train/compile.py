@@ -207,7 +207,8 @@ def suggest(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, *, max_co
                     "fits": r["fits"]})
     return reports[(remat, ga)]["fits"]
 
-  for ga in _grad_accum_candidates(config, memory.batch_shards(sizes)):
+  pipe = memory.pipeline_schedule(config, sizes)  # each accumulation step is split again into M microbatches
+  for ga in _grad_accum_candidates(config, memory.batch_shards(sizes) * (pipe["microbatches"] if pipe else 1)):
     ok = fits("full", ga)
     if ok is None:
       break

@@ -70,8 +70,9 @@ def meshlm_state(config: ml_collections.ConfigDict, params: float, sizes: dict[s
 
 
 def pipeline_schedule(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> dict | None:
-  """{"stages" S, "microbatches" M, "repeats" R, "iterations" T = R*M + S - 1, "bubble" (S-1)/T, "remat"} of a
-  pipelined config (mesh stage > 1), None otherwise (parallel/pipeline.py)."""
+  """{"stages" S, "microbatches" M, "repeats" R, "iterations" T = R*M + S - 1, "bubble" (S-1)/T, "remat" (stage
+  visits recomputed: train.pipeline_remat, always with R > 1), "layers_per_stage"} of a pipelined config (mesh
+  stage > 1), None otherwise (parallel/pipeline.py)."""
   S = sizes.get("stage", 1)
   if S == 1:
     return None
@@ -79,7 +80,7 @@ def pipeline_schedule(config: ml_collections.ConfigDict, sizes: dict[str, int]) 
   M, R = int(t.pipeline_microbatches) or S, int(t.pipeline_repeats)
   T = R * M + S - 1
   return {"stages": S, "microbatches": M, "repeats": R, "iterations": T, "bubble": (S - 1) / T,
-          "remat": bool(t.pipeline_remat), "layers_per_stage": config.model.num_layers // S}
+          "remat": bool(t.pipeline_remat) or R > 1, "layers_per_stage": config.model.num_layers // S}
 
 
 def expert_params(m: ml_collections.ConfigDict) -> int:
