@@ -67,8 +67,8 @@ def check(schedule: Schedule, units: int, rows: int, row_shards: int, *, what_un
   if M < 1:
     raise ValueError(f"config.train.pipeline_microbatches={M} must be >= 1 (0 = mesh.stage)")
   if M < S:
-    raise ValueError(f"config.train.pipeline_microbatches={M} is smaller than mesh.stage={S}: a stage would idle "
-                     "and the circular buffer needs M >= S; set train.pipeline_microbatches >= mesh.stage")
+    raise ValueError(f"config.train.pipeline_microbatches={M} is smaller than config.mesh.stage={S}: a stage would "
+                     "idle and the loop buffer needs M >= S; set train.pipeline_microbatches >= mesh.stage")
   if units % (S * R):
     raise ValueError(f"{what_units} gives {units} scanned units, not divisible by config.mesh.stage x "
                      f"config.train.pipeline_repeats = {S} x {R}: every stage visit runs the same number of layers; "

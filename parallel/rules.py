@@ -2,8 +2,8 @@
 
 Default layout: batch over data+fsdp+expert (outside MoE layers the expert axis is more data parallelism); embed over fsdp for parameters (FSDP / ZeRO-3: gradients and
 optimizer state follow the parameters, so ZeRO-1/2 savings come with it); heads, kv_heads, mlp, vocab over
-tensor (Megatron); the expert dimension of MoE weights over expert; the scanned layer stack over stage
-(pipeline parallelism, parallel/pipeline.py); length over sequence for activations, with kv_length unsharded so that under sequence
+tensor (Megatron); the expert dimension of MoE weights over expert; the scanned layer stack over stage when
+mesh.stage > 1 (pipeline parallelism, parallel/pipeline.py); length over sequence for activations, with kv_length unsharded so that under sequence
 parallelism attention gathers K/V while queries stay split. `config.mesh.rules` overrides entries.
 
 The table is ordered and read with flax `logical_to_mesh_axes` semantics (`model.axes.spec`): when two dimensions

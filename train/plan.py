@@ -375,8 +375,8 @@ def format_table(r: dict) -> str:
   pipe = r.get("pipeline")
   if pipe:
     per = pipe["per_stage_bytes"]
-    lines.append(f"pipeline          {pipe['stages']} stages x {pipe['layers_per_stage']} layers, {pipe['microbatches']}"
-                 f" microbatches, {pipe['repeats']} repeat(s), stage remat {'on' if pipe['remat'] else 'off'}: bubble "
+    lines.append(f"pipeline          {pipe['stages']} stages x {pipe['layers_per_stage']} layers, "
+                 f"{pipe['microbatches']} microbatches, {pipe['repeats']} repeat(s), stage remat {'on' if pipe['remat'] else 'off'}: bubble "
                  f"{pipe['bubble']:.1%} ((S-1)/(R*M+S-1)); per stage {per['state'] / GIB:.3f} GiB state + "
                  f"{per['activations'] / GIB:.3f} GiB activations")
   lines += [f"total per device  {r['memory_per_device'] / GIB:.3f} GiB: {verdict} on {r['chip']}", "",
