@@ -22,7 +22,7 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.tensor = 1  # tensor (Megatron) parallelism over heads / mlp / vocab
   mesh.sequence = 1  # sequence (context) parallelism over the length axis of activations
   mesh.expert = 1  # expert parallelism: MoE experts split over it; outside MoE layers it splits the batch
-  mesh.stage = 1  # reserved: pipeline parallelism
+  mesh.stage = 1  # pipeline parallelism: the scanned layer stack split into this many stages (docs/pipeline.md)
   # Across slices/hosts (DCN); the product of dcn_* is the number of slices (or hosts). Tensor/sequence stay in ICI.
   mesh.dcn_data = -1  # data parallelism across slices/hosts; -1 = all slices (or hosts) not used by dcn_fsdp
   mesh.dcn_fsdp = 1  # fsdp across slices/hosts (parameters sharded over the slow network too)
@@ -71,6 +71,10 @@ def get_config() -> ml_collections.ConfigDict:
   t.dpo_beta = 0.1  # dpo: KL strength beta (implicit reward = beta * log(pi / pi_ref))
   t.dpo_loss = "sigmoid"  # dpo loss: sigmoid (DPO) | ipo (IPO, squared) | hinge (SLiC, max(0, 1 - beta*h))
   t.dpo_label_smoothing = 0.0  # dpo sigmoid loss: probability eps that a label is flipped (conservative DPO); 0 = off
+  t.pipeline_microbatches = 0  # with mesh.stage > 1: microbatches streamed through the stages (>= stage); 0 = mesh.stage
+  t.pipeline_repeats = 1  # with mesh.stage > 1: circular schedule, each microbatch visits every stage this many times
+  t.pipeline_remat = False  # with mesh.stage > 1: recompute each stage visit in the backward pass (keep stage inputs only)
+  t.xla_overlap = False  # TPU/GPU: XLA options overlapping collectives with compute (train.step.OVERLAP_OPTIONS)
 
   d = c.data = ml_collections.ConfigDict()
   d.sources = "builtin"  # builtin (Python's own docs + stdlib source) or a mixture spec; see data/sources.py

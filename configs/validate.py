@@ -84,6 +84,8 @@ RANGES: dict[str, Range] = {
     "train.reward_center": _AT_LEAST_0,
     "train.dpo_beta": _POSITIVE,
     "train.dpo_label_smoothing": Range(lo=0, hi=0.5, hi_open=True),
+    "train.pipeline_microbatches": Range(lo=1, special=((0, "mesh.stage"),)),
+    "train.pipeline_repeats": _AT_LEAST_1,
     "data.weights": _POSITIVE,
     "data.tokenizer_vocab_size": Range(lo=1, special=((0, "model.vocab_size"),)),
     "data.tokenizer_character_coverage": Range(lo=0, hi=1, lo_open=True),

@@ -194,8 +194,10 @@ def dispatch(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_E
     return y_TD.reshape(B, L, D)
 
   x_BLD = axes.constrain(x_BLD, (BATCH, LENGTH, None))
+  # check_vma=False: under the pipeline's vmap over stages (spmd_axis_name="stage") jax adds `stage` to the specs
+  # but its varying-axes check still compares against the unbatched out_specs; the collectives are unchanged.
   return jax.shard_map(local, in_specs=(tok_spec, tok_spec, tok_spec, tok_spec, w_spec, w_spec, down_spec),
-                       out_specs=tok_spec)(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_EFD)
+                       out_specs=tok_spec, check_vma=False)(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_EFD)
 
 
 class MoE(nnx.Module):

@@ -16,6 +16,7 @@ from model import layers
 from model import remat as remat_lib
 from model import rope
 from model.axes import BATCH, EMBED, LAYERS, LENGTH, VOCAB
+from parallel import pipeline as pipeline_lib
 
 
 class Transformer(nnx.Module):
@@ -24,15 +25,20 @@ class Transformer(nnx.Module):
   segment_ids_BL > 0 mark packed documents (0 = padding); a token attends causally within its segment only.
   positions_BL (RoPE positions) default to the index inside each segment. `remat` names a policy in
   `model.remat.POLICIES`. The config is validated here (ValueError naming the key). Decoding uses
-  `features(..., cache=)` and `logits` (model.generate).
+  `features(..., cache=)` and `logits` (model.generate). `pipeline` (parallel.pipeline.Schedule) pipelines the
+  scanned layer stack over the mesh's `stage` axis when that axis has more than one device (docs/pipeline.md).
   """
 
-  def __init__(self, cfg_model: Mapping[str, Any], *, rngs: nnx.Rngs, remat: str = "none"):
+  def __init__(self, cfg_model: Mapping[str, Any], *, rngs: nnx.Rngs, remat: str = "none",
+               pipeline: pipeline_lib.Schedule | None = None):
     cfg = config_lib.validate(cfg_model)
     if remat not in remat_lib.POLICIES:
       raise ValueError(f"remat={remat!r} (train.remat) is not one of {', '.join(remat_lib.POLICIES)}")
     self.cfg = ml_collections.FrozenConfigDict(cfg)
     self.remat = remat
+    if pipeline is not None and not cfg.scan_layers:
+      raise ValueError("mesh.stage > 1 needs model.scan_layers=True: pipeline stages split the scanned layer stack")
+    self.pipeline = pipeline
     with axes.creation_context():
       self.embed = layers.Embed(cfg, rngs=rngs)
       unit = config_lib.layers_per_unit(cfg)  # the scan repeats units: one block, or a group with one MoE
@@ -85,14 +91,12 @@ class Transformer(nnx.Module):
       x_BLD, cache = self._cached_layers(apply_block, x_BLD, windows, cache)
       return self.final_norm(x_BLD), cache._replace(index=cache.index + tokens_BL.shape[1])
     if self.cfg.scan_layers:
-      graphdef, state = nnx.split(self.layers)
-      def body(x_BLD, xs):
-        layer_state, window = xs
-        return apply_block(graphdef, layer_state, x_BLD, window)
-      body = remat_lib.wrap(body, self.remat, prevent_cse=False)
       unit = config_lib.layers_per_unit(self.cfg)
       windows_U = jnp.asarray(windows, jnp.int32).reshape(-1, unit) if unit > 1 else jnp.asarray(windows, jnp.int32)
-      x_BLD, stats = jax.lax.scan(body, x_BLD, (state, windows_U))  # stats: [units] per MoE statistic
+      if self.pipeline is not None and axes.mesh_size(LAYERS) > 1:
+        x_BLD, stats = self._pipelined(x_BLD, windows_U, segment_ids_BL, positions_BL)
+      else:
+        x_BLD, stats = self._stack(nnx.split(self.layers), windows_U, x_BLD, segment_ids_BL, cos_BLF, sin_BLF)
     else:
       stats = []
       for block, window in zip(self.layers, windows):
@@ -105,6 +109,29 @@ class Transformer(nnx.Module):
     aux = {k: jnp.mean(v, axis=0) for k, v in stats.items()}  # mean over MoE layers (MaxText, Levanter)
     x_BLD = self.final_norm(x_BLD)
     return (x_BLD, aux) if return_aux else x_BLD
+
+  def _stack(self, split_layers, windows_U, x_BLD, segment_ids_BL, cos_BLF, sin_BLF):
+    """The scanned stack (or a stage's slice of it): -> (x_BLD, stats with a leading [units] dimension)."""
+    graphdef, state = split_layers
+    def body(x_BLD, xs):
+      layer_state, window = xs
+      return nnx.merge(graphdef, layer_state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window)
+    body = remat_lib.wrap(body, self.remat, prevent_cse=False)
+    return jax.lax.scan(body, x_BLD, (state, windows_U))
+
+  def _pipelined(self, x_BLD, windows_U, segment_ids_BL, positions_BL):
+    """The stack split over the `stage` mesh axis (parallel.pipeline); stats averaged like the plain scan's."""
+    graphdef, state = nnx.split(self.layers)
+    inv_freq = rope.inv_frequencies(self.cfg)
+    def stage(weights, x_bLD, side):
+      (state_U, windows_u), (segment_ids_bL, positions_bL) = weights, side
+      cos_bLF, sin_bLF = rope.cos_sin(positions_bL, inv_freq)
+      x_bLD, stats = self._stack((graphdef, state_U), windows_u, x_bLD, segment_ids_bL, cos_bLF, sin_bLF)
+      return x_bLD, jax.tree.map(lambda v: jnp.mean(v, axis=0), stats)
+    s = self.pipeline
+    x_BLD, stats = pipeline_lib.run(stage, (state, windows_U), x_BLD, (segment_ids_BL, positions_BL), s)
+    visits = s.stages * s.repeats * s.microbatches
+    return x_BLD, jax.tree.map(lambda v: v[None] / visits, stats)  # [1] per statistic: the mean below keeps it
 
   def _cached_layers(self, apply_block, x_BLD, windows, cache):
     """The layer stack with each layer's slice of the cache as scan input and its update as scan output."""

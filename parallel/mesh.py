@@ -1,4 +1,4 @@
-"""The one device mesh: axes data, fsdp, tensor, sequence, expert, stage (stage reserved at size 1).
+"""The one device mesh: axes data, fsdp, tensor, sequence, expert, stage (pipeline stages, parallel/pipeline.py).
 
 `config.mesh` gives each axis's size inside a slice (ICI; -1 = all remaining devices) and, for data and fsdp, a
 size across slices or hosts (DCN: `dcn_data`, `dcn_fsdp`). Tensor and sequence parallelism stay inside a
@@ -17,8 +17,9 @@ from jax.experimental import mesh_utils
 AXES = ("data", "fsdp", "tensor", "sequence", "expert", "stage")
 DCN_AXES = ("data", "fsdp")  # the only axes allowed to span slices / hosts (config keys dcn_data, dcn_fsdp)
 # Device placement order, slowest-network axis first: the innermost axes get the nearest devices.
-_PLACEMENT = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
-_RESERVED = ("stage",)
+# Stage sits inside data/fsdp: a process feeds the rows of its batch shards, which every stage reads, so stages
+# stay within a process (one host's chips) while data/fsdp span hosts; inside a TPU slice all of it is ICI.
+_PLACEMENT = ("data", "fsdp", "stage", "expert", "sequence", "tensor")
 
 
 class MeshError(ValueError):
@@ -70,10 +71,6 @@ def mesh_shape(mesh_cfg, num_devices: int, num_granules: int = 1) -> tuple[dict[
   granules); with a DCN product of 1 the devices are treated as one flat group. Raises MeshError naming the
   axis when the sizes cannot match the device count.
   """
-  for a in _RESERVED:
-    if mesh_cfg[a] != 1:
-      raise MeshError(f"config.mesh.{a}={mesh_cfg[a]}: the {a} axis is reserved (size 1) until pipeline "
-                      "parallelism exists; set it to 1")
   dcn = {a: int(mesh_cfg[f"dcn_{a}"]) for a in DCN_AXES}
   if any(n == -1 for n in dcn.values()):
     dcn = _resolve(dcn, num_granules, "slices/hosts", "dcn_")
@@ -96,6 +93,12 @@ def _ordered_mesh(devices, attr, ici_placed, dcn_placed) -> np.ndarray:
   # (dcn_0..dcn_n-1, ici_0..ici_n-1) -> (dcn_0, ici_0, dcn_1, ici_1, ...) -> merge each pair.
   grid = np.transpose(grid, [k for i in range(n) for k in (i, n + i)])
   return grid.reshape([d * i for d, i in zip(dcn_placed, ici_placed)])
+
+
+def _spans_processes(placed: np.ndarray, axis: int) -> bool:
+  """Whether moving along `axis` of the device array changes the process."""
+  process_ids = np.vectorize(lambda d: d.process_index, otypes=[int])(placed)
+  return bool(np.any(process_ids != np.take(process_ids, [0], axis=axis)))
 
 
 def make_mesh(mesh_cfg, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
@@ -133,6 +136,11 @@ def make_mesh(mesh_cfg, devices: Sequence[Any] | None = None) -> jax.sharding.Me
                   f"{devices[0].platform} devices ({type(e).__name__}: {e}); placing devices in id order, which is "
                   "correct but may make collectives slower", RuntimeWarning, stacklevel=2)
     placed = _ordered_mesh(devices, attr, ici_placed, dcn_placed)
+  if ici["stage"] > 1 and _spans_processes(placed, _PLACEMENT.index("stage")):
+    # The topology-aware layout put stages on different hosts, which would then need the same batch rows (every
+    # stage reads the whole batch shard); take devices in (process, id) order instead, so each host holds whole
+    # stage groups. Inside a TPU slice every link is ICI; collectives may route less directly.
+    placed = _ordered_mesh(devices, "process_index", ici_placed, dcn_placed)
   device_array = np.transpose(placed, np.argsort(order))  # placement order -> AXES order
   return jax.sharding.Mesh(device_array, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 

@@ -2,7 +2,8 @@
 
 Default layout: batch over data+fsdp+expert (outside MoE layers the expert axis is more data parallelism); embed over fsdp for parameters (FSDP / ZeRO-3: gradients and
 optimizer state follow the parameters, so ZeRO-1/2 savings come with it); heads, kv_heads, mlp, vocab over
-tensor (Megatron); the expert dimension of MoE weights over expert; length over sequence for activations, with kv_length unsharded so that under sequence
+tensor (Megatron); the expert dimension of MoE weights over expert; the scanned layer stack over stage when
+mesh.stage > 1 (pipeline parallelism, parallel/pipeline.py); length over sequence for activations, with kv_length unsharded so that under sequence
 parallelism attention gathers K/V while queries stay split. `config.mesh.rules` overrides entries.
 
 The table is ordered and read with flax `logical_to_mesh_axes` semantics (`model.axes.spec`): when two dimensions
@@ -34,7 +35,7 @@ DEFAULT_RULES: Rules = (
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("experts", "expert"),
-    ("layers", None),
+    ("layers", None),  # the scanned layer stack; "stage" (contiguous blocks per pipeline stage) when mesh.stage > 1
 )
 
 
@@ -51,10 +52,13 @@ def _as_axes(value: Any, where: str) -> MeshAxes:
 def logical_rules(mesh_cfg) -> Rules:
   """The logical -> mesh axis table with `config.mesh.rules` overrides applied (same order as DEFAULT_RULES).
 
+  With `config.mesh.stage` > 1 the layer stack maps to `stage` (pipeline parallelism, parallel/pipeline.py).
   `config.mesh.rules` is a sequence of (logical_name, mesh_axis | (mesh_axes...) | None) pairs; an unknown
   name on either side raises ValueError naming it.
   """
   table = dict(DEFAULT_RULES)
+  if int(mesh_cfg.get("stage", 1)) > 1:  # pipeline stages own contiguous blocks of the layer stack
+    table["layers"] = "stage"
   overrides = mesh_cfg.get("rules", ()) or ()
   for i, entry in enumerate(overrides):
     if not isinstance(entry, (tuple, list)) or len(entry) != 2:

@@ -51,11 +51,17 @@ def test_impossible_mesh_names_axis_and_numbers(shape, axis, numbers):
   assert axis in str(e.value) and all(n in str(e.value) for n in numbers), str(e.value)
 
 
-def test_reserved_axes_must_stay_one():
-  c = _config()
+def test_stage_axis_sits_between_data_and_tensor():
+  # Stages stay inside a data shard (a process feeds its rows to every stage); tensor takes the nearest devices.
+  c = _config(2, 1, 2, 1)
   c.mesh.stage = 2
-  with pytest.raises(mesh_lib.MeshError, match="stage"):
-    mesh_lib.make_mesh(c.mesh)
+  mesh = mesh_lib.make_mesh(c.mesh)
+  assert mesh.shape["stage"] == 2 and mesh.shape["data"] == 2 and mesh.shape["tensor"] == 2
+  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  data_of = {int(i): s for s in range(2) for i in np.take(ids, s, axis=mesh_lib.AXES.index("data")).ravel()}
+  assert sorted(i for i, s in data_of.items() if s == 0) == [0, 1, 2, 3]
+  stage_of = {int(i): s for s in range(2) for i in np.take(ids, s, axis=mesh_lib.AXES.index("stage")).ravel()}
+  assert sorted(i for i, s in stage_of.items() if s == 0) == [0, 1, 4, 5]
 
 
 def test_multi_slice_puts_data_across_slices_and_tensor_inside(monkeypatch):

@@ -129,6 +129,11 @@ def _report(config, tpu, sizes, devices, seconds, *, fits, memory_, flops, hlo) 
       "collectives": collectives(hlo),
       "compile_seconds": seconds,
   }
+  pipe = memory.pipeline_schedule(config, sizes)
+  if pipe:  # the stage-to-stage traffic: collective-permutes (with the step's other collectives above)
+    permutes = [op for op in collective_ops(hlo, devices) if op["kind"] == "collective-permute"] if hlo else []
+    report["pipeline"] = dict(pipe, collective_permutes=[
+        {k: op[k] for k in ("name", "shapes", "bytes", "per_step", "async")} for op in permutes])
   report["predicted"] = predict.for_report(hlo, report, tpu.chip, tpu.torus) if hlo else None
   return report
 
@@ -202,7 +207,8 @@ def suggest(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, *, max_co
                     "fits": r["fits"]})
     return reports[(remat, ga)]["fits"]
 
-  for ga in _grad_accum_candidates(config, memory.batch_shards(sizes)):
+  pipe = memory.pipeline_schedule(config, sizes)  # each accumulation step is split again into M microbatches
+  for ga in _grad_accum_candidates(config, memory.batch_shards(sizes) * (pipe["microbatches"] if pipe else 1)):
     ok = fits("full", ga)
     if ok is None:
       break
@@ -381,6 +387,13 @@ def format_report(r: dict) -> str:
       lines.append(f"  {kind:20}{c['ops']:7d}{c['per_step']:10d}{c['bytes_per_step'] / 2**20:14.2f}")
     if not r["collectives"]:
       lines.append("  (none)")
+    pipe = r.get("pipeline")
+    if pipe:
+      lines.append(f"pipeline: {pipe['stages']} stages, {pipe['microbatches']} microbatches, {pipe['repeats']} "
+                   f"repeat(s), bubble {pipe['bubble']:.1%}; collective-permutes (per step, MiB each, async):")
+      for op in pipe["collective_permutes"]:
+        lines.append(f"  {op['name'][:40]:40}{op['per_step']:7d}{op['bytes'] / 2**20:10.3f}  "
+                     f"{'async' if op['async'] else 'sync'}")
     lines += format_prediction(r["predicted"])
   fast = r.get("fastest")
   if fast is not None:

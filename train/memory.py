@@ -58,11 +58,29 @@ def state_memory(params: float, precision: str = "fp32", *, zero_stage: int = 3,
 def meshlm_state(config: ml_collections.ConfigDict, params: float, sizes: dict[str, int]) -> dict:
   """Per-device state as meshlm's train step holds it: weights, gradients and AdamW m, v all in
   model.param_dtype, sharded over fsdp (ZeRO-3) and tensor, replicated over data; MoE expert weights are
-  split over the expert axis as well."""
-  precision = {"float32": "fp32"}.get(config.model.param_dtype, "bf16")
-  expert = expert_params(config.model)
-  params = params - expert + expert / sizes.get("expert", 1)
+  split over the expert axis as well; the layer stack over the pipeline stages (embedding, output projection and
+  final norm are replicated over `stage`)."""
+  m = config.model
+  precision = {"float32": "fp32"}.get(m.param_dtype, "bf16")
+  expert = expert_params(m)
+  outside = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2) + m.d_model * (2 if m.use_bias else 1)
+  stack = params - outside - expert + expert / sizes.get("expert", 1)
+  params = outside + stack / sizes.get("stage", 1)
   return state_memory(params, precision, zero_stage=3, fsdp=sizes["fsdp"], tensor=sizes["tensor"])
+
+
+def pipeline_schedule(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> dict | None:
+  """{"stages" S, "microbatches" M, "repeats" R, "iterations" T = R*M + S - 1, "bubble" (S-1)/T, "remat" (stage
+  visits recomputed: train.pipeline_remat, always with R > 1), "layers_per_stage"} of a pipelined config (mesh
+  stage > 1), None otherwise (parallel/pipeline.py)."""
+  S = sizes.get("stage", 1)
+  if S == 1:
+    return None
+  t = config.train
+  M, R = int(t.pipeline_microbatches) or S, int(t.pipeline_repeats)
+  T = R * M + S - 1
+  return {"stages": S, "microbatches": M, "repeats": R, "iterations": T, "bubble": (S - 1) / T,
+          "remat": bool(t.pipeline_remat) or R > 1, "layers_per_stage": config.model.num_layers // S}
 
 
 def expert_params(m: ml_collections.ConfigDict) -> int:
@@ -143,8 +161,14 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
   differentiated) and the float32 gradient of its attention scores. The last two are added, not maxed: XLA may
   recompute the last layer before the loss gradient is done, since the recomputation depends only on saved inputs.
 
-  Returns bytes: {"per_layer_saved", "layers" (= per_layer_saved * num_layers), "recompute_peak", "logits",
-  "total", "tokens_per_device"}.
+  Pipelined (mesh stage S > 1, parallel/pipeline.py; M microbatches, R repeats, T = R*M + S - 1 iterations):
+  a device runs L/(S*R) layers per iteration on micro_batch/M sequences and keeps what they save for all T
+  iterations, i.e. num_layers/S layers' worth times T/(R*M); with train.pipeline_remat only each iteration's
+  stage input (one D-wide tensor) is kept and one stage visit's layers are recomputed at a time. The loop buffer
+  (the whole micro-batch's D-wide residual stream) and the logits are replicated over stages.
+
+  Returns bytes: {"per_layer_saved", "layers" (= per_layer_saved * num_layers; pipelined: what the stage keeps
+  over its iterations), "recompute_peak", "logits", "total", "tokens_per_device"}.
   """
   m, t = config.model, config.train
   remat = t.remat if remat is None else remat
@@ -165,6 +189,17 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
   logits = 2 * 4 * m.vocab_size / sizes["tensor"] * tokens
   layers = saved * m.num_layers
   recompute = max(attention, mlp)
+  pipe = pipeline_schedule(config, sizes)
+  if pipe:
+    S, M, R, T = pipe["stages"], pipe["microbatches"], pipe["repeats"], pipe["iterations"]
+    per_visit = m.num_layers // (S * R)
+    boundary = per_token["input"] * tokens / M  # one stage input (microbatch) per iteration
+    if pipe["remat"]:
+      layers = boundary * T + saved / M * per_visit
+    else:
+      layers = saved / M * per_visit * T
+    layers += per_token["input"] * tokens * (1 + S / M)  # loop buffer and the stage-to-stage shift state
+    recompute = recompute / M
   return {"per_layer_saved": saved, "layers": layers, "recompute_peak": recompute, "logits": logits,
           "total": layers + logits + recompute, "tokens_per_device": tokens}
 

@@ -187,6 +187,10 @@ def plan_config(config: ml_collections.ConfigDict, *, chip: str = "tpu_v4", num_
   })
   if "active" in counts:  # MoE: FLOPs above count these; memory counts all parameters
     out["params_active"] = counts["active"]
+  pipe = memory.pipeline_schedule(config, sizes)
+  if pipe:  # every stage holds the same share: num_layers / S layers plus the replicated embedding and head
+    out["pipeline"] = dict(pipe, per_stage_bytes={"state": own["total"], "activations": acts[t.remat]["total"],
+                                                  "total": needed})
   out["chinchilla_optimal"] = optimum(tokens=tokens)["approach1"]
   return out
 
@@ -368,6 +372,13 @@ def format_table(r: dict) -> str:
     lines.append(f"  remat {name:12} {a['per_layer_saved'] / GIB:10.4f} {a['layers'] / GIB:11.3f} "
                  f"{a['recompute_peak'] / GIB:10.3f} {a['logits'] / GIB:9.3f} {a['total'] / GIB:10.3f}")
   verdict = "fits" if r["fits"] else "does NOT fit"
+  pipe = r.get("pipeline")
+  if pipe:
+    per = pipe["per_stage_bytes"]
+    lines.append(f"pipeline          {pipe['stages']} stages x {pipe['layers_per_stage']} layers, "
+                 f"{pipe['microbatches']} microbatches, {pipe['repeats']} repeat(s), stage remat {'on' if pipe['remat'] else 'off'}: bubble "
+                 f"{pipe['bubble']:.1%} ((S-1)/(R*M+S-1)); per stage {per['state'] / GIB:.3f} GiB state + "
+                 f"{per['activations'] / GIB:.3f} GiB activations")
   lines += [f"total per device  {r['memory_per_device'] / GIB:.3f} GiB: {verdict} on {r['chip']}", "",
             "largest micro-batch (global sequences) per chip:  remat none  remat full"]
   for name, c in r["per_chip"].items():

@@ -32,6 +32,7 @@ from common.segments import positions_from_segments
 import model as model_lib
 from model import lora as lora_lib
 import parallel
+from parallel import pipeline as pipeline_lib
 from parallel import rules as rules_lib
 from train import mfu as mfu_lib
 from train import objectives
@@ -39,6 +40,22 @@ from train import optimizer as optimizer_lib
 
 # XLA options trading run time for compile time (tiny test models compile ~2x faster on CPU).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# XLA options that overlap collectives with compute (train.xla_overlap; docs/pipeline.md): async all-gathers,
+# all-reduces and collective-permutes fused into compute with the latency-hiding scheduler on TPU (the set MaxText
+# and Google's reference recipes pass in LIBTPU_INIT_ARGS); on GPU the latency-hiding scheduler, pipelined
+# collectives in scanned loops and collective matmul (windowed einsum) for tensor parallelism.
+OVERLAP_OPTIONS = {
+    "tpu": {"xla_tpu_enable_latency_hiding_scheduler": True, "xla_tpu_enable_async_collective_fusion": True,
+            "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
+            "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": True,
+            "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
+            "xla_tpu_overlap_compute_collective_tc": True, "xla_enable_async_all_gather": "true",
+            "xla_enable_async_all_reduce": "true", "xla_enable_async_collective_permute": "true"},
+    "gpu": {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_pipelined_all_gather": True,
+            "xla_gpu_enable_pipelined_reduce_scatter": True, "xla_gpu_enable_pipelined_all_reduce": True,
+            "xla_gpu_enable_while_loop_double_buffering": True, "xla_gpu_multi_streamed_windowed_einsum": True,
+            "xla_gpu_threshold_for_windowed_einsum_mib": 0},
+}
 STEP_METRICS = ("grad_norm", "param_norm", "lr", "nonfinite")  # reported by every objective's step
 MOE_METRICS = model_lib.moe.STATS  # MoE models add these (means over MoE layers and microbatches)
 EXPERT_LOAD = "moe_expert_load"  # the [E] vector among them, logged as moe_load/<expert> (share of assignments)
@@ -77,13 +94,17 @@ class Trainer:
 
   Checks before anything compiles (ValueError naming the key / axis): heads vs the tensor axis, parameter
   dimensions vs their mesh axes, batch_size vs grad_accum and data x fsdp, rows per process (only the batch's
-  axes may span processes), seq_len vs the sequence axis.
+  axes may span processes), seq_len vs the sequence axis, and with mesh.stage > 1 the pipeline schedule (layers
+  per stage, microbatches >= stages, rows per microbatch; parallel.pipeline.check).
   """
 
   def __init__(self, config, mesh: jax.sharding.Mesh, compiler_options: dict[str, Any] | None = None):
-    """`compiler_options`: XLA options for every compile of this trainer (e.g. FAST_COMPILE in tests)."""
+    """`compiler_options`: XLA options for every compile of this trainer (e.g. FAST_COMPILE in tests), on top of
+    OVERLAP_OPTIONS for the mesh's platform when config.train.xla_overlap is set."""
     self.config, self.mesh = config, mesh
     t = config.train
+    if t.xla_overlap:
+      compiler_options = {**OVERLAP_OPTIONS.get(mesh.devices.flat[0].platform, {}), **(compiler_options or {})}
     self.objective = objectives.make(config)
     self.batch_keys = dict(self.objective.batch_keys)
     self.lora_rank = int(t.lora_rank)
@@ -93,6 +114,7 @@ class Trainer:
     self.lora_scale = float(t.lora_alpha) / self.lora_rank if self.lora_rank else 0.0
     self.rules = rules_lib.fit_rules(rules_lib.logical_rules(config.mesh), config.model, mesh)
     self._check_batch()
+    self.pipeline = self._pipeline_schedule()
     self.tx = optimizer_lib.with_frozen(optimizer_lib.make(t), tuple(t.freeze))
     self.lr_fn = optimizer_lib.schedule(t)
     self._replicated = parallel.sharding.replicated(mesh)
@@ -161,9 +183,35 @@ class Trainer:
       raise ValueError(f"config.train.seq_len={t.seq_len} is not divisible by mesh axis sequence="
                        f"{shape['sequence']}; change config.mesh.sequence or the sequence length")
 
+  def _pipeline_schedule(self) -> pipeline_lib.Schedule | None:
+    """The pipeline schedule for mesh.stage > 1 (None without stages); ValueError naming the key when it cannot
+    work. The pipeline's microbatches split each grad_accum microbatch further (the two compose)."""
+    t, m, S = self.config.train, self.config.model, self.mesh.shape["stage"]
+    if S == 1:
+      if t.pipeline_microbatches > 1 or t.pipeline_repeats > 1:
+        raise ValueError(f"config.train.pipeline_microbatches={t.pipeline_microbatches} / pipeline_repeats="
+                         f"{t.pipeline_repeats} need config.mesh.stage > 1 (pipeline parallelism); set mesh.stage or "
+                         "leave them at their defaults")
+      return None
+    if not m.scan_layers:
+      raise ValueError("config.mesh.stage > 1 needs config.model.scan_layers=True: stages split the scanned stack")
+    if dict(self.rules)["layers"] != pipeline_lib.AXIS:
+      raise ValueError(f"config.mesh.stage={S} but config.mesh.rules maps 'layers' to {dict(self.rules)['layers']!r};"
+                       " pipeline stages need the default ('layers', 'stage')")
+    schedule = pipeline_lib.Schedule(S, int(t.pipeline_microbatches) or S, int(t.pipeline_repeats),
+                                     bool(t.pipeline_remat))
+    unit = model_lib.config.layers_per_unit(m)
+    pipeline_lib.check(schedule, m.num_layers // unit, t.batch_size // t.grad_accum,
+                       rules_lib.axis_size(self.mesh, dict(self.rules)["batch"]),
+                       what_units=f"config.model.num_layers={m.num_layers}" + (
+                           f" / moe_every={unit}" if unit > 1 else ""),
+                       what_rows=f"config.train.batch_size / grad_accum = {t.batch_size} / {t.grad_accum}")
+    return schedule
+
   # ---- state --------------------------------------------------------------------------------------------
   def _new_model(self, key) -> model_lib.Transformer:
-    return model_lib.Transformer(self.config.model, rngs=nnx.Rngs(params=key), remat=self.config.train.remat)
+    return model_lib.Transformer(self.config.model, rngs=nnx.Rngs(params=key), remat=self.config.train.remat,
+                                 pipeline=self.pipeline)
 
   @staticmethod
   def init_keys(key) -> tuple[jax.Array, jax.Array]:
