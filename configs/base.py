@@ -67,6 +67,9 @@ def get_config() -> ml_collections.ConfigDict:
   t.eval_generations = 0  # held-out chat prompts per task family answered greedily at each eval (eval_exact_match); 0 = off
   t.eval_max_new_tokens = 32  # longest greedy answer generated for eval_exact_match
   t.freeze = ()  # parameter-path substrings kept frozen: zero update, no optimizer state (e.g. ("embed", "norm"))
+  t.loss_scale = "auto"  # dynamic loss scaling: auto (on when model.dtype is float16) | dynamic | none
+  t.loss_scale_init = 32768.0  # initial loss scale (2^15); halves on overflow, doubles after loss_scale_period finite steps
+  t.loss_scale_period = 2000  # consecutive finite steps before the loss scale doubles
 
   d = c.data = ml_collections.ConfigDict()
   d.sources = "builtin"  # builtin (Python's own docs + stdlib source) or a mixture spec; see data/sources.py
@@ -88,6 +91,8 @@ def get_config() -> ml_collections.ConfigDict:
   d.chat_template = "auto"  # auto (an HF tokenizer's own Jinja template, else meshlm) | meshlm | path to a Jinja file
   d.chat_loss = "assistant"  # chat loss mask: assistant (assistant turns incl. end-of-turn) | all (every token)
   d.chat_truncation = "right"  # chats longer than seq_len: right (drop the end) | left (drop the start, keep last turns)
+  d.fim_rate = 0.0  # fraction of training documents rearranged for fill-in-the-middle (data/fim.py); 0 = off
+  d.fim_spm_rate = 0.5  # fraction of the FIM documents in suffix-prefix-middle order (the rest prefix-suffix-middle)
 
   ck = c.checkpoint = ml_collections.ConfigDict()
   ck.every = 500  # steps between checkpoints (and one at the end); 0 = only at the end
