@@ -83,6 +83,9 @@ RANGES: dict[str, Range] = {
     "train.lora_alpha": _POSITIVE,
     "train.loss_scale_init": _AT_LEAST_1,
     "train.loss_scale_period": _AT_LEAST_1,
+    "train.mlm_rate": Range(lo=0, hi=1, lo_open=True),
+    "train.mlm_mask_fraction": _FRACTION,
+    "train.mlm_random_fraction": _FRACTION,
     "data.weights": _POSITIVE,
     "data.tokenizer_vocab_size": Range(lo=1, special=((0, "model.vocab_size"),)),
     "data.tokenizer_character_coverage": Range(lo=0, hi=1, lo_open=True),
@@ -129,6 +132,10 @@ def check(config: ml_collections.ConfigDict) -> list[str]:
       model_config.validate(config.model)
     except ValueError as e:
       raise ConfigError(str(e)) from None
+  t = config.get("train")
+  if t is not None and "mlm_mask_fraction" in t and t.mlm_mask_fraction + t.mlm_random_fraction > 1:
+    raise ConfigError(f"train.mlm_mask_fraction={t.mlm_mask_fraction} + train.mlm_random_fraction="
+                      f"{t.mlm_random_fraction} exceeds 1: they split the selected tokens with the unchanged rest")
   warnings = []
   t = config.get("train")
   if t is not None and "warmup_steps" in t and t.warmup_steps > t.steps:

@@ -1,8 +1,9 @@
 """Attention kernels behind one switch (`model.attention_impl`), numerically equal up to float rounding.
 
 All take q_BTHK, k_BSGK, v_BSGK (S == T: self-attention; G kv heads divide H query heads, query head h uses kv
-head h // (H // G) as in Hugging Face), segment_ids_BT (0 = padding, which attends only within padding) and a
-window (tokens; 0 = full causal, else a token sees itself and window-1 before it; may be a traced int32).
+head h // (H // G) as in Hugging Face), segment_ids_BT (0 = padding, which attends only within padding), a
+window (tokens; 0 = full causal, else a token sees itself and window-1 before it; may be a traced int32) and
+`causal` (a Python bool; False = bidirectional within the segment, the encoder of model.causal=false; no window).
 They return the context o_BTHK in q's dtype; scores and softmax statistics are float32.
 
 - `xla_attention`: the reference, materialises [B, H, T, S] scores.
@@ -22,11 +23,14 @@ _log = logging.getLogger(__name__)
 _NEG = -1e30  # finite "minus infinity": masked scores never produce NaN through (x - max)
 
 
-def mask_fn(q_pos_T, k_pos_S, seg_q_BT, seg_k_BS, window) -> jax.Array:
-  """bool [B, T, S]: causal (by index in the row), inside the window, and within the same segment."""
+def mask_fn(q_pos_T, k_pos_S, seg_q_BT, seg_k_BS, window, causal: bool = True) -> jax.Array:
+  """bool [B, T, S]: within the same segment and, if `causal`, causal (by index in the row) inside the window."""
+  same_BTS = seg_q_BT[:, :, None] == seg_k_BS[:, None, :]
+  if not causal:
+    return same_BTS
   diff_TS = q_pos_T[:, None] - k_pos_S[None, :]
   visible_TS = (diff_TS >= 0) & ((window == 0) | (diff_TS < window))
-  return visible_TS[None] & (seg_q_BT[:, :, None] == seg_k_BS[:, None, :])
+  return visible_TS[None] & same_BTS
 
 
 def _group(q_BTHK, num_kv_heads):
@@ -34,10 +38,10 @@ def _group(q_BTHK, num_kv_heads):
   return q_BTHK.reshape(B, T, num_kv_heads, H // num_kv_heads, K)
 
 
-def xla_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0):
+def xla_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, causal: bool = True):
   """Reference attention with an explicit [B, G, R, T, S] score tensor (R = H // G query heads per kv head)."""
   T, S = q_BTHK.shape[1], k_BSGK.shape[1]
-  mask_BTS = mask_fn(jnp.arange(T), jnp.arange(S), segment_ids_BT, segment_ids_BT, window)
+  mask_BTS = mask_fn(jnp.arange(T), jnp.arange(S), segment_ids_BT, segment_ids_BT, window, causal)
   return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS)
 
 
@@ -67,10 +71,10 @@ def _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS):
   return o_BTGRK.reshape(B, T, H, K).astype(q_BTHK.dtype)
 
 
-def dot_product_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0):
+def dot_product_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, causal: bool = True):
   """`jax.nn.dot_product_attention` with the segment/causal/window mask; cuDNN on GPU for half precision."""
   T, S = q_BTHK.shape[1], k_BSGK.shape[1]
-  mask_B1TS = mask_fn(jnp.arange(T), jnp.arange(S), segment_ids_BT, segment_ids_BT, window)[:, None]
+  mask_B1TS = mask_fn(jnp.arange(T), jnp.arange(S), segment_ids_BT, segment_ids_BT, window, causal)[:, None]
   call = functools.partial(jax.nn.dot_product_attention, q_BTHK, k_BSGK, v_BSGK, mask=mask_B1TS)
   if jax.default_backend() == "gpu" and q_BTHK.dtype in (jnp.bfloat16, jnp.float16):
     try:
@@ -106,14 +110,17 @@ def _pad_to(x, length, axis, value=0):
   return jnp.pad(x, widths, constant_values=value)
 
 
-def _block_visible(i, j, bq, bk, window):
+def _block_visible(i, j, bq, bk, window, causal=True):
   """Whether any (query, key) pair of block (i, j) can be visible under the causal + window mask."""
+  if not causal:
+    return jnp.bool_(True)
   q_min, q_max = i * bq, i * bq + bq - 1
   k_min, k_max = j * bk, j * bk + bk - 1
   return (q_max >= k_min) & ((window == 0) | (q_min - k_max < window))
 
 
-def blockwise_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_size: int = 512):
+def blockwise_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_size: int = 512,
+                        causal: bool = True):
   """Flash-style attention: O(T * block) memory in forward and backward; same values as `xla_attention`."""
   B, T, H, K = q_BTHK.shape
   blk = min(block_size, T)
@@ -122,7 +129,7 @@ def blockwise_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_
   seg_BT = _pad_to(segment_ids_BT.astype(jnp.int32), Tp, 1, value=-1)
   q, k, v = (_pad_to(a, Tp, 1) for a in (q_BTHK, k_BSGK, v_BSGK))
   window = jnp.asarray(window, jnp.int32)
-  o = _flash(q, k, v, seg_BT, window, blk)
+  o = _flash(q, k, v, seg_BT, window, blk, causal)
   return o[:, :T]
 
 
@@ -142,7 +149,7 @@ def _scores(q_BQGRK, k_BSGK, scale):
   return jnp.einsum("bqgrk,bsgk->bgrqs", q_BQGRK, k_BSGK, preferred_element_type=jnp.float32) * scale
 
 
-def _flash_forward(q, k, v, seg_BT, window, blk):
+def _flash_forward(q, k, v, seg_BT, window, blk, causal):
   """Returns o_BTHK (q dtype) and the row logsumexp lse_BGRT (float32)."""
   B, T, H, K = q.shape
   G = k.shape[2]
@@ -160,7 +167,7 @@ def _flash_forward(q, k, v, seg_BT, window, blk):
       def compute(carry):
         m, l, acc = carry
         s = _scores(q_BQGRK, k_BSGK, scale)
-        mask = mask_fn(i * blk + pos, j * blk + pos, segq_BQ, segk_BS, window)[:, None, None]
+        mask = mask_fn(i * blk + pos, j * blk + pos, segq_BQ, segk_BS, window, causal)[:, None, None]
         s = jnp.where(mask, s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -170,7 +177,7 @@ def _flash_forward(q, k, v, seg_BT, window, blk):
                                                  preferred_element_type=jnp.float32)
         return m_new, l, acc
 
-      visible = _block_visible(i, j, blk, blk, window)
+      visible = _block_visible(i, j, blk, blk, window, causal)
       return jax.lax.cond(visible, compute, lambda c: c, carry), None
 
     init = (jnp.full((B, G, R, blk), _NEG, jnp.float32), jnp.zeros((B, G, R, blk), jnp.float32),
@@ -185,17 +192,17 @@ def _flash_forward(q, k, v, seg_BT, window, blk):
   return o_BTHK, lse_BGRT
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, seg_BT, window, blk):
-  return _flash_forward(q, k, v, seg_BT, window, blk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash(q, k, v, seg_BT, window, blk, causal):
+  return _flash_forward(q, k, v, seg_BT, window, blk, causal)[0]
 
 
-def _flash_fwd(q, k, v, seg_BT, window, blk):
-  o, lse = _flash_forward(q, k, v, seg_BT, window, blk)
+def _flash_fwd(q, k, v, seg_BT, window, blk, causal):
+  o, lse = _flash_forward(q, k, v, seg_BT, window, blk, causal)
   return o, (q, k, v, seg_BT, window, o, lse)
 
 
-def _flash_bwd(blk, res, do_BTHK):
+def _flash_bwd(blk, causal, res, do_BTHK):
   q, k, v, seg_BT, window, o, lse_BGRT = res
   B, T, H, K = q.shape
   G = k.shape[2]
@@ -220,7 +227,7 @@ def _flash_bwd(blk, res, do_BTHK):
       def compute(carry):
         dk, dv = carry
         s = _scores(q_BQGRK, k_BSGK, scale)
-        mask = mask_fn(i * blk + pos, j * blk + pos, segq_BQ, segk_BS, window)[:, None, None]
+        mask = mask_fn(i * blk + pos, j * blk + pos, segq_BQ, segk_BS, window, causal)[:, None, None]
         p = jnp.where(mask, jnp.exp(s - lse_BGRQ[..., None]), 0.0)
         dv = dv + jnp.einsum("bgrqs,bqgrk->bsgk", p, do_BQGRK.astype(jnp.float32))
         dp = jnp.einsum("bqgrk,bsgk->bgrqs", do_BQGRK, v_BSGK, preferred_element_type=jnp.float32)
@@ -232,7 +239,7 @@ def _flash_bwd(blk, res, do_BTHK):
       def skip(carry):
         return carry, jnp.zeros((B, blk, G, R, K), jnp.float32)
 
-      return jax.lax.cond(_block_visible(i, j, blk, blk, window), compute, skip, carry)
+      return jax.lax.cond(_block_visible(i, j, blk, blk, window, causal), compute, skip, carry)
 
     init = (jnp.zeros((B, blk, G, K), jnp.float32), jnp.zeros((B, blk, G, K), jnp.float32))
     (dk, dv), dq_n = jax.lax.scan(q_step, init, (jnp.arange(n), qb, dob, lseb, db, segb))
@@ -249,8 +256,9 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 IMPLEMENTATIONS = {"xla": xla_attention, "dot_product": dot_product_attention, "blockwise": blockwise_attention}
 
 
-def attend(impl: str, q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_size: int = 512):
+def attend(impl: str, q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_size: int = 512,
+           causal: bool = True):
   """Dispatches to the implementation named by `model.attention_impl`."""
   if impl == "blockwise":
-    return blockwise_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, block_size)
-  return IMPLEMENTATIONS[impl](q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window)
+    return blockwise_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, block_size, causal)
+  return IMPLEMENTATIONS[impl](q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, causal)

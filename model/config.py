@@ -64,6 +64,7 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.capacity_factor = 0.0  # 0 = dropless; > 0: an expert takes at most ceil(cf * k * seq / E) tokens per sequence
   c.router = "topk_softmax"  # topk_softmax (Mixtral: softmax over the k best logits) | softmax_topk (top k of softmax)
   c.moe_impl = "ragged"  # grouped expert matmul: ragged (jax.lax.ragged_dot) | tiled (row tiles, batched; small models/CPU)
+  c.causal = True  # causal self-attention (decoder); False = bidirectional within each document (masked-LM encoder)
   return c
 
 
@@ -106,6 +107,11 @@ def validate(cfg: Mapping[str, Any]) -> ml_collections.ConfigDict:
                      f"model.rope_low_freq_factor={c.rope_low_freq_factor} for llama3 rope scaling")
   if c.init_std < 0:
     raise ValueError(f"model.init_std={c.init_std} must be >= 0")
+  if not isinstance(c.causal, bool):
+    raise ValueError(f"model.causal={c.causal!r} must be True or False")
+  if not c.causal and c.sliding_window:
+    raise ValueError(f"model.sliding_window={c.sliding_window} with model.causal=False: the window is causal "
+                     "(a token sees window-1 tokens before it); use sliding_window=0 for a bidirectional encoder")
   _validate_moe(c)
   return c
 

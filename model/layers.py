@@ -61,7 +61,7 @@ class Attention(nnx.Module):
       self.k_bias = param(rngs, (G, K), (KV_HEADS, HEAD_DIM), cfg, "zeros")
       self.v_bias = param(rngs, (G, K), (KV_HEADS, HEAD_DIM), cfg, "zeros")
       self.o_bias = param(rngs, (D,), (EMBED,), cfg, "zeros")
-    self.use_bias = cfg.use_bias
+    self.use_bias, self.causal = cfg.use_bias, cfg.causal
 
   def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None):
     """-> y_BLD, or (y_BLD, this layer's updated cache) when `cache` (one layer's slice) is given.
@@ -88,7 +88,8 @@ class Attention(nnx.Module):
     if cache is not None and q_BLHK.shape[1] == 1:
       o_BLHK = attention_lib.cached_attention(q_BLHK, cache.k, cache.v, cache.index, cache.start, window)
     else:
-      o_BLHK = attention_lib.attend(self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window, self.block_size)
+      o_BLHK = attention_lib.attend(self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window, self.block_size,
+                                    self.causal)
     o_BLHK = remat.tag(axes.constrain(o_BLHK, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTN_CONTEXT)
     y_BLD = jnp.einsum("blhk,hkd->bld", o_BLHK, _value(self.o, dt))
     if self.use_bias:

@@ -42,6 +42,7 @@ from train import optimizer as optimizer_lib
 # XLA options trading run time for compile time (tiny test models compile ~2x faster on CPU).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 STEP_METRICS = ("grad_norm", "param_norm", "lr", "nonfinite")  # reported by every objective's step
+EVAL_KEY = 2**31 - 1  # folded into the train rng for `Objective.prepare` of eval batches (steps never reach it)
 LOSS_SCALE_METRICS = ("loss_scale", "overflow")  # added under dynamic loss scaling
 MOE_METRICS = model_lib.moe.STATS  # MoE models add these (means over MoE layers and microbatches)
 EXPERT_LOAD = "moe_expert_load"  # the [E] vector among them, logged as moe_load/<expert> (share of assignments)
@@ -88,6 +89,11 @@ class Trainer:
     self.config, self.mesh = config, mesh
     t = config.train
     self.objective = objectives.make(config)
+    if self.objective.causal != config.model.causal:
+      need = "True (a decoder: the model must not see the tokens it predicts)" if self.objective.causal else \
+          "False (a bidirectional encoder)"
+      raise ValueError(f"config.train.objective={t.objective!r} needs model.causal={need}; got "
+                       f"model.causal={config.model.causal}")
     self.batch_keys = dict(self.objective.batch_keys)
     self.lora_rank = int(t.lora_rank)
     if self.lora_rank < 0:
@@ -310,6 +316,7 @@ class Trainer:
   def _step(self, state, batch):
     with parallel.activate(self.mesh, self.rules, inside_jit=True):
       params, step, frozen = state["params"], state["step"], state.get("frozen", {})
+      batch = self.objective.prepare(batch, jax.random.fold_in(state["rng"], step))
       # Dividing by the whole batch's normalizer (e.g. loss tokens) inside every microbatch's loss makes the
       # accumulated gradient exactly that of the large batch's mean loss.
       normalizer = self.objective.normalizer(batch)
@@ -357,6 +364,8 @@ class Trainer:
   def _eval(self, state, batch):
     with parallel.activate(self.mesh, self.rules, inside_jit=True):
       frozen = state.get("frozen", {})
+      # A fixed key: every evaluation corrupts a given held-out batch the same way.
+      batch = self.objective.prepare(batch, jax.random.fold_in(state["rng"], EVAL_KEY))
       model_params, extras = self._decompose(state["params"], frozen)
       frozen_models = {name: self._merge(frozen[name]) for name in self.objective.frozen_models}
       return self.objective.eval_sums(self._merge(model_params), batch, extras, frozen_models)
