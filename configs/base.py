@@ -59,7 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.router_z_loss = 0.001  # coefficient of the MoE router z-loss (mean logsumexp(router logits)^2, ST-MoE)
   t.eval_tasks = ""  # benchmark tasks NAME:PATH[,...] (docs/evaluation.md) run at every evaluation; empty = none
   t.eval_tasks_limit = 0  # documents per eval task during training (the first N); 0 = all
-  t.objective = "lm"  # what the step optimises: lm (next-token loss on loss_mask) | sft (chat data, assistant tokens) | mlm (masked LM, model.causal=false)
+  t.objective = "lm"  # what the step optimises: lm (next-token loss on loss_mask) | sft (chat data, assistant tokens) | mlm (masked LM, model.causal=false) | prefix_lm
   t.lora_rank = 0  # LoRA adapter rank on lora_targets, base weights frozen; 0 = train every weight
   t.lora_alpha = 16.0  # LoRA scale numerator: adapted W = W + (lora_alpha / lora_rank) * A @ B
   t.lora_targets = ("q", "k", "v", "o")  # projections LoRA adapts (any of q k v o gate up down)

@@ -63,8 +63,10 @@ class Attention(nnx.Module):
       self.o_bias = param(rngs, (D,), (EMBED,), cfg, "zeros")
     self.use_bias, self.causal = cfg.use_bias, cfg.causal
 
-  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None):
-    """-> y_BLD, or (y_BLD, this layer's updated cache) when `cache` (one layer's slice) is given.
+  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None,
+               prefix_BL=None):
+    """-> y_BLD, or (y_BLD, this layer's updated cache) when `cache` (one layer's slice) is given; `prefix_BL`
+    (1 = bidirectional prefix token, model/attention.py) applies without a cache.
 
     With a cache the L new keys/values are stored at slots [cache.index, cache.index + L). L > 1 is a prefill
     into an empty cache (index 0): the tokens attend among themselves with `model.attention_impl`, exactly as
@@ -89,7 +91,7 @@ class Attention(nnx.Module):
       o_BLHK = attention_lib.cached_attention(q_BLHK, cache.k, cache.v, cache.index, cache.start, window)
     else:
       o_BLHK = attention_lib.attend(self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window, self.block_size,
-                                    self.causal)
+                                    self.causal, prefix_BL)
     o_BLHK = remat.tag(axes.constrain(o_BLHK, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTN_CONTEXT)
     y_BLD = jnp.einsum("blhk,hkd->bld", o_BLHK, _value(self.o, dt))
     if self.use_bias:
@@ -148,7 +150,8 @@ class Block(nnx.Module):
     else:
       self.mlp = Mlp(cfg, rngs=rngs)
 
-  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None):
+  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None,
+               prefix_BL=None):
     """-> (x_BLD, stats), or (x_BLD, updated layer cache) when `cache` is given (see Attention).
 
     stats are the MoE layer's router statistics (model.moe.router_stats), {} for a dense block; decoding with a
@@ -156,7 +159,7 @@ class Block(nnx.Module):
     """
     h_BLD = self.attn_norm(x_BLD)
     if cache is None:
-      attn_BLD = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window)
+      attn_BLD = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, prefix_BL=prefix_BL)
     else:
       attn_BLD, cache = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache)
     stats = {}
@@ -197,12 +200,13 @@ class LayerGroup(nnx.Module):
     n = cfg.moe_every
     self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=j == n - 1) for j in range(n)])
 
-  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U, cache: kv_cache.KVCache | None = None):
+  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U, cache: kv_cache.KVCache | None = None,
+               prefix_BL=None):
     """-> (x_BLD, the MoE block's stats), or (x_BLD, updated cache) when `cache` (k/v: [moe_every, ...]) is given."""
     stats, ks, vs = {}, [], []
     for j, block in enumerate(self.blocks):
       if cache is None:
-        x_BLD, block_stats = block(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U[j])
+        x_BLD, block_stats = block(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U[j], prefix_BL=prefix_BL)
         stats = block_stats or stats
       else:
         x_BLD, layer = block(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U[j],

@@ -4,9 +4,11 @@ from __future__ import annotations
 from train.objectives.base import Objective, TOKEN_BATCH_KEYS
 from train.objectives.lm import LanguageModel
 from train.objectives.mlm import MaskedLanguageModel
+from train.objectives.prefix_lm import PrefixLanguageModel
 from train.objectives.sft import SupervisedFineTuning
 
-OBJECTIVES = {cls.name: cls for cls in (LanguageModel, SupervisedFineTuning, MaskedLanguageModel)}
+OBJECTIVES = {cls.name: cls for cls in (LanguageModel, SupervisedFineTuning, MaskedLanguageModel,
+                                             PrefixLanguageModel)}
 
 
 def make(config) -> Objective:

@@ -46,7 +46,8 @@ class Objective(abc.ABC):
 
     Objectives put the statistics into their sums so the Trainer adds the MoE losses and reports the load.
     """
-    logits_BLV, aux = model(batch["inputs"], batch["segment_ids"], batch["positions"], return_aux=True)
+    logits_BLV, aux = model(batch["inputs"], batch["segment_ids"], batch["positions"], return_aux=True,
+                            prefix_BL=batch.get("prefix"))
     return logits_BLV, {k: v / self.config.train.grad_accum for k, v in aux.items()}
 
   def prepare(self, batch: Mapping[str, jax.Array], key: jax.Array) -> Mapping[str, jax.Array]:
