@@ -17,9 +17,10 @@ CHOICES = {
     "param_dtype": tuple(DTYPES),
     "router": ("topk_softmax", "softmax_topk"),
     "moe_impl": ("ragged", "tiled"),
+    "parametrization": ("sp", "mup"),
 }
 _POSITIVE_INTS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-                  "max_seq_len", "attention_block_size", "rope_original_max_len")
+                  "max_seq_len", "attention_block_size", "rope_original_max_len", "mup_base_width")
 _POSITIVE_FLOATS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
                     "rope_high_freq_factor")
 
@@ -65,6 +66,8 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.router = "topk_softmax"  # topk_softmax (Mixtral: softmax over the k best logits) | softmax_topk (top k of softmax)
   c.moe_impl = "ragged"  # grouped expert matmul: ragged (jax.lax.ragged_dot) | tiled (row tiles, batched; small models/CPU)
   c.causal = True  # causal self-attention (decoder); False = bidirectional within each document (masked-LM encoder)
+  c.parametrization = "sp"  # sp (standard) | mup (maximal update: width-scaled init, lr and output; model/mup.py)
+  c.mup_base_width = 256  # mup: the d_model at which muP's init and learning rates equal SP's
   return c
 
 
@@ -107,6 +110,9 @@ def validate(cfg: Mapping[str, Any]) -> ml_collections.ConfigDict:
                      f"model.rope_low_freq_factor={c.rope_low_freq_factor} for llama3 rope scaling")
   if c.init_std < 0:
     raise ValueError(f"model.init_std={c.init_std} must be >= 0")
+  if c.parametrization == "mup" and c.tie_embeddings:
+    raise ValueError("model.tie_embeddings=True with model.parametrization='mup': muP treats the input embedding "
+                     "and the output projection differently; untie them (tie_embeddings=False)")
   if not isinstance(c.causal, bool):
     raise ValueError(f"model.causal={c.causal!r} must be True or False")
   if not c.causal and c.sliding_window:

@@ -9,6 +9,7 @@ from model import attention as attention_lib
 from model import axes
 from model import kv_cache
 from model import moe as moe_lib
+from model import mup
 from model import remat
 from model import rope
 from model.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, KV_LENGTH, LENGTH, MLP, VOCAB
@@ -16,8 +17,9 @@ from model.config import DTYPES
 
 
 def param(rngs: nnx.Rngs, shape, names, cfg, init: str = "normal") -> nnx.Param:
-  """A parameter of `shape` in cfg.param_dtype with logical axis `names`; init normal(init_std) | zeros | ones."""
-  inits = {"normal": nnx.initializers.normal(cfg.init_std), "zeros": nnx.initializers.zeros,
+  """A parameter of `shape` in cfg.param_dtype with logical axis `names`; init normal(init_std) | zeros | ones
+  (under muP the normal's std depends on the kind of parameter: model/mup.py)."""
+  inits = {"normal": nnx.initializers.normal(mup.init_std(cfg, names)), "zeros": nnx.initializers.zeros,
            "ones": nnx.initializers.ones}
   make = axes.param_init(inits[init], names)
   return nnx.Param(make(rngs.params(), tuple(shape), DTYPES[cfg.param_dtype]))
@@ -62,6 +64,7 @@ class Attention(nnx.Module):
       self.v_bias = param(rngs, (G, K), (KV_HEADS, HEAD_DIM), cfg, "zeros")
       self.o_bias = param(rngs, (D,), (EMBED,), cfg, "zeros")
     self.use_bias, self.causal = cfg.use_bias, cfg.causal
+    self.query_multiplier = mup.query_multiplier(cfg)
 
   def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None,
                prefix_BL=None):
@@ -80,6 +83,8 @@ class Attention(nnx.Module):
       q_BLHK, k_BLGK = q_BLHK + _value(self.q_bias, dt), k_BLGK + _value(self.k_bias, dt)
       v_BLGK = v_BLGK + _value(self.v_bias, dt)
     q_BLHK = rope.apply(q_BLHK, cos_BLF, sin_BLF)
+    if self.query_multiplier != 1.0:  # muP: scores q.k / head_dim
+      q_BLHK = q_BLHK * jnp.asarray(self.query_multiplier, q_BLHK.dtype)
     k_BLGK = rope.apply(k_BLGK, cos_BLF, sin_BLF)
     q_BLHK = remat.tag(axes.constrain(q_BLHK, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.QUERY_PROJ)
     # K/V on `kv_length`: under sequence parallelism they are gathered while queries stay sharded.

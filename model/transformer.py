@@ -13,6 +13,7 @@ from model import axes
 from model import config as config_lib
 from model import kv_cache
 from model import layers
+from model import mup
 from model import remat as remat_lib
 from model import rope
 from model.axes import BATCH, EMBED, LAYERS, LENGTH, VOCAB
@@ -142,4 +143,7 @@ class Transformer(nnx.Module):
     else:
       logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, self.unembed[...].astype(config_lib.DTYPES[self.cfg.dtype]),
                               preferred_element_type=jnp.float32)
-    return axes.constrain(logits_BLV.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
+    logits_BLV = logits_BLV.astype(jnp.float32)
+    if mup.enabled(self.cfg):  # muP's output multiplier 1 / width_mult
+      logits_BLV = logits_BLV * mup.output_multiplier(self.cfg)
+    return axes.constrain(logits_BLV, (BATCH, LENGTH, VOCAB))

@@ -96,6 +96,15 @@ def with_frozen(tx: optax.GradientTransformation, freeze: Sequence[str]) -> opta
   return optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
 
 
+def with_lr_multipliers(tx: optax.GradientTransformation, multipliers: Any) -> optax.GradientTransformation:
+  """`tx` followed by a per-parameter factor on the update (a pytree of floats like the parameters), i.e. a
+  per-parameter learning rate lr * multiplier (muP, model/mup.py); `tx` itself when every factor is 1."""
+  if all(m == 1.0 for m in jax.tree.leaves(multipliers)):
+    return tx
+  scale = optax.stateless(lambda updates, params: jax.tree.map(lambda u, m: u * m, updates, multipliers))
+  return optax.chain(tx, scale)
+
+
 def apply_lr(params: Any, updates: Any, lr: jax.Array) -> Any:
   """params - lr * updates, leaf by leaf, in the parameters' dtype."""
   return jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)

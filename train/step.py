@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from common.segments import positions_from_segments
 import model as model_lib
 from model import lora as lora_lib
+from model import mup as mup_lib
 import parallel
 from parallel import rules as rules_lib
 from train import mfu as mfu_lib
@@ -117,6 +118,16 @@ class Trainer:
                        f"{jax.tree.map(lambda x: x.shape, rest)}")
     model_params = nnx.to_pure_dict(abstract_params)
     rules_lib.check_divisible(param_specs, model_params, mesh)
+    if mup_lib.enabled(config.model):
+      if self.lora_rank:
+        raise ValueError("config.train.lora_rank > 0 with model.parametrization='mup': muP's learning-rate "
+                         "multipliers are defined for the model's own weights; fine-tune LoRA under sp")
+      multipliers = jax.tree.map(lambda v: mup_lib.lr_multiplier(config.model, v.get_metadata().get(
+          "out_sharding")), abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+      multipliers = nnx.to_pure_dict(multipliers)
+      if self.objective.extra_params:
+        multipliers = {"model": multipliers, **{name: 1.0 for name in self.objective.extra_params}}
+      self.tx = optimizer_lib.with_lr_multipliers(self.tx, multipliers)
     if self.lora_rank and not lora_lib.kernels(model_params, self.lora_targets):
       raise ValueError(f"config.train.lora_targets={self.lora_targets!r} matches no parameter of the model")
     extra_specs = {name: model_lib.axes.spec(names, self.rules)
