@@ -311,6 +311,10 @@ def save(model: Transformer, path: str, dtype: str | None = None) -> None:
   """
   from safetensors.flax import save_file
   cfg = ml_collections.ConfigDict(model.cfg.to_dict())
+  if not cfg.causal or cfg.parametrization != "sp":
+    raise ValueError(f"model.causal={cfg.causal}, model.parametrization={cfg.parametrization!r}: a Hugging Face "
+                     "Llama/Mistral directory holds a causal decoder in the standard parametrization only (the "
+                     "encoder's attention and muP's multipliers would be lost)")
   hf = config_to_hf(cfg)
   out_dtype = config_lib.DTYPES[dtype or cfg.param_dtype]
   host: dict[int, np.ndarray] = {}
