@@ -10,6 +10,7 @@ from model import axes
 from model import kv_cache
 from model import moe as moe_lib
 from model import mup
+from model import quant as quant_lib
 from model import remat
 from model import rope
 from model.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, KV_LENGTH, LENGTH, MLP, VOCAB
@@ -65,6 +66,7 @@ class Attention(nnx.Module):
       self.o_bias = param(rngs, (D,), (EMBED,), cfg, "zeros")
     self.use_bias, self.causal = cfg.use_bias, cfg.causal
     self.query_multiplier = mup.query_multiplier(cfg)
+    self.quant = cfg.quant if "attn" in cfg.quant_layers else "none"
 
   def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None,
                prefix_BL=None):
@@ -76,9 +78,9 @@ class Attention(nnx.Module):
     without a cache. L == 1 is a decode step: the token attends to the cached slots (`cached_attention`).
     """
     dt = self.dtype
-    q_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, _value(self.q, dt))
-    k_BLGK = jnp.einsum("bld,dgk->blgk", x_BLD, _value(self.k, dt))
-    v_BLGK = jnp.einsum("bld,dgk->blgk", x_BLD, _value(self.v, dt))
+    q_BLHK = quant_lib.einsum("bld,dhk->blhk", x_BLD, _value(self.q, dt), self.quant)
+    k_BLGK = quant_lib.einsum("bld,dgk->blgk", x_BLD, _value(self.k, dt), self.quant)
+    v_BLGK = quant_lib.einsum("bld,dgk->blgk", x_BLD, _value(self.v, dt), self.quant)
     if self.use_bias:
       q_BLHK, k_BLGK = q_BLHK + _value(self.q_bias, dt), k_BLGK + _value(self.k_bias, dt)
       v_BLGK = v_BLGK + _value(self.v_bias, dt)
@@ -98,7 +100,7 @@ class Attention(nnx.Module):
       o_BLHK = attention_lib.attend(self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window, self.block_size,
                                     self.causal, prefix_BL)
     o_BLHK = remat.tag(axes.constrain(o_BLHK, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTN_CONTEXT)
-    y_BLD = jnp.einsum("blhk,hkd->bld", o_BLHK, _value(self.o, dt))
+    y_BLD = quant_lib.einsum("blhk,hkd->bld", o_BLHK, _value(self.o, dt), self.quant)
     if self.use_bias:
       y_BLD = y_BLD + _value(self.o_bias, dt)
     y_BLD = remat.tag(axes.constrain(y_BLD, (BATCH, LENGTH, EMBED)), remat.ATTN_OUT)
@@ -111,6 +113,7 @@ class Mlp(nnx.Module):
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     D, F = cfg.d_model, cfg.mlp_dim
     self.kind, self.dtype, self.use_bias = cfg.mlp_type, DTYPES[cfg.dtype], cfg.use_bias
+    self.quant = cfg.quant if "mlp" in cfg.quant_layers else "none"
     if self.kind != "gelu":
       self.gate = param(rngs, (D, F), (EMBED, MLP), cfg)
     self.up = param(rngs, (D, F), (EMBED, MLP), cfg)
@@ -122,7 +125,7 @@ class Mlp(nnx.Module):
       self.down_bias = param(rngs, (D,), (EMBED,), cfg, "zeros")
 
   def _project(self, x_BLD, name):
-    h_BLF = jnp.einsum("bld,df->blf", x_BLD, _value(getattr(self, name), self.dtype))
+    h_BLF = quant_lib.einsum("bld,df->blf", x_BLD, _value(getattr(self, name), self.dtype), self.quant)
     if self.use_bias:
       h_BLF = h_BLF + _value(getattr(self, name + "_bias"), self.dtype)
     return remat.tag(axes.constrain(h_BLF, (BATCH, LENGTH, MLP)), remat.MLP_IN)
@@ -135,7 +138,7 @@ class Mlp(nnx.Module):
       act = jax.nn.silu if self.kind == "swiglu" else lambda g: jax.nn.gelu(g, approximate=True)
       h_BLF = act(self._project(x_BLD, "gate")) * up_BLF
     h_BLF = remat.tag(h_BLF, remat.MLP_HIDDEN)
-    y_BLD = jnp.einsum("blf,fd->bld", h_BLF, _value(self.down, self.dtype))
+    y_BLD = quant_lib.einsum("blf,fd->bld", h_BLF, _value(self.down, self.dtype), self.quant)
     if self.use_bias:
       y_BLD = y_BLD + _value(self.down_bias, self.dtype)
     return remat.tag(axes.constrain(y_BLD, (BATCH, LENGTH, EMBED)), remat.MLP_OUT)
