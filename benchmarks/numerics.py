@@ -1,8 +1,8 @@
-"""Mixed precision on the built-in corpus: `python benchmarks/numerics.py [--steps 200] [--dtypes ...]`.
+"""Numerics on the built-in corpus: `python benchmarks/numerics.py [--steps 200] [--variants ...]`.
 
-Trains the tiny CPU config (`python -m train --config=tiny`) for `--steps` steps once per computation dtype
-(float32, bfloat16, float16 with dynamic loss scaling by default), same seed and data, and prints one JSON
-object: per dtype the training loss at the last step, its mean over the last 5 logged steps, the held-out loss at
+Trains the tiny CPU config (`python -m train --config=tiny`) for `--steps` steps once per variant — a
+computation dtype (float32, bfloat16, float16 with dynamic loss scaling) or int8 (float32 with model.quant=int8
+on attention and MLP projections) — same seed and data, and prints one JSON object: per variant the training loss at the last step, its mean over the last 5 logged steps, the held-out loss at
 the end, the last logged loss scale, wall seconds; and each dtype's relative difference to bfloat16 and float32.
 """
 import argparse
@@ -16,9 +16,14 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+VARIANTS = {"float32": ["--config.model.dtype=float32"], "bfloat16": ["--config.model.dtype=bfloat16"],
+            "float16": ["--config.model.dtype=float16"],
+            "int8": ["--config.model.dtype=float32", "--config.model.quant=int8"]}
+
+
 def run(dtype: str, steps: int, tmp: str, extra) -> dict:
   workdir = os.path.join(tmp, dtype)
-  args = [sys.executable, "-m", "train", "--config=tiny", f"--workdir={workdir}", f"--config.model.dtype={dtype}",
+  args = [sys.executable, "-m", "train", "--config=tiny", f"--workdir={workdir}", *VARIANTS[dtype],
           f"--config.train.steps={steps}", f"--config.train.eval_every={steps}", "--config.train.log_every=10",
           "--config.checkpoint.every=0", "--config.log.progress=false", *extra]
   start = time.perf_counter()
@@ -41,7 +46,8 @@ def run(dtype: str, steps: int, tmp: str, extra) -> dict:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--steps", type=int, default=200)
-  p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"])
+  p.add_argument("--variants", dest="dtypes", nargs="+", default=["float32", "bfloat16", "float16"],
+                 choices=sorted(VARIANTS))
   args, extra = p.parse_known_args(argv)
   load = os.getloadavg()[0]
   with tempfile.TemporaryDirectory() as tmp:
