@@ -14,6 +14,8 @@ from model import attention
 from train import step as step_lib
 from train.objectives import prefix_lm
 
+from attention_testing import brute_force_attention
+
 B, T, H, G, K = 2, 21, 4, 2, 8
 SEG = np.array([[1] * T, [1] * 6 + [2] * 9 + [3] * 3 + [0] * 3], np.int32)
 PREFIX = np.zeros((B, T), np.int32)
@@ -31,20 +33,6 @@ def brute_force_mask(seg, prefix):
       for j in range(seg.shape[1]):
         m[b, i, j] = seg[b, i] == seg[b, j] and (j <= i or (prefix[b, i] == 1 and prefix[b, j] == 1))
   return m
-
-
-def brute_force_attention(q, k, v, mask):
-  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-  out = np.zeros_like(q)
-  rep = q.shape[2] // k.shape[2]
-  for b in range(q.shape[0]):
-    for h in range(q.shape[2]):
-      for t in range(q.shape[1]):
-        keys = np.flatnonzero(mask[b, t])
-        scores = np.array([q[b, t, h] @ k[b, s, h // rep] for s in keys]) / np.sqrt(q.shape[-1])
-        p = np.exp(scores - scores.max())
-        out[b, t, h] = (p / p.sum()) @ v[b, keys, h // rep]
-  return out
 
 
 def test_prefix_mask_equals_brute_force_on_packed_rows():
