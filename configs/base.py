@@ -59,7 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.router_z_loss = 0.001  # coefficient of the MoE router z-loss (mean logsumexp(router logits)^2, ST-MoE)
   t.eval_tasks = ""  # benchmark tasks NAME:PATH[,...] (docs/evaluation.md) run at every evaluation; empty = none
   t.eval_tasks_limit = 0  # documents per eval task during training (the first N); 0 = all
-  t.objective = "lm"  # what the step optimises: lm (next-token) | sft (chat, assistant tokens) | reward | dpo (pairs)
+  t.objective = "lm"  # what the step optimises: lm (next-token) | sft (chat, assistant tokens) | reward | dpo (pairs) | mlm (masked LM, model.causal=false) | prefix_lm; ppo | grpo (python -m train.rl)
   t.lora_rank = 0  # LoRA adapter rank on lora_targets, base weights frozen; 0 = train every weight
   t.lora_alpha = 16.0  # LoRA scale numerator: adapted W = W + (lora_alpha / lora_rank) * A @ B
   t.lora_targets = ("q", "k", "v", "o")  # projections LoRA adapts (any of q k v o gate up down)
@@ -75,6 +75,12 @@ def get_config() -> ml_collections.ConfigDict:
   t.pipeline_repeats = 1  # with mesh.stage > 1: circular schedule, each microbatch visits every stage this many times
   t.pipeline_remat = False  # with mesh.stage > 1: recompute each stage visit in the backward pass (keep stage inputs only)
   t.xla_overlap = False  # TPU/GPU: XLA options overlapping collectives with compute (train.step.OVERLAP_OPTIONS)
+  t.loss_scale = "auto"  # dynamic loss scaling: auto (on when model.dtype is float16) | dynamic | none
+  t.loss_scale_init = 32768.0  # initial loss scale (2^15); halves on overflow, doubles after loss_scale_period finite steps
+  t.loss_scale_period = 2000  # consecutive finite steps before the loss scale doubles
+  t.mlm_rate = 0.15  # objective=mlm: fraction of text tokens selected for prediction (BERT)
+  t.mlm_mask_fraction = 0.8  # objective=mlm: selected tokens replaced by the mask token
+  t.mlm_random_fraction = 0.1  # objective=mlm: selected tokens replaced by a random token (the rest stay unchanged)
 
   d = c.data = ml_collections.ConfigDict()
   d.sources = "builtin"  # builtin (Python's own docs + stdlib source) or a mixture spec; see data/sources.py
@@ -96,6 +102,8 @@ def get_config() -> ml_collections.ConfigDict:
   d.chat_template = "auto"  # auto (an HF tokenizer's own Jinja template, else meshlm) | meshlm | path to a Jinja file
   d.chat_loss = "assistant"  # chat loss mask: assistant (assistant turns incl. end-of-turn) | all (every token)
   d.chat_truncation = "right"  # chats longer than seq_len: right (drop the end) | left (drop the start, keep last turns)
+  d.fim_rate = 0.0  # fraction of training documents rearranged for fill-in-the-middle (data/fim.py); 0 = off
+  d.fim_spm_rate = 0.5  # fraction of the FIM documents in suffix-prefix-middle order (the rest prefix-suffix-middle)
 
   ck = c.checkpoint = ml_collections.ConfigDict()
   ck.every = 500  # steps between checkpoints (and one at the end); 0 = only at the end

@@ -86,6 +86,11 @@ RANGES: dict[str, Range] = {
     "train.dpo_label_smoothing": Range(lo=0, hi=0.5, hi_open=True),
     "train.pipeline_microbatches": Range(lo=1, special=((0, "mesh.stage"),)),
     "train.pipeline_repeats": _AT_LEAST_1,
+    "train.loss_scale_init": _AT_LEAST_1,
+    "train.loss_scale_period": _AT_LEAST_1,
+    "train.mlm_rate": Range(lo=0, hi=1, lo_open=True),
+    "train.mlm_mask_fraction": _FRACTION,
+    "train.mlm_random_fraction": _FRACTION,
     "data.weights": _POSITIVE,
     "data.tokenizer_vocab_size": Range(lo=1, special=((0, "model.vocab_size"),)),
     "data.tokenizer_character_coverage": Range(lo=0, hi=1, lo_open=True),
@@ -95,6 +100,8 @@ RANGES: dict[str, Range] = {
     "data.eval_fraction": Range(lo=0, hi=1, hi_open=True),
     "data.worker_count": _AT_LEAST_0,
     "data.prefetch": _AT_LEAST_0,
+    "data.fim_rate": _FRACTION,
+    "data.fim_spm_rate": _FRACTION,
     "checkpoint.every": Range(lo=1, special=((0, "only at the end"),)),
     "checkpoint.keep": _AT_LEAST_1,
     "checkpoint.keep_period": Range(lo=1, special=((0, "off"),)),
@@ -153,6 +160,10 @@ def check(config: ml_collections.ConfigDict) -> list[str]:
       model_config.validate(config.model)
     except ValueError as e:
       raise ConfigError(str(e)) from None
+  t = config.get("train")
+  if t is not None and "mlm_mask_fraction" in t and t.mlm_mask_fraction + t.mlm_random_fraction > 1:
+    raise ConfigError(f"train.mlm_mask_fraction={t.mlm_mask_fraction} + train.mlm_random_fraction="
+                      f"{t.mlm_random_fraction} exceeds 1: they split the selected tokens with the unchanged rest")
   warnings = []
   t = config.get("train")
   if t is not None and "warmup_steps" in t and t.warmup_steps > t.steps:

@@ -1,4 +1,4 @@
-"""The per-process grain pipeline: read ▶ mix ▶ tokenize ▶ pack ▶ batch, deterministic and exactly resumable.
+"""The per-process grain pipeline: read ▶ mix ▶ [FIM] ▶ tokenize ▶ pack ▶ batch, deterministic and exactly resumable.
 
 Global order. The mixture is one infinite, seeded sequence of documents (`mixture_dataset`). The global batch has
 B = config.train.batch_size rows; row r of every batch is filled, in order, from the documents r, r+B, r+2B, ...
@@ -8,7 +8,8 @@ batches of step s (in process order) gives the 1-process batch of step s, for an
 
 Batch (numpy, each [B/P, seq_len]): `inputs`, `targets`, `segment_ids`, `positions` int32 and `loss_mask` float32.
 A document d_1..d_n becomes inputs BOS d_1..d_n and targets d_1..d_n EOS; documents longer than a row are split
-into row-sized pieces (first_fit) or across rows (concat). Conversations (chat sources, data/chat.py) are rendered
+into row-sized pieces (first_fit) or across rows (concat). With data.fim_rate > 0, training documents are first
+rearranged for fill-in-the-middle (data/fim.py; the eval split stays left-to-right). Conversations (chat sources, data/chat.py) are rendered
 with the chat template, truncated to seq_len (never split: first_fit packing keeps each one whole in one row) and
 carry their assistant-token loss mask. segment_ids number the pieces in a row from 1
 (0 = padding), positions restart at 0 for every piece, and padding has loss_mask 0. Preference sources
@@ -31,6 +32,7 @@ import numpy as np
 
 from common.segments import positions_from_segments
 from data import chat as chat_lib
+from data import fim as fim_lib
 from data import mixture as mixture_lib
 from data import preference as preference_lib
 from data import sources as sources_lib
@@ -66,15 +68,16 @@ def mixture_dataset(specs, srcs, split: str, eval_fraction: float, seed: int) ->
 
 
 class _Tokenize:
-  """(source_id, text) -> {inputs: BOS+ids, targets: ids+EOS, loss_mask: ones, source_ids}, or None for an empty
-  document; records of chat sources go through `chat` (data/chat.py: rendered, assistant mask, truncated)."""
+  """(source_id, text[, FIM plan]) -> {inputs: BOS+ids, targets: ids+EOS, loss_mask: ones, source_ids}, or None
+  for an empty document; records of chat sources go through `chat` (data/chat.py: rendered, assistant mask,
+  truncated); a FIM plan (data/fim.py) rearranges the document's ids around the FIM sentinels."""
 
   def __init__(self, tokenizer: tokenizer_lib.Tokenizer, chat: chat_lib.ChatEncoder | None = None,
                chat_sources: Sequence[int] = ()):
     self.tokenizer, self.chat, self.chat_sources = tokenizer, chat, frozenset(chat_sources)
 
   def __call__(self, element):
-    source_id, text = element
+    source_id, text, fim_plan = element if len(element) == 3 else (*element, None)
     if not text or not text.strip():
       return None
     if source_id in self.chat_sources:
@@ -82,7 +85,8 @@ class _Tokenize:
       if out is None:
         return None
       return dict(out, source_ids=np.full(len(out["inputs"]), source_id, np.int32))
-    ids = np.asarray(self.tokenizer.encode(text), np.int32)
+    ids = np.asarray(self.tokenizer.encode(text) if fim_plan is None else
+                     fim_lib.encode(self.tokenizer, text, fim_plan), np.int32)
     inputs = np.concatenate([[self.tokenizer.bos_id], ids]).astype(np.int32)
     targets = np.concatenate([ids, [self.tokenizer.eos_id]]).astype(np.int32)
     return {"inputs": inputs, "targets": targets, "loss_mask": np.ones(len(inputs), np.float32),
@@ -341,6 +345,12 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
     raise ValueError(f"config.data.sources mixes preference sources ({', '.join(pair_sources)}) with other kinds; "
                      "a preference run (train.objective=reward|dpo) reads only preference sources")
   chat_sources = [i for i, spec in enumerate(specs) if chat_lib.is_chat_source(spec)]
+  if d.fim_rate > 0 and split == "train":
+    fim_lib.sentinels(tokenizer)  # fails early, naming the fix, if the tokenizer has no FIM pieces
+    # Indexed by position in the mixture (before the rows take their slices): the plan of every document is a
+    # function of (seed, index), the same for any process layout and after a resume.
+    mixture = mixture.map_with_index(fim_lib.FimTransform(d.shuffle_seed, d.fim_rate, d.fim_spm_rate,
+                                                          chat_sources))
   chat = None
   if chat_sources and d.packing != "first_fit":
     raise ValueError(f"config.data.packing={d.packing!r} would split conversations across rows; chat sources "
@@ -372,6 +382,8 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
           "packing_bins": d.packing_bins, "shuffle_seed": d.shuffle_seed,
           # Names, weights and document counts fix the order; paths may move (local -> gs://) between runs.
           "sources": [f"{s.name}={s.kind}@{s.weight:.6g}:{len(src)} documents" for s, src in zip(specs, srcs)]}
+  if d.fim_rate > 0 and split == "train":  # only then, so states of runs without FIM keep their layout
+    meta["fim"] = f"rate {d.fim_rate:g}, spm {d.fim_spm_rate:g}"
   return _Finalize(ds, meta, [s.name for s in specs], tokenizer.bos_id,
                    "chosen_inputs" if pair_sources else "inputs")
 

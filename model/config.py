@@ -17,9 +17,12 @@ CHOICES = {
     "param_dtype": tuple(DTYPES),
     "router": ("topk_softmax", "softmax_topk"),
     "moe_impl": ("ragged", "tiled"),
+    "parametrization": ("sp", "mup"),
+    "quant": ("none", "int8"),
 }
+QUANT_LAYERS = ("attn", "mlp")
 _POSITIVE_INTS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-                  "max_seq_len", "attention_block_size", "rope_original_max_len")
+                  "max_seq_len", "attention_block_size", "rope_original_max_len", "mup_base_width")
 _POSITIVE_FLOATS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
                     "rope_high_freq_factor")
 
@@ -64,6 +67,11 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.capacity_factor = 0.0  # 0 = dropless; > 0: an expert takes at most ceil(cf * k * seq / E) tokens per sequence
   c.router = "topk_softmax"  # topk_softmax (Mixtral: softmax over the k best logits) | softmax_topk (top k of softmax)
   c.moe_impl = "ragged"  # grouped expert matmul: ragged (jax.lax.ragged_dot) | tiled (row tiles, batched; small models/CPU)
+  c.causal = True  # causal self-attention (decoder); False = bidirectional within each document (masked-LM encoder)
+  c.parametrization = "sp"  # sp (standard) | mup (maximal update: width-scaled init, lr and output; model/mup.py)
+  c.mup_base_width = 256  # mup: the d_model at which muP's init and learning rates equal SP's
+  c.quant = "none"  # none | int8 (per-channel int8 matmuls, int32 accumulation, straight-through gradients; model/quant.py)
+  c.quant_layers = ("attn", "mlp")  # layer types whose projections `quant` applies to: attn (q k v o), mlp (gate up down)
   return c
 
 
@@ -106,6 +114,17 @@ def validate(cfg: Mapping[str, Any]) -> ml_collections.ConfigDict:
                      f"model.rope_low_freq_factor={c.rope_low_freq_factor} for llama3 rope scaling")
   if c.init_std < 0:
     raise ValueError(f"model.init_std={c.init_std} must be >= 0")
+  bad = [x for x in tuple(c.quant_layers) if x not in QUANT_LAYERS]
+  if bad or isinstance(c.quant_layers, str):
+    raise ValueError(f"model.quant_layers={c.quant_layers!r} must be a tuple of {', '.join(QUANT_LAYERS)}")
+  if c.parametrization == "mup" and c.tie_embeddings:
+    raise ValueError("model.tie_embeddings=True with model.parametrization='mup': muP treats the input embedding "
+                     "and the output projection differently; untie them (tie_embeddings=False)")
+  if not isinstance(c.causal, bool):
+    raise ValueError(f"model.causal={c.causal!r} must be True or False")
+  if not c.causal and c.sliding_window:
+    raise ValueError(f"model.sliding_window={c.sliding_window} with model.causal=False: the window is causal "
+                     "(a token sees window-1 tokens before it); use sliding_window=0 for a bidirectional encoder")
   _validate_moe(c)
   return c
 

@@ -208,6 +208,9 @@ def _count_compiles():
 def _check(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids) -> list[list[int]]:
   """Validates the arguments (ValueError naming the argument and the fix); returns the prompts as int lists."""
   cfg = model.cfg
+  if not cfg.causal:
+    raise ValueError("model.causal=False is a bidirectional encoder: it cannot generate left to right (score it "
+                     "with masked-token accuracy instead)")
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
     raise ValueError("prompts must be a non-empty list of token-id lists (encode text with the tokenizer first)")
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:

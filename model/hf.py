@@ -418,6 +418,10 @@ def save(model: Transformer, path: str, dtype: str | None = None, *,
   state), for a `model` that holds only shapes (nnx.eval_shape): `train.export` streams a checkpoint through it.
   """
   cfg = ml_collections.ConfigDict(model.cfg.to_dict())
+  if not cfg.causal or cfg.parametrization != "sp":
+    raise ValueError(f"model.causal={cfg.causal}, model.parametrization={cfg.parametrization!r}: a Hugging Face "
+                     "Llama/Mistral directory holds a causal decoder in the standard parametrization only (the "
+                     "encoder's attention and muP's multipliers would be lost)")
   hf = config_to_hf(cfg)
   out_dtype = np.dtype(config_lib.DTYPES[dtype or cfg.param_dtype])
   entries = list(_entries(model, cfg))

@@ -9,6 +9,8 @@ from model import attention as attention_lib
 from model import axes
 from model import kv_cache
 from model import moe as moe_lib
+from model import mup
+from model import quant as quant_lib
 from model import remat
 from model import rope
 from model.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, KV_LENGTH, LENGTH, MLP, VOCAB
@@ -16,8 +18,9 @@ from model.config import DTYPES
 
 
 def param(rngs: nnx.Rngs, shape, names, cfg, init: str = "normal") -> nnx.Param:
-  """A parameter of `shape` in cfg.param_dtype with logical axis `names`; init normal(init_std) | zeros | ones."""
-  inits = {"normal": nnx.initializers.normal(cfg.init_std), "zeros": nnx.initializers.zeros,
+  """A parameter of `shape` in cfg.param_dtype with logical axis `names`; init normal(init_std) | zeros | ones
+  (under muP the normal's std depends on the kind of parameter: model/mup.py)."""
+  inits = {"normal": nnx.initializers.normal(mup.init_std(cfg, names)), "zeros": nnx.initializers.zeros,
            "ones": nnx.initializers.ones}
   make = axes.param_init(inits[init], names)
   return nnx.Param(make(rngs.params(), tuple(shape), DTYPES[cfg.param_dtype]))
@@ -61,23 +64,29 @@ class Attention(nnx.Module):
       self.k_bias = param(rngs, (G, K), (KV_HEADS, HEAD_DIM), cfg, "zeros")
       self.v_bias = param(rngs, (G, K), (KV_HEADS, HEAD_DIM), cfg, "zeros")
       self.o_bias = param(rngs, (D,), (EMBED,), cfg, "zeros")
-    self.use_bias = cfg.use_bias
+    self.use_bias, self.causal = cfg.use_bias, cfg.causal
+    self.query_multiplier = mup.query_multiplier(cfg)
+    self.quant = cfg.quant if "attn" in cfg.quant_layers else "none"
 
-  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None):
-    """-> y_BLD, or (y_BLD, this layer's updated cache) when `cache` (one layer's slice) is given.
+  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None,
+               prefix_BL=None):
+    """-> y_BLD, or (y_BLD, this layer's updated cache) when `cache` (one layer's slice) is given; `prefix_BL`
+    (1 = bidirectional prefix token, model/attention.py) applies without a cache.
 
     With a cache the L new keys/values are stored at slots [cache.index, cache.index + L). L > 1 is a prefill
     into an empty cache (index 0): the tokens attend among themselves with `model.attention_impl`, exactly as
     without a cache. L == 1 is a decode step: the token attends to the cached slots (`cached_attention`).
     """
     dt = self.dtype
-    q_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, _value(self.q, dt))
-    k_BLGK = jnp.einsum("bld,dgk->blgk", x_BLD, _value(self.k, dt))
-    v_BLGK = jnp.einsum("bld,dgk->blgk", x_BLD, _value(self.v, dt))
+    q_BLHK = quant_lib.einsum("bld,dhk->blhk", x_BLD, _value(self.q, dt), self.quant)
+    k_BLGK = quant_lib.einsum("bld,dgk->blgk", x_BLD, _value(self.k, dt), self.quant)
+    v_BLGK = quant_lib.einsum("bld,dgk->blgk", x_BLD, _value(self.v, dt), self.quant)
     if self.use_bias:
       q_BLHK, k_BLGK = q_BLHK + _value(self.q_bias, dt), k_BLGK + _value(self.k_bias, dt)
       v_BLGK = v_BLGK + _value(self.v_bias, dt)
     q_BLHK = rope.apply(q_BLHK, cos_BLF, sin_BLF)
+    if self.query_multiplier != 1.0:  # muP: scores q.k / head_dim
+      q_BLHK = q_BLHK * jnp.asarray(self.query_multiplier, q_BLHK.dtype)
     k_BLGK = rope.apply(k_BLGK, cos_BLF, sin_BLF)
     q_BLHK = remat.tag(axes.constrain(q_BLHK, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.QUERY_PROJ)
     # K/V on `kv_length`: under sequence parallelism they are gathered while queries stay sharded.
@@ -88,9 +97,10 @@ class Attention(nnx.Module):
     if cache is not None and q_BLHK.shape[1] == 1:
       o_BLHK = attention_lib.cached_attention(q_BLHK, cache.k, cache.v, cache.index, cache.start, window)
     else:
-      o_BLHK = attention_lib.attend(self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window, self.block_size)
+      o_BLHK = attention_lib.attend(self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window, self.block_size,
+                                    self.causal, prefix_BL)
     o_BLHK = remat.tag(axes.constrain(o_BLHK, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTN_CONTEXT)
-    y_BLD = jnp.einsum("blhk,hkd->bld", o_BLHK, _value(self.o, dt))
+    y_BLD = quant_lib.einsum("blhk,hkd->bld", o_BLHK, _value(self.o, dt), self.quant)
     if self.use_bias:
       y_BLD = y_BLD + _value(self.o_bias, dt)
     y_BLD = remat.tag(axes.constrain(y_BLD, (BATCH, LENGTH, EMBED)), remat.ATTN_OUT)
@@ -103,6 +113,7 @@ class Mlp(nnx.Module):
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     D, F = cfg.d_model, cfg.mlp_dim
     self.kind, self.dtype, self.use_bias = cfg.mlp_type, DTYPES[cfg.dtype], cfg.use_bias
+    self.quant = cfg.quant if "mlp" in cfg.quant_layers else "none"
     if self.kind != "gelu":
       self.gate = param(rngs, (D, F), (EMBED, MLP), cfg)
     self.up = param(rngs, (D, F), (EMBED, MLP), cfg)
@@ -114,7 +125,7 @@ class Mlp(nnx.Module):
       self.down_bias = param(rngs, (D,), (EMBED,), cfg, "zeros")
 
   def _project(self, x_BLD, name):
-    h_BLF = jnp.einsum("bld,df->blf", x_BLD, _value(getattr(self, name), self.dtype))
+    h_BLF = quant_lib.einsum("bld,df->blf", x_BLD, _value(getattr(self, name), self.dtype), self.quant)
     if self.use_bias:
       h_BLF = h_BLF + _value(getattr(self, name + "_bias"), self.dtype)
     return remat.tag(axes.constrain(h_BLF, (BATCH, LENGTH, MLP)), remat.MLP_IN)
@@ -127,7 +138,7 @@ class Mlp(nnx.Module):
       act = jax.nn.silu if self.kind == "swiglu" else lambda g: jax.nn.gelu(g, approximate=True)
       h_BLF = act(self._project(x_BLD, "gate")) * up_BLF
     h_BLF = remat.tag(h_BLF, remat.MLP_HIDDEN)
-    y_BLD = jnp.einsum("blf,fd->bld", h_BLF, _value(self.down, self.dtype))
+    y_BLD = quant_lib.einsum("blf,fd->bld", h_BLF, _value(self.down, self.dtype), self.quant)
     if self.use_bias:
       y_BLD = y_BLD + _value(self.down_bias, self.dtype)
     return remat.tag(axes.constrain(y_BLD, (BATCH, LENGTH, EMBED)), remat.MLP_OUT)
@@ -147,7 +158,8 @@ class Block(nnx.Module):
     else:
       self.mlp = Mlp(cfg, rngs=rngs)
 
-  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None):
+  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None,
+               prefix_BL=None):
     """-> (x_BLD, stats), or (x_BLD, updated layer cache) when `cache` is given (see Attention).
 
     stats are the MoE layer's router statistics (model.moe.router_stats), {} for a dense block; decoding with a
@@ -155,7 +167,7 @@ class Block(nnx.Module):
     """
     h_BLD = self.attn_norm(x_BLD)
     if cache is None:
-      attn_BLD = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window)
+      attn_BLD = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, prefix_BL=prefix_BL)
     else:
       attn_BLD, cache = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache)
     stats = {}
@@ -196,12 +208,13 @@ class LayerGroup(nnx.Module):
     n = cfg.moe_every
     self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=j == n - 1) for j in range(n)])
 
-  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U, cache: kv_cache.KVCache | None = None):
+  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U, cache: kv_cache.KVCache | None = None,
+               prefix_BL=None):
     """-> (x_BLD, the MoE block's stats), or (x_BLD, updated cache) when `cache` (k/v: [moe_every, ...]) is given."""
     stats, ks, vs = {}, [], []
     for j, block in enumerate(self.blocks):
       if cache is None:
-        x_BLD, block_stats = block(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U[j])
+        x_BLD, block_stats = block(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U[j], prefix_BL=prefix_BL)
         stats = block_stats or stats
       else:
         x_BLD, layer = block(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U[j],

@@ -13,6 +13,7 @@ from model import axes
 from model import config as config_lib
 from model import kv_cache
 from model import layers
+from model import mup
 from model import remat as remat_lib
 from model import rope
 from model.axes import BATCH, EMBED, LAYERS, LENGTH, VOCAB
@@ -22,7 +23,8 @@ from parallel import pipeline as pipeline_lib
 class Transformer(nnx.Module):
   """Decoder-only LM. `model(tokens_BL, segment_ids_BL=None, positions_BL=None) -> logits_BLV` (float32).
 
-  segment_ids_BL > 0 mark packed documents (0 = padding); a token attends causally within its segment only.
+  segment_ids_BL > 0 mark packed documents (0 = padding); a token attends causally within its segment only
+  (bidirectionally with model.causal=false; prefix_BL = 1 marks a document's bidirectional prefix, prefix-LM).
   positions_BL (RoPE positions) default to the index inside each segment. `remat` names a policy in
   `model.remat.POLICIES`. The config is validated here (ValueError naming the key). Decoding uses
   `features(..., cache=)` and `logits` (model.generate). `pipeline` (parallel.pipeline.Schedule) pipelines the
@@ -58,16 +60,16 @@ class Transformer(nnx.Module):
         self.unembed = layers.param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB), cfg)
 
   def __call__(self, tokens_BL: jax.Array, segment_ids_BL: jax.Array | None = None,
-               positions_BL: jax.Array | None = None, *, return_aux: bool = False):
+               positions_BL: jax.Array | None = None, *, return_aux: bool = False, prefix_BL: jax.Array | None = None):
     """-> logits_BLV float32; with return_aux, (logits_BLV, aux): aux holds the MoE router statistics
     (model.moe.STATS, float32 scalars and the [E] expert load, averaged over the MoE layers; {} when dense)."""
-    x_BLD, aux = self.features(tokens_BL, segment_ids_BL, positions_BL, return_aux=True)
+    x_BLD, aux = self.features(tokens_BL, segment_ids_BL, positions_BL, return_aux=True, prefix_BL=prefix_BL)
     logits_BLV = self.logits(x_BLD)
     return (logits_BLV, aux) if return_aux else logits_BLV
 
   def features(self, tokens_BL: jax.Array, segment_ids_BL: jax.Array | None = None,
                positions_BL: jax.Array | None = None, cache: kv_cache.KVCache | None = None, *,
-               return_aux: bool = False):
+               return_aux: bool = False, prefix_BL: jax.Array | None = None):
     """The final-normed residual stream x_BLD; with a `cache` (model.kv_cache), (x_BLD, cache advanced by L);
     with return_aux (no cache), (x_BLD, MoE statistics as in __call__).
 
@@ -85,7 +87,9 @@ class Transformer(nnx.Module):
     windows = config_lib.layer_windows(self.cfg)
 
     def apply_block(graphdef, state, x_BLD, window, *layer_cache):
-      return nnx.merge(graphdef, state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, *layer_cache)
+      if layer_cache:
+        return nnx.merge(graphdef, state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, *layer_cache)
+      return nnx.merge(graphdef, state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, prefix_BL=prefix_BL)
 
     if cache is not None:
       x_BLD, cache = self._cached_layers(apply_block, x_BLD, windows, cache)
@@ -166,4 +170,7 @@ class Transformer(nnx.Module):
     else:
       logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, self.unembed[...].astype(config_lib.DTYPES[self.cfg.dtype]),
                               preferred_element_type=jnp.float32)
-    return axes.constrain(logits_BLV.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
+    logits_BLV = logits_BLV.astype(jnp.float32)
+    if mup.enabled(self.cfg):  # muP's output multiplier 1 / width_mult
+      logits_BLV = logits_BLV * mup.output_multiplier(self.cfg)
+    return axes.constrain(logits_BLV, (BATCH, LENGTH, VOCAB))

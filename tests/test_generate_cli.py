@@ -87,3 +87,21 @@ def test_bad_arguments_exit_2_with_a_message(run, capsys, tmp_path, argv, messag
   err = capsys.readouterr().err
   assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
   assert re.search(message, err), err
+
+
+def test_fill_in_the_middle_generates_from_the_fim_prompt(run, capsys):
+  from data import fim  # pylint: disable=g-import-not-at-top
+  workdir, m, tok = run
+  prefix, suffix = "def main(", "    return 0\n"
+  argv = ["--workdir", workdir, "--prefix", prefix, "--suffix", suffix, "--max_new_tokens", "6"]
+  out = _json(capsys, argv + ["--json"])
+  pre, mid, suf = fim.sentinels(tok)
+  prompt = [tok.bos_id, pre] + tok.encode(prefix) + [suf] + tok.encode(suffix) + [mid]
+  want = gen.generate(m, [prompt], 6, stop_ids=(tok.eos_id,))
+  assert out["tokens"] == want and out["infilled"] == prefix + tok.decode(want[0]) + suffix
+  assert cli.main(argv) == 0
+  assert capsys.readouterr().out == out["infilled"] + "\n"
+  spm = _json(capsys, argv + ["--json", "--spm"])
+  spm_prompt = [tok.bos_id, pre, suf] + tok.encode(suffix) + [mid] + tok.encode(prefix)
+  assert spm["tokens"] == gen.generate(m, [spm_prompt], 6, stop_ids=(tok.eos_id,))
+  assert cli.main(argv + ["--prompt", "x"]) == 2 and "--prefix/--suffix" in capsys.readouterr().err

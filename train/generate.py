@@ -4,9 +4,11 @@
         [--temperature 0] [--top_k 0] [--top_p 1.0] [--seed 0] [--json] [--config.mesh.data=2 ...]
     python -m train.generate --hf DIR --prompt "text"
     python -m train.generate --workdir RUN --chat      (user turns from stdin, one per line; train/chat.py)
+    python -m train.generate --workdir RUN --prefix "def f(x):" --suffix "  return y"   (fill in the middle)
 
 Each prompt is encoded as [BOS] + tokens (as training documents start) and continued until the tokenizer's EOS or
-max_new_tokens. One prompt streams its tokens to the console as they come; several are printed when done.
+max_new_tokens. With --prefix/--suffix the prompt is the fill-in-the-middle prompt of data/fim.py (a run trained
+with data.fim_rate > 0) and the continuation is the middle, printed between prefix and suffix. One prompt streams its tokens to the console as they come; several are printed when done.
 `--json` prints {"completions": [...], "tokens_per_sec": ..., ...} instead (tokens/s of prefill + decode, compile
 time excluded). The model runs on the mesh of `config.mesh` (the run's, changed with `--config.mesh.*`). Exit
 codes: 0 done, 2 bad arguments or an unusable run/model directory (the message names it).
@@ -40,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--chat", action="store_true",
                  help="multi-turn chat: read one user turn per line from stdin, print each answer (the run's chat "
                       "template; greedy unless --temperature)")
+  p.add_argument("--prefix", help="fill in the middle: the text before the gap (with --suffix)")
+  p.add_argument("--suffix", help="fill in the middle: the text after the gap (with --prefix)")
+  p.add_argument("--spm", action="store_true", help="fill in the middle with the suffix-prefix-middle prompt")
   p.add_argument("--max_new_tokens", type=int, default=64, help="most tokens generated per prompt")
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   p.add_argument("--top_k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
@@ -50,8 +55,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_args(args) -> None:
-  if bool(args.prompt) == bool(args.chat):
-    raise GenerateError("give either --prompt (repeatable) or --chat")
+  infill = args.prefix is not None or args.suffix is not None
+  if bool(args.prompt) + bool(args.chat) + infill != 1:
+    raise GenerateError("give one of --prompt (repeatable), --chat, or --prefix/--suffix (fill in the middle)")
   if args.max_new_tokens < 1:
     raise GenerateError(f"--max_new_tokens={args.max_new_tokens} must be >= 1")
   if not args.temperature >= 0:
@@ -190,7 +196,13 @@ def run(args, overrides: Sequence[tuple[str, str]]) -> dict[str, Any]:
       messages = chat.converse(model, tokenizer, template, sys.stdin, lambda text: print(text, flush=True),
                                args.max_new_tokens, args.temperature, args.seed)
     return {"messages": messages}
-  prompts = [[tokenizer.bos_id] + tokenizer.encode(text) for text in args.prompt]
+  infill = args.prefix is not None or args.suffix is not None
+  if infill:
+    from data import fim  # pylint: disable=g-import-not-at-top
+    args.prompt = [args.prefix or ""]  # shown before the middle, as a prompt is before its continuation
+    prompts = [[tokenizer.bos_id] + fim.infill_prompt(tokenizer, args.prefix or "", args.suffix or "", args.spm)]
+  else:
+    prompts = [[tokenizer.bos_id] + tokenizer.encode(text) for text in args.prompt]
 
   stream = len(prompts) == 1 and not args.json
   ids: list[int] = []
@@ -220,11 +232,13 @@ def run(args, overrides: Sequence[tuple[str, str]]) -> dict[str, Any]:
                                if stats["decode_seconds"] > 0 else 0.0,
       "new_tokens": stats["new_tokens"], "compile_seconds": stats["compile_seconds"],
   }
+  if infill:
+    summary["infilled"] = (args.prefix or "") + summary["completions"][0] + (args.suffix or "")
   if args.json:
     print(json.dumps(summary))
   else:
     if stream:
-      print()
+      print((args.suffix or "") if infill else "")
     else:
       for text, completion in zip(args.prompt, summary["completions"]):
         print(f"{text}{completion}\n")

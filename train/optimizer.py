@@ -96,6 +96,54 @@ def with_frozen(tx: optax.GradientTransformation, freeze: Sequence[str]) -> opta
   return optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
 
 
+def with_lr_multipliers(tx: optax.GradientTransformation, multipliers: Any) -> optax.GradientTransformation:
+  """`tx` followed by a per-parameter factor on the update (a pytree of floats like the parameters), i.e. a
+  per-parameter learning rate lr * multiplier (muP, model/mup.py); `tx` itself when every factor is 1."""
+  if all(m == 1.0 for m in jax.tree.leaves(multipliers)):
+    return tx
+  scale = optax.stateless(lambda updates, params: jax.tree.map(lambda u, m: u * m, updates, multipliers))
+  return optax.chain(tx, scale)
+
+
 def apply_lr(params: Any, updates: Any, lr: jax.Array) -> Any:
   """params - lr * updates, leaf by leaf, in the parameters' dtype."""
   return jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
+
+
+# ---- dynamic loss scaling (float16 mixed precision) -----------------------------------------------------------
+LOSS_SCALING = ("auto", "dynamic", "none")
+MIN_LOSS_SCALE = 1.0  # the scale never halves below this; an overflow at this scale counts as non-finite
+
+
+def uses_loss_scaling(config) -> bool:
+  """Whether the step scales the loss: train.loss_scale=dynamic, or auto with model.dtype=float16 (the only
+  compute dtype whose 5-bit exponent underflows small gradients: float16's smallest normal is 6.1e-5)."""
+  mode = config.train.loss_scale
+  if mode not in LOSS_SCALING:
+    raise ValueError(f"config.train.loss_scale={mode!r} is not one of {', '.join(LOSS_SCALING)}")
+  return mode == "dynamic" or (mode == "auto" and config.model.dtype == "float16")
+
+
+def loss_scale_init(train_cfg) -> dict[str, jax.Array]:
+  """The loss-scale state: {"scale": float32 train.loss_scale_init, "good_steps": int32 0} (finite steps in a
+  row since the scale last changed)."""
+  return {"scale": jnp.asarray(float(train_cfg.loss_scale_init), jnp.float32),
+          "good_steps": jnp.zeros((), jnp.int32)}
+
+
+def loss_scale_update(ls: dict[str, jax.Array], finite: jax.Array, train_cfg) -> dict[str, jax.Array]:
+  """Dynamic loss scaling (Micikevicius et al. 2018, "Mixed Precision Training", sec. 3.2):
+
+    overflow (finite=False): scale <- max(scale / 2, MIN_LOSS_SCALE), good_steps <- 0 (the step is skipped);
+    finite:                  good_steps <- good_steps + 1; once it reaches N = train.loss_scale_period,
+                             scale <- 2 * scale and good_steps <- 0.
+
+  Powers of two keep scaling and unscaling exact in binary floating point.
+  """
+  period = int(train_cfg.loss_scale_period)
+  grown = ls["good_steps"] + 1
+  grow = grown >= period
+  scale = jnp.where(finite, jnp.where(grow, ls["scale"] * 2.0, ls["scale"]),
+                    jnp.maximum(ls["scale"] * 0.5, MIN_LOSS_SCALE))
+  good_steps = jnp.where(finite & ~grow, grown, 0).astype(jnp.int32)
+  return {"scale": scale.astype(jnp.float32), "good_steps": good_steps}

@@ -46,9 +46,14 @@ def saved_run_config(checkpoint_dir: str, step: int | None = None) -> tuple[int,
     checkpointer.close()
 
 
+def _as_json(value: Any) -> Any:
+  """A config value as the JSON metadata stores it (tuples become lists), so a saved value compares equal."""
+  return list(value) if isinstance(value, tuple) else value
+
+
 def _differences(requested: ml_collections.ConfigDict, saved: dict[str, Any], skip: Sequence[str]) -> list[str]:
   return [f"model.{k}: checkpoint {saved[k]!r}, requested {requested[k]!r}"
-          for k in requested if k not in skip and k in saved and saved[k] != requested[k]]
+          for k in requested if k not in skip and k in saved and _as_json(saved[k]) != _as_json(requested[k])]
 
 
 def check_resume(config: ml_collections.ConfigDict, saved: dict[str, Any], where: str) -> None:
@@ -122,14 +127,14 @@ def model_from(config: ml_collections.ConfigDict, source: dict[str, Any], where:
   explicit = {k.split(".", 1)[1] for k in overrides if k.startswith("model.")}
   notes = []
   for key in config.model:
-    if key in FUNCTION_PRESERVING or key not in source or source[key] == config.model[key]:
+    if key in FUNCTION_PRESERVING or key not in source or _as_json(source[key]) == _as_json(config.model[key]):
       continue
     if key in explicit:
       raise ConfigError(f"--config.model.{key}={config.model[key]!r} contradicts {where}, which has "
                         f"model.{key}={source[key]!r}: {key} changes the function the weights compute; drop the "
                         f"override (only {', '.join(FUNCTION_PRESERVING)} may differ)")
     notes.append(f"model.{key}={source[key]!r} (config file: {config.model[key]!r})")
-    config.model[key] = source[key]
+    config.model[key] = tuple(source[key]) if isinstance(source[key], list) else source[key]
   return notes
 
 

@@ -8,6 +8,8 @@ State (a pytree of jax.Arrays, sharded by the logical-axis rules):
   step       int32 scalar, advances every call (also over skipped non-finite steps)
   rng        uint32[2] base key of the training stream (per-step randomness is fold_in(rng, step)); split from
              the seed apart from the parameter-init key, so it equals none of the keys init draws
+  loss_scale {"scale": float32, "good_steps": int32} of dynamic loss scaling (train.optimizer.loss_scale_update);
+             only with loss scaling (model.dtype=float16 by default, train.loss_scale)
 
 Driver: `python -m train.step [--config=tiny] [--config.train.steps=5 ...]` runs the step on synthetic packed
 data and prints one JSON line of metrics per step (the full loop is `python -m train`).
@@ -31,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from common.segments import positions_from_segments
 import model as model_lib
 from model import lora as lora_lib
+from model import mup as mup_lib
 import parallel
 from parallel import pipeline as pipeline_lib
 from parallel import rules as rules_lib
@@ -57,6 +60,8 @@ OVERLAP_OPTIONS = {
             "xla_gpu_threshold_for_windowed_einsum_mib": 0},
 }
 STEP_METRICS = ("grad_norm", "param_norm", "lr", "nonfinite")  # reported by every objective's step
+EVAL_KEY = 2**31 - 1  # folded into the train rng for `Objective.prepare` of eval batches (steps never reach it)
+LOSS_SCALE_METRICS = ("loss_scale", "overflow")  # added under dynamic loss scaling
 MOE_METRICS = model_lib.moe.STATS  # MoE models add these (means over MoE layers and microbatches)
 EXPERT_LOAD = "moe_expert_load"  # the [E] vector among them, logged as moe_load/<expert> (share of assignments)
 
@@ -106,6 +111,11 @@ class Trainer:
     if t.xla_overlap:
       compiler_options = {**OVERLAP_OPTIONS.get(mesh.devices.flat[0].platform, {}), **(compiler_options or {})}
     self.objective = objectives.make(config)
+    if self.objective.causal != config.model.causal:
+      need = "True (a decoder: the model must not see the tokens it predicts)" if self.objective.causal else \
+          "False (a bidirectional encoder)"
+      raise ValueError(f"config.train.objective={t.objective!r} needs model.causal={need}; got "
+                       f"model.causal={config.model.causal}")
     self.batch_keys = dict(self.objective.batch_keys)
     self.lora_rank = int(t.lora_rank)
     if self.lora_rank < 0:
@@ -117,6 +127,7 @@ class Trainer:
     self.pipeline = self._pipeline_schedule()
     self.tx = optimizer_lib.with_frozen(optimizer_lib.make(t), tuple(t.freeze))
     self.lr_fn = optimizer_lib.schedule(t)
+    self.loss_scaling = optimizer_lib.uses_loss_scaling(config)
     self._replicated = parallel.sharding.replicated(mesh)
 
     with parallel.activate(mesh, self.rules):
@@ -129,6 +140,16 @@ class Trainer:
                        f"{jax.tree.map(lambda x: x.shape, rest)}")
     model_params = nnx.to_pure_dict(abstract_params)
     rules_lib.check_divisible(param_specs, model_params, mesh)
+    if mup_lib.enabled(config.model):
+      if self.lora_rank:
+        raise ValueError("config.train.lora_rank > 0 with model.parametrization='mup': muP's learning-rate "
+                         "multipliers are defined for the model's own weights; fine-tune LoRA under sp")
+      multipliers = jax.tree.map(lambda v: mup_lib.lr_multiplier(config.model, v.get_metadata().get(
+          "out_sharding")), abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+      multipliers = nnx.to_pure_dict(multipliers)
+      if self.objective.extra_params:
+        multipliers = {"model": multipliers, **{name: 1.0 for name in self.objective.extra_params}}
+      self.tx = optimizer_lib.with_lr_multipliers(self.tx, multipliers)
     if self.lora_rank and not lora_lib.kernels(model_params, self.lora_targets):
       raise ValueError(f"config.train.lora_targets={self.lora_targets!r} matches no parameter of the model")
     extra_specs = {name: model_lib.axes.spec(names, self.rules)
@@ -147,11 +168,15 @@ class Trainer:
                             "step": self._replicated, "rng": self._replicated}
     if frozen_specs:
       self.state_shardings["frozen"] = frozen_shardings
+    if self.loss_scaling:
+      self.state_shardings["loss_scale"] = {"scale": self._replicated, "good_steps": self._replicated}
     self._abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, self.state_shardings)
     self.batch_sharding = parallel.sharding.logical_sharding(mesh, self.rules, ("batch", "length"))
     batch_shardings = {k: self.batch_sharding for k in self.batch_keys}
     self.metric_keys = tuple(self.objective.metric_keys) + STEP_METRICS
+    if self.loss_scaling:
+      self.metric_keys += LOSS_SCALE_METRICS
     if config.model.num_experts:
       self.metric_keys += tuple(k for k in MOE_METRICS if k != EXPERT_LOAD)
       self.metric_keys += tuple(f"moe_load/{e}" for e in range(config.model.num_experts))
@@ -251,6 +276,8 @@ class Trainer:
              "rng": train_key}
     if frozen:
       state["frozen"] = frozen
+    if self.loss_scaling:
+      state["loss_scale"] = optimizer_lib.loss_scale_init(self.config.train)
     return state
 
   def init(self, seed: int | None = None) -> dict[str, Any]:
@@ -302,9 +329,9 @@ class Trainer:
     return nnx.merge(self._graphdef, params)
 
   # ---- step ---------------------------------------------------------------------------------------------
-  def _sums(self, params, frozen, batch, normalizer=1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(objective loss / normalizer + MoE losses, the objective's sums) for one (micro)batch; `normalizer` = the
-    global batch's.
+  def _sums(self, params, frozen, batch, normalizer=1.0, scale=1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(scale * (objective loss / normalizer + MoE losses), the objective's sums) for one (micro)batch;
+    `normalizer` = the global batch's, `scale` the loss scale (1 without loss scaling).
 
     MoE: + moe_aux_loss * balance + router_z_loss * z_router, each a mean over MoE layers of this microbatch
     (model.moe.router_stats, returned by `Objective.forward` divided by grad_accum so the accumulated objective
@@ -317,7 +344,9 @@ class Trainer:
     if self.config.model.num_experts:
       t = self.config.train
       loss += t.moe_aux_loss * sums["moe_aux_loss"] + t.router_z_loss * sums["router_z_loss"]
-    return loss, sums
+    # Scaling the loss scales every cotangent of the backward pass, lifting small float16 gradients above
+    # float16's underflow; the step divides the (float32) parameter gradients by the same scale.
+    return loss * scale, sums
 
   def _microbatches(self, batch):
     """[B, L] -> [A, B/A, L] with microbatch a = rows a, a+A, ...: each device keeps its own rows (no
@@ -329,19 +358,19 @@ class Trainer:
       return jax.lax.with_sharding_constraint(x_ABL, NamedSharding(self.mesh, spec))
     return jax.tree.map(split, batch)
 
-  def _grads(self, params, frozen, batch, normalizer):
-    """Gradient of the objective over the whole batch (w.r.t. the trainable parameters), summed over
+  def _grads(self, params, frozen, batch, normalizer, scale=1.0):
+    """Gradient of `scale` x the objective over the whole batch (w.r.t. the trainable parameters), summed over
     microbatches, and the objective's sums."""
     grad_fn = jax.grad(self._sums, has_aux=True)
     trainable_shardings = self.state_shardings["params"]
     if self.config.train.grad_accum == 1:
-      return grad_fn(params, frozen, batch, normalizer)
+      return grad_fn(params, frozen, batch, normalizer, scale)
     zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), trainable_shardings)
     m = self.config.model
     zero_sums = {k: jnp.zeros((m.num_experts,) if k == EXPERT_LOAD else (), jnp.float32)
                  for k in tuple(self.objective.sum_keys) + (MOE_METRICS if m.num_experts else ())}
     def body(carry, microbatch):
-      grads, sums = grad_fn(params, frozen, microbatch, normalizer)
+      grads, sums = grad_fn(params, frozen, microbatch, normalizer, scale)
       grads = jax.lax.with_sharding_constraint(grads, trainable_shardings)
       return (_tree_add(carry[0], grads), _tree_add(carry[1], sums)), None
     (grads, sums), _ = jax.lax.scan(body, (zeros, zero_sums), self._microbatches(batch))
@@ -350,17 +379,22 @@ class Trainer:
   def _step(self, state, batch):
     with parallel.activate(self.mesh, self.rules, inside_jit=True):
       params, step, frozen = state["params"], state["step"], state.get("frozen", {})
+      batch = self.objective.prepare(batch, jax.random.fold_in(state["rng"], step))
       # Dividing by the whole batch's normalizer (e.g. loss tokens) inside every microbatch's loss makes the
       # accumulated gradient exactly that of the large batch's mean loss.
       normalizer = self.objective.normalizer(batch)
-      grads, sums = self._grads(params, frozen, batch, normalizer)
+      scale = state["loss_scale"]["scale"] if self.loss_scaling else 1.0
+      grads, sums = self._grads(params, frozen, batch, normalizer, scale)
+      if self.loss_scaling:
+        grads = jax.tree.map(lambda g: g / scale, grads)
       grads = jax.lax.with_sharding_constraint(grads, self.state_shardings["params"])
       reported = self.objective.metrics(sums, normalizer)
       grad_norm = optax.tree.norm(grads)
       lr = self.lr_fn(step)
-      finite = jnp.isfinite(grad_norm)
+      finite_metrics = jnp.bool_(True)
       for value in reported.values():
-        finite &= jnp.isfinite(value)
+        finite_metrics &= jnp.isfinite(value)
+      finite = finite_metrics & jnp.isfinite(grad_norm)
 
       def update(operands):
         params, opt_state, grads = operands
@@ -370,20 +404,31 @@ class Trainer:
       # A conditional, not a select: no second copy of parameters and moments is kept for the skip case.
       new_params, opt_state = jax.lax.cond(finite, update, lambda operands: operands[:2],
                                            (params, state["opt_state"], grads))
+      nonfinite = ~finite
+      new_state = dict(state, params=new_params, opt_state=opt_state, step=step + 1)
+      if self.loss_scaling:
+        # A gradient overflow with a finite loss is the loss scale's business (halve it, skip the step), not a
+        # diverging run; it counts as non-finite (the halt rule) only once the scale cannot fall any further.
+        overflow = finite_metrics & ~finite
+        nonfinite = ~finite_metrics | (overflow & (scale <= optimizer_lib.MIN_LOSS_SCALE))
+        new_state["loss_scale"] = optimizer_lib.loss_scale_update(state["loss_scale"], finite, self.config.train)
       metrics = {**reported, "grad_norm": grad_norm, "param_norm": optax.tree.norm(new_params), "lr": lr,
-                 "nonfinite": 1.0 - finite.astype(jnp.float32)}
+                 "nonfinite": nonfinite.astype(jnp.float32)}
+      if self.loss_scaling:
+        metrics.update(loss_scale=scale, overflow=overflow.astype(jnp.float32))
       if self.config.model.num_experts:
         metrics.update({k: sums[k] for k in MOE_METRICS if k != EXPERT_LOAD})
         metrics.update({f"moe_load/{e}": load for e, load in enumerate(sums[EXPERT_LOAD])})
         t = self.config.train
         if "total_loss" in metrics:
           metrics["total_loss"] += t.moe_aux_loss * sums["moe_aux_loss"] + t.router_z_loss * sums["router_z_loss"]
-      new_state = dict(state, params=new_params, opt_state=opt_state, step=step + 1)
       return new_state, {k: v.astype(jnp.float32) for k, v in metrics.items()}
 
   def _eval(self, state, batch):
     with parallel.activate(self.mesh, self.rules, inside_jit=True):
       frozen = state.get("frozen", {})
+      # A fixed key: every evaluation corrupts a given held-out batch the same way.
+      batch = self.objective.prepare(batch, jax.random.fold_in(state["rng"], EVAL_KEY))
       model_params, extras = self._decompose(state["params"], frozen)
       frozen_models = {name: self._merge(frozen[name]) for name in self.objective.frozen_models}
       return self.objective.eval_sums(self._merge(model_params), batch, extras, frozen_models)

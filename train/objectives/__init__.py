@@ -5,12 +5,15 @@ from train.objectives.base import Objective, TOKEN_BATCH_KEYS
 from train.objectives.dpo import DirectPreference
 from train.objectives.grpo import GroupRelativePolicyOptimization
 from train.objectives.lm import LanguageModel
+from train.objectives.mlm import MaskedLanguageModel
 from train.objectives.ppo import ProximalPolicyOptimization
+from train.objectives.prefix_lm import PrefixLanguageModel
 from train.objectives.reward import RewardModel
 from train.objectives.sft import SupervisedFineTuning
 
 OBJECTIVES = {cls.name: cls for cls in (LanguageModel, SupervisedFineTuning, RewardModel, DirectPreference,
-                                         ProximalPolicyOptimization, GroupRelativePolicyOptimization)}
+                                         ProximalPolicyOptimization, GroupRelativePolicyOptimization,
+                                         MaskedLanguageModel, PrefixLanguageModel)}
 
 
 def make(config) -> Objective:

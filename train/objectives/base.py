@@ -11,6 +11,9 @@ An objective is small:
     for held-out batches.
   - `extra_params`: trainable parameters besides the model's (name -> (shape, logical axis names)), e.g. a
     reward or value head; `frozen_models`: names of frozen copies of the starting model (e.g. a DPO reference).
+  - `prepare(batch, key)`: the batch the step trains on, from the loaded one and the step's PRNG key (default:
+    unchanged); per-step corruption such as masked-LM masking lives here. `causal`: the model.causal the
+    objective needs (a masked LM trains a bidirectional encoder).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ class Objective(abc.ABC):
   eval_keys: tuple[str, ...] = ()
   extra_params: Mapping[str, tuple[tuple[int, ...], tuple[str | None, ...]]] = {}
   frozen_models: tuple[str, ...] = ()
+  causal: bool = True
 
   def __init__(self, config):
     self.config = config
@@ -42,8 +46,16 @@ class Objective(abc.ABC):
 
     Objectives put the statistics into their sums so the Trainer adds the MoE losses and reports the load.
     """
-    logits_BLV, aux = model(batch["inputs"], batch["segment_ids"], batch["positions"], return_aux=True)
+    logits_BLV, aux = model(batch["inputs"], batch["segment_ids"], batch["positions"], return_aux=True,
+                            prefix_BL=batch.get("prefix"))
     return logits_BLV, {k: v / self.config.train.grad_accum for k, v in aux.items()}
+
+  def prepare(self, batch: Mapping[str, jax.Array], key: jax.Array) -> Mapping[str, jax.Array]:
+    """The batch to train (or evaluate) on; `key` = fold_in(train rng, step) for training, a fixed key for
+    evaluation. Runs once per step on the whole global batch, before microbatching, so its randomness is a
+    function of (seed, step) and a resumed run draws the same."""
+    del key
+    return batch
 
   @abc.abstractmethod
   def sums(self, model, batch: Mapping[str, jax.Array], extras: Mapping[str, jax.Array],
