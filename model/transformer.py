@@ -98,9 +98,10 @@ class Transformer(nnx.Module):
       unit = config_lib.layers_per_unit(self.cfg)
       windows_U = jnp.asarray(windows, jnp.int32).reshape(-1, unit) if unit > 1 else jnp.asarray(windows, jnp.int32)
       if self.pipeline is not None and axes.mesh_size(LAYERS) > 1:
-        x_BLD, stats = self._pipelined(x_BLD, windows_U, segment_ids_BL, positions_BL)
+        x_BLD, stats = self._pipelined(x_BLD, windows_U, segment_ids_BL, positions_BL, prefix_BL)
       else:
-        x_BLD, stats = self._stack(nnx.split(self.layers), windows_U, x_BLD, segment_ids_BL, cos_BLF, sin_BLF)
+        x_BLD, stats = self._stack(nnx.split(self.layers), windows_U, x_BLD, segment_ids_BL, cos_BLF, sin_BLF,
+                                   prefix_BL)
     else:
       stats = []
       for block, window in zip(self.layers, windows):
@@ -114,26 +115,28 @@ class Transformer(nnx.Module):
     x_BLD = self.final_norm(x_BLD)
     return (x_BLD, aux) if return_aux else x_BLD
 
-  def _stack(self, split_layers, windows_U, x_BLD, segment_ids_BL, cos_BLF, sin_BLF):
+  def _stack(self, split_layers, windows_U, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, prefix_BL=None):
     """The scanned stack (or a stage's slice of it): -> (x_BLD, stats with a leading [units] dimension)."""
     graphdef, state = split_layers
     def body(x_BLD, xs):
       layer_state, window = xs
-      return nnx.merge(graphdef, layer_state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window)
+      return nnx.merge(graphdef, layer_state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, prefix_BL=prefix_BL)
     body = remat_lib.wrap(body, self.remat, prevent_cse=False)
     return jax.lax.scan(body, x_BLD, (state, windows_U))
 
-  def _pipelined(self, x_BLD, windows_U, segment_ids_BL, positions_BL):
+  def _pipelined(self, x_BLD, windows_U, segment_ids_BL, positions_BL, prefix_BL=None):
     """The stack split over the `stage` mesh axis (parallel.pipeline); stats averaged like the plain scan's."""
     graphdef, state = nnx.split(self.layers)
     inv_freq = rope.inv_frequencies(self.cfg)
     def stage(weights, x_bLD, side):
-      (state_U, windows_u), (segment_ids_bL, positions_bL) = weights, side
+      (state_U, windows_u), (segment_ids_bL, positions_bL, *prefix_bL) = weights, side
       cos_bLF, sin_bLF = rope.cos_sin(positions_bL, inv_freq)
-      x_bLD, stats = self._stack((graphdef, state_U), windows_u, x_bLD, segment_ids_bL, cos_bLF, sin_bLF)
+      x_bLD, stats = self._stack((graphdef, state_U), windows_u, x_bLD, segment_ids_bL, cos_bLF, sin_bLF,
+                                 *prefix_bL)
       return x_bLD, jax.tree.map(lambda v: jnp.mean(v, axis=0), stats)
     s = self.pipeline
-    x_BLD, stats = pipeline_lib.run(stage, (state, windows_U), x_BLD, (segment_ids_BL, positions_BL), s)
+    side = (segment_ids_BL, positions_BL) + ((prefix_BL,) if prefix_BL is not None else ())  # prefix-LM rows
+    x_BLD, stats = pipeline_lib.run(stage, (state, windows_U), x_BLD, side, s)
     visits = s.stages * s.repeats * s.microbatches
     return x_BLD, jax.tree.map(lambda v: v[None] / visits, stats)  # [1] per statistic: the mean below keeps it
 
