@@ -42,7 +42,6 @@ if __name__ == "__main__":  # pin the platform as `python -m train` does, before
   train_main._default_platform()  # pylint: disable=protected-access
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
 import ml_collections  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -439,10 +438,9 @@ def _run(config, workdir: str, stop, overrides, reward: Reward) -> dict[str, Any
   _check_lengths(prompts, template, config)
   session = Session(config, trainer, mesh, tokenizer, template, prompts, reward)
   if latest is None:
-    state = trainer.with_model_params(trainer.init(config.train.seed),
-                                      loop._init_from(trainer, config.train.init_from))  # pylint: disable=protected-access
-    # The reference starts as the same arrays as the policy; the step donates the state, so it needs its own copy.
-    session.state = dict(state, frozen=jax.tree.map(jnp.copy, state["frozen"])) if "frozen" in state else state
+    # with_model_params gives the frozen reference its own buffers (the step donates the state).
+    session.state = trainer.with_model_params(trainer.init(config.train.seed),
+                                              loop._init_from(trainer, config.train.init_from))  # pylint: disable=protected-access
   primary = jax.process_index() == 0
   if primary:
     loop._write_json(os.path.join(workdir, "config.json"), config_dict)  # pylint: disable=protected-access
