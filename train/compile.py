@@ -421,9 +421,6 @@ def format_report(r: dict) -> str:
   return "\n".join(lines)
 
 
-if __name__ == "__main__":
-  sys.exit(main())
-
 
 def format_prediction(p: dict | None) -> list[str]:
   """Lines of the predicted step time (train/predict.py) for a report."""
@@ -439,3 +436,7 @@ def format_prediction(p: dict | None) -> list[str]:
     lines.append(f"  {o['name'][:26]:26}{o['seconds']:10.4f}{o['per_step']:10.4g}  {o['bound'][:10]:10}  "
                  f"{o['op_name'][-60:]}")
   return lines
+
+
+if __name__ == "__main__":
+  sys.exit(main())
