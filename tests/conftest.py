@@ -8,7 +8,35 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+
+def _compilation_cache_dir():
+  """One persistent XLA compilation cache per test session, shared by the xdist workers and the subprocesses
+  tests start (they inherit the environment): many tests compile the same tiny programs (the same step, sampler or
+  forward in another run directory), and loading an executable costs a fraction of compiling it. Set
+  JAX_COMPILATION_CACHE_DIR yourself to keep a cache between sessions, or to "" to compile everything."""
+  if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
+  import tempfile
+  # xdist workers inherit the controller's environment, so they find its directory above.
+  return os.path.join(tempfile.gettempdir(), f"meshlm-test-xla-cache-{os.getpid()}")
+
+
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _compilation_cache_dir()
+# Tiny programs compile in well under jax's default 1 s threshold; cache them all.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 assert jax.device_count() == 8, jax.devices()
+
+
+def pytest_sessionfinish(session):
+  """The session's own compilation cache goes with it (the controller removes it after the workers finish)."""
+  if hasattr(session.config, "workerinput") or "PYTEST_XDIST_WORKER" in os.environ:
+    return
+  directory = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
+  if os.path.basename(directory).startswith("meshlm-test-xla-cache-"):
+    import shutil
+    shutil.rmtree(directory, ignore_errors=True)

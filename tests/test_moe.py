@@ -142,8 +142,9 @@ def test_grouped_scan_equals_unrolled_layers():
   unrolled.unembed.set_value(scanned.unembed[...])
   assert isinstance(scanned.layers.blocks[0].mlp, nnx.Module) and hasattr(scanned.layers.blocks[1], "moe")
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 16)), jnp.int32)
-  want, want_aux = unrolled(tokens, return_aux=True)
-  got, got_aux = scanned(tokens, return_aux=True)
+  forward = nnx.jit(lambda m, t: m(t, return_aux=True))  # one compile each instead of op-by-op dispatch
+  want, want_aux = forward(unrolled, tokens)
+  got, got_aux = forward(scanned, tokens)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
   for k in moe.STATS:
     np.testing.assert_allclose(got_aux[k], want_aux[k], atol=1e-6, rtol=0)
@@ -165,6 +166,8 @@ def test_generation_through_layer_groups_equals_full_forward():
   prompt = [5, 9, 2, 33, 17]
   got = generate.generate(m, [prompt], max_new_tokens=4)[0]
   tokens = list(prompt)
-  for _ in range(4):
-    tokens.append(int(jnp.argmax(m(jnp.asarray([tokens], jnp.int32))[0, -1])))
+  forward = nnx.jit(lambda m, t: m(t))
+  for _ in range(4):  # right padding to one length: one compile, same causal logits at the last real position
+    row = jnp.asarray([tokens + [0] * (len(prompt) + 4 - len(tokens))], jnp.int32)
+    tokens.append(int(jnp.argmax(forward(m, row)[0, len(tokens) - 1])))
   assert got == tokens[len(prompt):]
