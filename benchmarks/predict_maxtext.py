@@ -157,6 +157,12 @@ def main(argv=None) -> int:
   for name in names:
     row, c = ROWS[name], configs_[name]
     pr = predict_terms(programs[name], c, efficiency)
+    totals = [r["memory"]["total_bytes"] if r else None for r in reports[name]]
+    if len(totals) == 2 and None not in totals:  # per-chip memory, linear in depth like the step time
+      (a, _), (b, _) = programs[name]
+      total = totals[0] + (totals[1] - totals[0]) * (c.model.num_layers - a) / (b - a)
+    else:
+      total = totals[0]
     rows.append({
         "row": name, "published_mfu": row["published_mfu"],
         "predicted_mfu_maxtext_convention": pr["mfu_maxtext_convention"],
@@ -168,6 +174,8 @@ def main(argv=None) -> int:
         "compiled_depths": [d for d, _ in programs[name]], "num_layers": c.model.num_layers,
         "compiled": [{k: r[k] for k in ("fits", "compile_seconds")} | {"total_bytes": r["memory"]["total_bytes"]}
                      if r else None for r in reports[name]],
+        "total_bytes_per_chip": total,
+        "fits": None if total is None else total <= V5E_256.chip.hbm_bytes,
         "overrides": row["overrides"], "batch_size": c.train.batch_size, "remat": c.train.remat,
     })
   print(json.dumps({"matmul_efficiency": efficiency, "fitted_on_16b": args.fit, "fit_reached_target": reached,
