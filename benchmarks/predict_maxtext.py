@@ -2,6 +2,8 @@
 
   python benchmarks/predict_maxtext.py [--rows 16b,32b,64b,128b] [--hlo_dir DIR] [--fit] [--layers A,B]
 
+(docs/planning.md's table: `--rows 16b,32b,64b --fit --hlo_dir DIR`, then `--rows 128b --layers 2,4 --hlo_dir DIR`.)
+
 For each row, compiles meshlm's step for the MaxText-equivalent preset (configs/maxtext_*.py: MaxText's
 global_parameter_scale model, per-device batch and remat of MaxText/configs/v5e/*.sh) on an abstract v5e-256
 (libtpu, no TPU needed) and predicts its step time. `--hlo_dir` keeps each compiled program's HLO text there and
