@@ -147,7 +147,8 @@ def test_too_large_is_reported_with_a_suggestion_that_fits(capsys):
   s = r["suggestion"]
   assert s["found"] and (s["remat"], s["grad_accum"]) != ("none", 1)
   assert s["tried"] == [{"remat": s["remat"], "grad_accum": s["grad_accum"], "fits": True,
-                         "total_bytes": s["report"]["memory"]["total_bytes"]}]
+                         "total_bytes": s["report"]["memory"]["total_bytes"],
+                         "step_seconds": s["report"]["predicted"]["step_seconds"]}]
   assert s["report"]["fits"] and s["report"]["memory"]["total_bytes"] <= 32 * 2**30
   assert s["micro_batch"] * s["grad_accum"] == 128
 
@@ -168,6 +169,21 @@ def test_fit_search_keeps_every_remat_policy(monkeypatch):
   with pytest.warns(UserWarning, match="save_everything_but_scores"):
     order = aot._policies_light_to_heavy(config, sizes)
   assert set(order) == set(remat.POLICIES) and order[-2:] == ["save_everything_but_scores", "full"]
+
+
+def test_fit_search_suggests_the_predicted_fastest_policy_that_fits(monkeypatch):
+  # A stand-in compiler (the search's own logic is under test): every policy but `none` fits, and `full` is
+  # predicted fastest, so the lightest fitting policy is not the one to suggest.
+  def compile_step(config, tpu, devices):
+    remat = config.train.remat
+    return {"fits": remat != "none", "memory": {"total_bytes": 1},
+            "predicted": {"step_seconds": 1.0 if remat == "full" else 2.0 + len(remat) / 100}}
+
+  monkeypatch.setattr(aot, "compile_step", compile_step)
+  s = aot.suggest(configs.load("tiny", **SMALL), V4_16, devices=list(range(8)))
+  fitting = [t for t in s["tried"] if t["fits"]]
+  assert s["found"] and any(t["remat"] != "full" for t in fitting)  # a lighter policy fitted too
+  assert s["remat"] == "full" and s["report"]["predicted"]["step_seconds"] == min(t["step_seconds"] for t in fitting)
 
 
 def test_fastest_search_picks_the_quickest_layout_that_fits(devices):

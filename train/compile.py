@@ -188,8 +188,10 @@ def suggest(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, *, max_co
 
   For each grad_accum (the configured one, then doubled while the micro-batch still splits over data x fsdp),
   compile with `full` remat; once that fits, binary-search the policies ordered light to heavy (by the planner's
-  activation estimate) for the lightest that fits. Returns {"found", "remat", "grad_accum", "micro_batch",
-  "report" (of the suggestion), "tried": [{"remat", "grad_accum", "total_bytes", "fits"}]}.
+  activation estimate) for the lightest that fits, and suggest, of the fitting policies compiled at that
+  grad_accum, the one with the smallest predicted step time (usually the lightest). Returns {"found", "remat",
+  "grad_accum", "micro_batch", "report" (of the suggestion), "tried": [{"remat", "grad_accum", "total_bytes",
+  "fits", "step_seconds"}]}.
   """
   devices = abstract_devices(tpu) if devices is None else devices
   sizes = memory.mesh_sizes(config, len(devices))
@@ -204,7 +206,7 @@ def suggest(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, *, max_co
       r = compile_step(_with(config, remat=remat, grad_accum=ga), tpu, devices)
       reports[(remat, ga)] = r
       tried.append({"remat": remat, "grad_accum": ga, "total_bytes": r["memory"]["total_bytes"],
-                    "fits": r["fits"]})
+                    "fits": r["fits"], "step_seconds": (r.get("predicted") or {}).get("step_seconds")})
     return reports[(remat, ga)]["fits"]
 
   pipe = memory.pipeline_schedule(config, sizes)  # each accumulation step is split again into M microbatches
@@ -221,7 +223,9 @@ def suggest(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, *, max_co
       if ok is None:
         break
       lo, hi = (lo, mid) if ok else (mid + 1, hi)
-    best = policies[hi]
+    fitting = [(reports[(p, ga)]["predicted"]["step_seconds"], i) for i, p in enumerate(policies)
+               if reports.get((p, ga), {}).get("fits") and reports[(p, ga)].get("predicted")]
+    best = policies[min(fitting)[1] if fitting else hi]
     return {"found": True, "remat": best, "grad_accum": ga, "micro_batch": config.train.batch_size // ga,
             "report": reports[(best, ga)], "tried": tried}
   return {"found": False, "tried": tried}
@@ -410,7 +414,8 @@ def format_report(r: dict) -> str:
   if sug is not None:
     for t in sug["tried"]:
       lines.append(f"  tried remat={t['remat']:16} grad_accum={t['grad_accum']:<4d} "
-                   f"{t['total_bytes'] / gib:8.3f} GiB  {'fits' if t['fits'] else 'no'}")
+                   f"{t['total_bytes'] / gib:8.3f} GiB  {'fits' if t['fits'] else 'no  '}"
+                   + (f"  predicted {t['step_seconds']:.3f} s" if t.get("step_seconds") else ""))
     if sug["found"]:
       lines.append(f"suggestion: --config.train.remat={sug['remat']} --config.train.grad_accum={sug['grad_accum']}"
                    f" (micro-batch {sug['micro_batch']}; compiled: {sug['report']['memory']['total_bytes'] / gib:.3f}"

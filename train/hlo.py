@@ -179,12 +179,14 @@ def collective_ops(hlo_text: str, num_devices: int = 1) -> list[dict]:
     if instr.opcode.endswith("-start") and len(sizes) > 1:
       # async forms return (operands..., results...) or, for permutes, (operand, result, context...)
       sizes = sizes[1:2] if kind == "collective-permute" else sizes[len(sizes) // 2:]
-    # An async collective that the TPU compiler advances in steps appears once per step fusion (start,
+    # An async collective that the TPU compiler advances in steps appears inside each step's fusion (start,
     # continuations fused with compute, done), always with the same channel id and source op: one collective.
-    # Channel ids alone are not unique (every collective inside a shard_map may carry channel_id=1).
+    # A collective instruction of its own (not inside a fusion) is always one: channel ids are not unique (every
+    # collective inside a shard_map carries channel_id=1, and one source line may issue several).
     channel = re.search(r"channel_id=(\d+)", instr.rest)
     source = re.search(r'op_name="([^"]*)"(?: stack_frame_id=(\d+))?', instr.rest)
-    key = ((scope, "channel " + channel.group(1), kind, source.group(0) if source else "") if channel
+    fused = comp in parent
+    key = ((scope, "channel " + channel.group(1), kind, source.group(0) if source else "") if channel and fused
            else (comp, instr.name))
     is_async = is_async or instr.opcode.endswith("-start")
     if key in ops:
