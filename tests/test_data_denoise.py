@@ -2,7 +2,6 @@
 the corrupted input + targets to the original document, the pipeline's packed layout and attention mask against a
 brute-force construction, a loss over target positions only, exact resume, and refused settings."""
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
@@ -15,26 +14,18 @@ import model as model_lib
 from configs import tiny
 from data import denoise
 from data import pipeline
-from data import tokenizer as tokenizer_lib
 from model import attention
 from train import objectives
 
-WORDS = ("def return class import lambda yield self value index river stone cloud élan naïve 数据 "
-         "(x) [i] {k: v} == != += -> \t \n    ").split(" ")
+import word_corpus
+
 SENTINELS = list(range(10, 14))  # stand-in sentinel ids for the token-level tests (documents use ids >= 100)
 MIXTURE = "R:0.3,X:0.3,S:0.2,LM:0.2"
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-  root = tmp_path_factory.mktemp("ul2")
-  rng = np.random.default_rng(0)
-  docs = [f"doc{i:05d} " + " ".join(rng.choice(WORDS, int(rng.integers(3, 90)))) for i in range(400)]
-  with open(root / "docs.jsonl", "w") as out:
-    for t in docs:
-      out.write(json.dumps({"text": t}) + "\n")
-  tok = tokenizer_lib.load(tokenizer_lib.train(docs, str(root / "tok.model"), 384))
-  return root, docs, tok
+  return word_corpus.make(tmp_path_factory.mktemp("ul2"), max_words=90)
 
 
 def _spans_of(targets):

@@ -1,7 +1,5 @@
 """Fill-in-the-middle: round trip to the original text, rate and PSM/SPM proportions, the pipeline's FIM
 documents, exact resume, and the infilling prompt."""
-import json
-import os
 
 import numpy as np
 import pytest
@@ -9,26 +7,12 @@ import pytest
 from configs import tiny
 from data import fim
 from data import pipeline
-from data import tokenizer as tokenizer_lib
 
-WORDS = ("def return class import lambda yield self value index river stone cloud élan naïve 数据 "
-         "(x) [i] {k: v} == != += -> \t \n    ").split(" ")
-
-
-def _doc(rng, i):
-  return f"doc{i:05d} " + " ".join(rng.choice(WORDS, int(rng.integers(3, 40))))
-
+import word_corpus
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-  root = tmp_path_factory.mktemp("fim")
-  rng = np.random.default_rng(0)
-  docs = [_doc(rng, i) for i in range(400)]
-  with open(root / "docs.jsonl", "w") as out:
-    for t in docs:
-      out.write(json.dumps({"text": t}) + "\n")
-  tok = tokenizer_lib.load(tokenizer_lib.train(docs, str(root / "tok.model"), 384))
-  return root, docs, tok
+  return word_corpus.make(tmp_path_factory.mktemp("fim"))
 
 
 def test_transformed_documents_round_trip_to_the_original_text(corpus):
