@@ -9,8 +9,13 @@ from flax import nnx
 import configs
 import model as model_lib
 from data import tokenizer as tokenizer_lib
+import parallel
 from evals import bias
+from evals import harness
 from evals import pll
+from evals.requests import LM
+from parallel import mesh as mesh_lib
+from parallel import rules as rules_lib
 
 V = 128
 
@@ -73,6 +78,22 @@ def test_crows_pairs_scores_mask_only_the_shared_tokens(encoder):
   np.testing.assert_allclose(less, want_less, rtol=2e-5)
   metrics = bias.crows_pairs(more, less, ["a", "b"])
   assert metrics["pct_stereotype"] == np.mean(np.array(want_more) > np.array(want_less))
+
+
+def test_evaluate_scores_crows_pairs_of_an_encoder_by_shared_token_pll(encoder, tmp_path):
+  (tmp_path / "cp.csv").write_text(",sent_more,sent_less,stereo_antistereo,bias_type\n"
+                                   "0,40 41 42 43,40 41 90 43,stereo,age\n1,50 51 52 53,50 51 52 60,stereo,race\n")
+  c = configs.load("tiny")
+  c.model = _model_config()
+  mesh = mesh_lib.make_mesh(c.mesh, devices=jax.devices()[:1])
+  rules = rules_lib.fit_rules(rules_lib.logical_rules(c.mesh), c.model, mesh)
+  with parallel.activate(mesh, rules):
+    out = harness.evaluate(LM(encoder, _Tokens(), mesh, rules), [("crows_pairs", str(tmp_path / "cp.csv"))])
+  more = [brute_force_pll(encoder, [2, 40, 41, 42, 43], [1, 2, 4]), brute_force_pll(encoder, [2, 50, 51, 52, 53], [1, 2, 3])]
+  less = [brute_force_pll(encoder, [2, 40, 41, 90, 43], [1, 2, 4]), brute_force_pll(encoder, [2, 50, 51, 52, 60], [1, 2, 3])]
+  got = out["results"]["crows_pairs"]
+  assert got["pct_stereotype"] == np.mean(np.array(more) > np.array(less))
+  np.testing.assert_allclose(got["likelihood_diff"], np.mean(np.abs(np.array(more) - np.array(less))), rtol=1e-4)
 
 
 def test_a_causal_model_is_refused():
