@@ -10,11 +10,11 @@ Batch (numpy, each [B/P, seq_len]): `inputs`, `targets`, `segment_ids`, `positio
 (with data.objective_mixture also `prefix` int32, 1 on a denoised example's bidirectional input).
 A document d_1..d_n becomes inputs BOS d_1..d_n and targets d_1..d_n EOS; documents longer than a row are split
 into row-sized pieces (first_fit) or across rows (concat). With data.fim_rate > 0, training documents are first
-rearranged for fill-in-the-middle (data/fim.py), or with data.objective_mixture denoised (UL2, data/denoise.py: span corruption or
-prefix split, one example per chunk); the eval split stays left-to-right. Conversations (chat sources, data/chat.py) are rendered
-with the chat template, truncated to seq_len (never split: first_fit packing keeps each one whole in one row) and
-carry their assistant-token loss mask. segment_ids number the pieces in a row from 1
-(0 = padding), positions restart at 0 for every piece, and padding has loss_mask 0. Preference sources
+rearranged for fill-in-the-middle (data/fim.py), or with data.objective_mixture denoised (UL2, data/denoise.py:
+span corruption or a prefix split, one example per chunk); the eval split stays left-to-right. Conversations (chat
+sources, data/chat.py) are rendered with the chat template, truncated to seq_len (never split: first_fit packing
+keeps each one whole in one row) and carry their assistant-token loss mask. segment_ids number the pieces in a row
+from 1 (0 = padding), positions restart at 0 for every piece, and padding has loss_mask 0. Preference sources
 (data/preference.py) give one pair per row instead, unpacked: `chosen_*` and `rejected_*` versions of those five
 arrays and `margin`, so both sides of a pair sit in the same row of the same data shard.
 

@@ -72,8 +72,10 @@ def test_crows_pairs_scores_mask_only_the_shared_tokens(encoder):
   more, less = pll.crows_pairs_scores(encoder, _Tokens(), pairs)
   assert pll.shared_positions([2, 40, 41, 42, 43], [2, 40, 41, 90, 43]) == \
       ([True, True, True, False, True], [True, True, True, False, True])
-  want_more = [brute_force_pll(encoder, [2, 40, 41, 42, 43], [1, 2, 4]), brute_force_pll(encoder, a, [1, 2, 4, 5, 6, 7, 8])]
-  want_less = [brute_force_pll(encoder, [2, 40, 41, 90, 43], [1, 2, 4]), brute_force_pll(encoder, b, [1, 2, 7, 8, 9, 10, 11])]
+  want_more = [brute_force_pll(encoder, [2, 40, 41, 42, 43], [1, 2, 4]),
+               brute_force_pll(encoder, a, [1, 2, 4, 5, 6, 7, 8])]
+  want_less = [brute_force_pll(encoder, [2, 40, 41, 90, 43], [1, 2, 4]),
+               brute_force_pll(encoder, b, [1, 2, 7, 8, 9, 10, 11])]
   np.testing.assert_allclose(more, want_more, rtol=2e-5)
   np.testing.assert_allclose(less, want_less, rtol=2e-5)
   metrics = bias.crows_pairs(more, less, ["a", "b"])
@@ -89,8 +91,10 @@ def test_evaluate_scores_crows_pairs_of_an_encoder_by_shared_token_pll(encoder, 
   rules = rules_lib.fit_rules(rules_lib.logical_rules(c.mesh), c.model, mesh)
   with parallel.activate(mesh, rules):
     out = harness.evaluate(LM(encoder, _Tokens(), mesh, rules), [("crows_pairs", str(tmp_path / "cp.csv"))])
-  more = [brute_force_pll(encoder, [2, 40, 41, 42, 43], [1, 2, 4]), brute_force_pll(encoder, [2, 50, 51, 52, 53], [1, 2, 3])]
-  less = [brute_force_pll(encoder, [2, 40, 41, 90, 43], [1, 2, 4]), brute_force_pll(encoder, [2, 50, 51, 52, 60], [1, 2, 3])]
+  more = [brute_force_pll(encoder, [2, 40, 41, 42, 43], [1, 2, 4]),
+          brute_force_pll(encoder, [2, 50, 51, 52, 53], [1, 2, 3])]
+  less = [brute_force_pll(encoder, [2, 40, 41, 90, 43], [1, 2, 4]),
+          brute_force_pll(encoder, [2, 50, 51, 52, 60], [1, 2, 3])]
   got = out["results"]["crows_pairs"]
   assert got["pct_stereotype"] == np.mean(np.array(more) > np.array(less))
   np.testing.assert_allclose(got["likelihood_diff"], np.mean(np.abs(np.array(more) - np.array(less))), rtol=1e-4)
