@@ -91,10 +91,10 @@ def _config(corpus, **data):
   return c
 
 
-def _segments(batch, tok):
+def _segments(batch, tok, config):
   """(row, token indices, kind, n_prefix) per packed segment, the layout derived from the tokens alone: BOS then a
   mode token; R/X: the input ends before the (m+1)-th of its 2m sentinels; S: from the prefix flags; LM: none."""
-  d = denoise.Denoiser(tok, _config((None, None, tok)).data, 128)
+  d = denoise.Denoiser(tok, config.data, config.train.seq_len)
   kinds = {v: k for k, v in d.mode_ids.items()}
   out = []
   for r in range(batch["inputs"].shape[0]):
@@ -126,9 +126,9 @@ def batches(corpus):
 def test_pipeline_examples_layout_round_trip_and_brute_force_mask(corpus, batches):
   _, docs, tok = corpus
   encoded = "|" + "|".join(",".join(map(str, tok.encode(t))) for t in docs) + "|"
-  seen = {}
+  seen, texts, whole = {}, set(docs), 0
   for batch in batches:
-    segments, d = _segments(batch, tok)
+    segments, d = _segments(batch, tok, _config(corpus))
     n_prefix_at = np.zeros(batch["inputs"].shape, int)
     for r, idx, kind, n_prefix in segments:
       seen[kind] = seen.get(kind, 0) + 1
@@ -145,6 +145,7 @@ def test_pipeline_examples_layout_round_trip_and_brute_force_mask(corpus, batche
       ids = inputs + targets if kind == "S" else denoise.restore(inputs, targets, d.sentinel_ids)
       # The corrupted input + targets decode back to the original document (or a chunk of a long one).
       assert "," + ",".join(map(str, ids)) + "," in encoded.replace("|", ",")
+      whole += tok.decode(ids) in texts
       n_prefix_at[r, idx] = n_prefix
     # The model's attention mask equals a loop over (query, key) pairs from the token-derived layout.
     seg, B, L = batch["segment_ids"], *batch["inputs"].shape
@@ -159,6 +160,7 @@ def test_pipeline_examples_layout_round_trip_and_brute_force_mask(corpus, batche
           want[b, i, j] = seg[b, i] == seg[b, j] > 0 and (j <= i or in_prefix)
     np.testing.assert_array_equal(got[seg > 0], want[seg > 0])
   assert all(seen.get(k, 0) >= 2 for k in ("R", "X", "S", "LM")), seen
+  assert whole >= 20  # unchunked documents restore to their exact text
 
 
 def test_loss_counts_only_target_positions(corpus, batches):
@@ -169,7 +171,7 @@ def test_loss_counts_only_target_positions(corpus, batches):
   m = model_lib.Transformer(c.model, rngs=nnx.Rngs(0))
   batch = {k: jnp.asarray(v) for k, v in batches[0].items() if k in objective.batch_keys}
   sums = nnx.jit(lambda m, b: objective.sums(m, b, {}, {}))(m, batch)
-  segments, _ = _segments(batches[0], tok)
+  segments, _ = _segments(batches[0], tok, c)
   target = np.zeros(batch["inputs"].shape, bool)
   for r, idx, kind, n_prefix in segments:
     target[r, idx] = np.arange(len(idx)) >= max(n_prefix - 1, 0)
