@@ -104,6 +104,12 @@ def get_config() -> ml_collections.ConfigDict:
   d.chat_truncation = "right"  # chats longer than seq_len: right (drop the end) | left (drop the start, keep last turns)
   d.fim_rate = 0.0  # fraction of training documents rearranged for fill-in-the-middle (data/fim.py); 0 = off
   d.fim_spm_rate = 0.5  # fraction of the FIM documents in suffix-prefix-middle order (the rest prefix-suffix-middle)
+  d.fim_level = "char"  # FIM split points: char (uniform character positions, the paper's) | token (token boundaries)
+  d.objective_mixture = ""  # UL2 denoiser weights, e.g. "R:0.4,X:0.4,S:0.2" (LM: plain causal); "" = off
+  d.ul2_r_mean_span = 3.0  # objective_mixture R (regular) denoiser: mean corrupted span length in tokens
+  d.ul2_r_rate = 0.15  # objective_mixture R denoiser: fraction of tokens corrupted
+  d.ul2_x_mean_span = 32.0  # objective_mixture X (extreme) denoiser: mean corrupted span length in tokens
+  d.ul2_x_rate = 0.5  # objective_mixture X denoiser: fraction of tokens corrupted
 
   ck = c.checkpoint = ml_collections.ConfigDict()
   ck.every = 500  # steps between checkpoints (and one at the end); 0 = only at the end

@@ -102,6 +102,10 @@ RANGES: dict[str, Range] = {
     "data.prefetch": _AT_LEAST_0,
     "data.fim_rate": _FRACTION,
     "data.fim_spm_rate": _FRACTION,
+    "data.ul2_r_mean_span": Range(lo=1),
+    "data.ul2_r_rate": Range(lo=0, hi=1, lo_open=True, hi_open=True),
+    "data.ul2_x_mean_span": Range(lo=1),
+    "data.ul2_x_rate": Range(lo=0, hi=1, lo_open=True, hi_open=True),
     "checkpoint.every": Range(lo=1, special=((0, "only at the end"),)),
     "checkpoint.keep": _AT_LEAST_1,
     "checkpoint.keep_period": Range(lo=1, special=((0, "off"),)),
@@ -164,6 +168,12 @@ def check(config: ml_collections.ConfigDict) -> list[str]:
   if t is not None and "mlm_mask_fraction" in t and t.mlm_mask_fraction + t.mlm_random_fraction > 1:
     raise ConfigError(f"train.mlm_mask_fraction={t.mlm_mask_fraction} + train.mlm_random_fraction="
                       f"{t.mlm_random_fraction} exceeds 1: they split the selected tokens with the unchanged rest")
+  if t is not None and config.get("data") is not None and config.data.get("objective_mixture"):
+    from data import denoise  # pylint: disable=g-import-not-at-top
+    try:
+      denoise.check_config(config)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
   warnings = []
   t = config.get("train")
   if t is not None and "warmup_steps" in t and t.warmup_steps > t.steps:

@@ -6,13 +6,15 @@ of that sequence by its own packer. Process p of P computes rows [p*B/P, (p+1)*B
 exactly its slice of the global batch and the processes read disjoint documents: concatenating the per-process
 batches of step s (in process order) gives the 1-process batch of step s, for any P dividing B.
 
-Batch (numpy, each [B/P, seq_len]): `inputs`, `targets`, `segment_ids`, `positions` int32 and `loss_mask` float32.
+Batch (numpy, each [B/P, seq_len]): `inputs`, `targets`, `segment_ids`, `positions` int32 and `loss_mask` float32
+(with data.objective_mixture also `prefix` int32, 1 on a denoised example's bidirectional input).
 A document d_1..d_n becomes inputs BOS d_1..d_n and targets d_1..d_n EOS; documents longer than a row are split
 into row-sized pieces (first_fit) or across rows (concat). With data.fim_rate > 0, training documents are first
-rearranged for fill-in-the-middle (data/fim.py; the eval split stays left-to-right). Conversations (chat sources, data/chat.py) are rendered
-with the chat template, truncated to seq_len (never split: first_fit packing keeps each one whole in one row) and
-carry their assistant-token loss mask. segment_ids number the pieces in a row from 1
-(0 = padding), positions restart at 0 for every piece, and padding has loss_mask 0. Preference sources
+rearranged for fill-in-the-middle (data/fim.py), or with data.objective_mixture denoised (UL2, data/denoise.py:
+span corruption or a prefix split, one example per chunk); the eval split stays left-to-right. Conversations (chat
+sources, data/chat.py) are rendered with the chat template, truncated to seq_len (never split: first_fit packing
+keeps each one whole in one row) and carry their assistant-token loss mask. segment_ids number the pieces in a row
+from 1 (0 = padding), positions restart at 0 for every piece, and padding has loss_mask 0. Preference sources
 (data/preference.py) give one pair per row instead, unpacked: `chosen_*` and `rejected_*` versions of those five
 arrays and `margin`, so both sides of a pair sit in the same row of the same data shard.
 
@@ -32,6 +34,7 @@ import numpy as np
 
 from common.segments import positions_from_segments
 from data import chat as chat_lib
+from data import denoise as denoise_lib
 from data import fim as fim_lib
 from data import mixture as mixture_lib
 from data import preference as preference_lib
@@ -68,29 +71,43 @@ def mixture_dataset(specs, srcs, split: str, eval_fraction: float, seed: int) ->
 
 
 class _Tokenize:
-  """(source_id, text[, FIM plan]) -> {inputs: BOS+ids, targets: ids+EOS, loss_mask: ones, source_ids}, or None
+  """(source_id, text[, plan]) -> {inputs: BOS+ids, targets: ids+EOS, loss_mask: ones, source_ids}, or None
   for an empty document; records of chat sources go through `chat` (data/chat.py: rendered, assistant mask,
-  truncated); a FIM plan (data/fim.py) rearranges the document's ids around the FIM sentinels."""
+  truncated); a FIM plan (data/fim.py) rearranges the document's ids around the FIM sentinels; a denoising plan
+  (data/denoise.py, with `denoiser`) makes a list of examples. `with_prefix` adds the `prefix` array (zeros but on
+  denoised examples' inputs)."""
 
   def __init__(self, tokenizer: tokenizer_lib.Tokenizer, chat: chat_lib.ChatEncoder | None = None,
-               chat_sources: Sequence[int] = ()):
+               chat_sources: Sequence[int] = (), denoiser: denoise_lib.Denoiser | None = None,
+               with_prefix: bool = False):
     self.tokenizer, self.chat, self.chat_sources = tokenizer, chat, frozenset(chat_sources)
+    self.denoiser, self.with_prefix = denoiser, with_prefix
 
   def __call__(self, element):
-    source_id, text, fim_plan = element if len(element) == 3 else (*element, None)
+    source_id, text, plan = element if len(element) == 3 else (*element, None)
     if not text or not text.strip():
       return None
     if source_id in self.chat_sources:
       out = self.chat(text)
       if out is None:
         return None
-      return dict(out, source_ids=np.full(len(out["inputs"]), source_id, np.int32))
-    ids = np.asarray(self.tokenizer.encode(text) if fim_plan is None else
-                     fim_lib.encode(self.tokenizer, text, fim_plan), np.int32)
+      return self._finish(out, source_id)
+    if isinstance(plan, denoise_lib.Plan):
+      examples = self.denoiser(self.tokenizer.encode(text), plan)
+      return [self._finish(e, source_id) for e in examples] or None
+    ids = np.asarray(self.tokenizer.encode(text) if plan is None else
+                     fim_lib.encode(self.tokenizer, text, plan), np.int32)
     inputs = np.concatenate([[self.tokenizer.bos_id], ids]).astype(np.int32)
     targets = np.concatenate([ids, [self.tokenizer.eos_id]]).astype(np.int32)
-    return {"inputs": inputs, "targets": targets, "loss_mask": np.ones(len(inputs), np.float32),
-            "source_ids": np.full(len(inputs), source_id, np.int32)}
+    return self._finish({"inputs": inputs, "targets": targets, "loss_mask": np.ones(len(inputs), np.float32)},
+                        source_id)
+
+  def _finish(self, out, source_id):
+    n = len(out["inputs"])
+    out = dict(out, source_ids=np.full(n, source_id, np.int32))
+    if self.with_prefix and "prefix" not in out:
+      out["prefix"] = np.zeros(n, np.int32)
+    return out
 
 
 class _EncodePair:
@@ -119,26 +136,28 @@ def _is_document(element) -> bool:
 
 
 class _SplitLong(grain.experimental.FlatMapTransform):
-  """Cuts a tokenized document into pieces of at most `seq_len` tokens (first-fit packs whole pieces)."""
+  """Cuts a tokenized document (or each of a list of examples) into pieces of at most `seq_len` tokens
+  (first-fit packs whole pieces)."""
   max_fan_out = 1 << 20
 
   def __init__(self, seq_len: int):
     self.seq_len = seq_len
 
   def flat_map(self, element):
-    n = len(element["inputs"])
-    return [{k: v[i:i + self.seq_len] for k, v in element.items()} for i in range(0, n, self.seq_len)]
+    return [{k: v[i:i + self.seq_len] for k, v in e.items()}
+            for e in (element if isinstance(element, list) else [element])
+            for i in range(0, len(e["inputs"]), self.seq_len)]
 
 
 class _Row:
   """Packed grain features -> one batch row with positions restarting per segment and padding masked."""
 
-  def __init__(self, pad_id: int):
-    self.pad_id = pad_id
+  def __init__(self, pad_id: int, with_prefix: bool = False):
+    self.pad_id, self.with_prefix = pad_id, with_prefix
 
   def __call__(self, packed):
     seg = np.asarray(packed["inputs_segment_ids"], np.int32)
-    return {
+    row = {
         "inputs": np.where(seg > 0, packed["inputs"], self.pad_id).astype(np.int32),
         "targets": np.where(seg > 0, packed["targets"], self.pad_id).astype(np.int32),
         "segment_ids": seg,
@@ -146,6 +165,9 @@ class _Row:
         "loss_mask": np.where(seg > 0, packed["loss_mask"], 0.0).astype(np.float32),
         "source_ids": np.where(seg > 0, packed["source_ids"], -1).astype(np.int32),
     }
+    if self.with_prefix:
+      row["prefix"] = np.where(seg > 0, packed["prefix"], 0).astype(np.int32)
+    return row
 
 
 class _Rows(grain.IterDataset):
@@ -187,6 +209,8 @@ def _row_stream(mixture: grain.MapDataset, row: int, global_rows: int, tokenize:
   ds = mixture[row::global_rows].map(tokenize)
   ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)).filter(_is_document)
   lengths = {"inputs": seq_len, "targets": seq_len, "loss_mask": seq_len, "source_ids": seq_len}
+  if tokenize.with_prefix:
+    lengths["prefix"] = seq_len
   if data_config.packing == "first_fit":
     ds = grain.experimental.FlatMapIterDataset(ds, _SplitLong(seq_len))
     ds = grain.experimental.FirstFitPackIterDataset(ds, length_struct=lengths,
@@ -195,7 +219,7 @@ def _row_stream(mixture: grain.MapDataset, row: int, global_rows: int, tokenize:
     ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths)
   else:
     raise ValueError(f"config.data.packing must be 'first_fit' or 'concat', got {data_config.packing!r}")
-  return ds.map(_Row(tokenize.tokenizer.pad_id))
+  return ds.map(_Row(tokenize.tokenizer.pad_id, tokenize.with_prefix))
 
 
 def _ensure_absl_flags_parsed() -> None:
@@ -350,7 +374,14 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
     # Indexed by position in the mixture (before the rows take their slices): the plan of every document is a
     # function of (seed, index), the same for any process layout and after a resume.
     mixture = mixture.map_with_index(fim_lib.FimTransform(d.shuffle_seed, d.fim_rate, d.fim_spm_rate,
-                                                          chat_sources))
+                                                          chat_sources, d.fim_level))
+  denoiser = None
+  if d.objective_mixture:
+    denoise_lib.check_config(config)
+    denoiser = denoise_lib.Denoiser(tokenizer, d, seq_len)  # fails early if the tokenizer lacks the pieces
+  if denoiser and split == "train":  # the eval split stays left-to-right (comparable eval_loss), prefix all 0
+    mixture = mixture.map_with_index(denoise_lib.MixtureTransform(
+        d.shuffle_seed, denoise_lib.parse_mixture(d.objective_mixture), chat_sources))
   chat = None
   if chat_sources and d.packing != "first_fit":
     raise ValueError(f"config.data.packing={d.packing!r} would split conversations across rows; chat sources "
@@ -358,7 +389,7 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
   if chat_sources:
     chat = chat_lib.ChatEncoder(chat_lib.make_template(d, tokenizer), seq_len, d.chat_loss, d.chat_truncation,
                                 d.strict)
-  tokenize = _Tokenize(tokenizer, chat, chat_sources)
+  tokenize = _Tokenize(tokenizer, chat, chat_sources, denoiser, with_prefix=denoiser is not None)
   rows = batch_size // process_count
   if pair_sources:
     encode = _EncodePair(preference_lib.PairEncoder(chat_lib.make_template(d, tokenizer), seq_len,
@@ -383,7 +414,10 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
           # Names, weights and document counts fix the order; paths may move (local -> gs://) between runs.
           "sources": [f"{s.name}={s.kind}@{s.weight:.6g}:{len(src)} documents" for s, src in zip(specs, srcs)]}
   if d.fim_rate > 0 and split == "train":  # only then, so states of runs without FIM keep their layout
-    meta["fim"] = f"rate {d.fim_rate:g}, spm {d.fim_spm_rate:g}"
+    meta["fim"] = f"rate {d.fim_rate:g}, spm {d.fim_spm_rate:g}" + (", token" if d.fim_level == "token" else "")
+  if d.objective_mixture:
+    meta["objective_mixture"] = (f"{d.objective_mixture}; R {d.ul2_r_mean_span:g}/{d.ul2_r_rate:g}, "
+                                 f"X {d.ul2_x_mean_span:g}/{d.ul2_x_rate:g}")
   return _Finalize(ds, meta, [s.name for s in specs], tokenizer.bos_id,
                    "chosen_inputs" if pair_sources else "inputs")
 

@@ -31,6 +31,10 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 # inserted by id (`Tokenizer.special_id(name)`).
 RESERVED = ("<|system|>", "<|user|>", "<|assistant|>", "<|end_of_turn|>", "<|fim_prefix|>", "<|fim_middle|>",
             "<|fim_suffix|>", "<|fim_pad|>") + tuple(f"<|reserved_{i}|>" for i in range(8))
+# The masked-LM mask token (train/objectives/mlm.py, evals/pll.py); control ids follow PAD, UNK, BOS, EOS in
+# RESERVED order. <|reserved_1..7|> are UL2's mode tokens and span sentinels (data/denoise.py).
+MASK_PIECE = "<|reserved_0|>"
+MASK_ID = EOS_ID + 1 + RESERVED.index(MASK_PIECE)
 # SentencePiece reads "sentences": lines longer than this (bytes) are cut into pieces for training.
 _MAX_SENTENCE_BYTES = 4096
 

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from evals import pll
 from evals import tasks as tasks_lib
 from evals.requests import LM
 
@@ -62,6 +63,12 @@ def evaluate(lm: LM, specs: Sequence[tuple[str, str]], *, num_fewshot: int = 0, 
 def _run(lm: LM, task: tasks_lib.Task, contexts: list[str]) -> list[Any]:
   """Per-document results: MC -> [(ll, greedy)] per choice; loglikelihood -> (ll, greedy); rolling -> ll;
   generation -> text."""
+  if task.name == "crows_pairs" and not lm.model.cfg.causal:
+    # A masked-LM encoder has no left-to-right likelihood: the original metric, pseudo-log-likelihood over the
+    # tokens the two sentences share (evals/pll.py).
+    more, less = pll.crows_pairs_scores(lm.model, lm.tokenizer, [tuple(d.choices) for d in task.docs],
+                                        batch_size=lm.batch_size)
+    return [[(m, False), (l, False)] for m, l in zip(more, less)]
   reqs = tasks_lib.requests_of(task, contexts)
   if task.kind == tasks_lib.ROLLING:
     return lm.loglikelihood_rolling(reqs)

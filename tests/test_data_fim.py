@@ -1,7 +1,5 @@
 """Fill-in-the-middle: round trip to the original text, rate and PSM/SPM proportions, the pipeline's FIM
 documents, exact resume, and the infilling prompt."""
-import json
-import os
 
 import numpy as np
 import pytest
@@ -9,26 +7,12 @@ import pytest
 from configs import tiny
 from data import fim
 from data import pipeline
-from data import tokenizer as tokenizer_lib
 
-WORDS = ("def return class import lambda yield self value index river stone cloud élan naïve 数据 "
-         "(x) [i] {k: v} == != += -> \t \n    ").split(" ")
-
-
-def _doc(rng, i):
-  return f"doc{i:05d} " + " ".join(rng.choice(WORDS, int(rng.integers(3, 40))))
-
+import word_corpus
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-  root = tmp_path_factory.mktemp("fim")
-  rng = np.random.default_rng(0)
-  docs = [_doc(rng, i) for i in range(400)]
-  with open(root / "docs.jsonl", "w") as out:
-    for t in docs:
-      out.write(json.dumps({"text": t}) + "\n")
-  tok = tokenizer_lib.load(tokenizer_lib.train(docs, str(root / "tok.model"), 384))
-  return root, docs, tok
+  return word_corpus.make(tmp_path_factory.mktemp("fim"))
 
 
 def test_transformed_documents_round_trip_to_the_original_text(corpus):
@@ -63,6 +47,40 @@ def test_rate_and_spm_share_within_one_percent_over_10k_documents():
     assert (cuts[:, 0] <= cuts[:, 1]).all() and cuts.min() >= 0 and cuts.max() <= 1000
   assert fim.plan(3, 5, 100, 0.5, 0.5) == fim.plan(3, 5, 100, 0.5, 0.5)  # a function of (seed, index)
   assert all(fim.plan(3, i, 100, 0.0, 0.5) is None for i in range(100))
+
+
+def test_token_level_split_round_trips_and_cuts_the_documents_own_tokens(corpus):
+  _, docs, tok = corpus
+  pre, mid, suf = fim.sentinels(tok)
+  seen, cuts = set(), []
+  for i, text in enumerate(docs[:300]):
+    p = fim.plan(7, i, len(text), 1.0, 0.5, level="token")
+    ids = fim.encode(tok, text, p)
+    assert fim.restore(tok, ids) == text
+    whole = tok.encode(text)
+    c1, c2 = p.cuts(len(whole))
+    prefix, middle, suffix = whole[:c1], whole[c1:c2], whole[c2:]  # slices of the whole document's tokens
+    want = [pre, suf] + suffix + [mid] + prefix + middle if p.spm else \
+        [pre] + prefix + [suf] + suffix + [mid] + middle
+    assert ids == want and 0 <= c1 <= c2 <= len(whole)
+    seen.add(p.spm)
+    cuts.append(c1 / len(whole))
+  assert seen == {True, False}
+  assert 0.2 < np.mean(cuts) < 0.45  # the smaller of two uniform cuts: mean 1/3
+
+
+def test_token_level_rate_spm_share_and_cut_uniformity_over_10k_documents():
+  rate, spm_rate, n = 0.5, 0.3, 20
+  plans = [fim.plan(3, i, 0, rate, spm_rate, level="token") for i in range(10_000)]
+  done = [p for p in plans if p is not None]
+  assert abs(len(done) / 10_000 - rate) < 0.01
+  assert abs(sum(p.spm for p in done) / len(done) - spm_rate) < 0.01
+  # Each cut is uniform over the n + 1 token boundaries: the (unsorted) pair of cuts hits every boundary
+  # with frequency 1 / (n + 1) within 1%.
+  both = np.array([p.cuts(n) for p in done]).reshape(-1)
+  np.testing.assert_allclose(np.bincount(both, minlength=n + 1) / len(both), 1 / (n + 1), atol=0.01)
+  with pytest.raises(ValueError, match="fim_level"):
+    fim.plan(3, 0, 10, 0.5, 0.5, level="word")
 
 
 def _config(corpus, **data):
@@ -109,6 +127,15 @@ def test_pipeline_transforms_documents_before_packing_and_resumes_exactly(corpus
       np.testing.assert_array_equal(a[k], b[k])
   evaluation = pipeline.make_iterator(config, tok, split="eval", process_index=0, process_count=1)
   assert not np.isin(np.asarray(fim.sentinels(tok)), next(evaluation)["inputs"]).any()
+
+
+def test_pipeline_token_level_documents_restore_to_corpus_texts(corpus):
+  _, docs, tok = corpus
+  it = pipeline.make_iterator(_config(corpus, fim_level="token"), tok, process_index=0, process_count=1)
+  documents = _documents([next(it) for _ in range(4)], tok)
+  pre = fim.sentinels(tok)[0]
+  transformed = [d for d in documents if d[0] == pre]
+  assert len(transformed) > 10 and all(fim.restore(tok, d) in set(docs) for d in transformed)
 
 
 def test_state_of_a_run_without_fim_is_refused_by_one_with_fim(corpus):

@@ -2,6 +2,9 @@
 
 loss = (1/T) sum_{t: m_t=1} -log p(x_{t+1} | x_{<=t}),   z_loss = (c/T) sum_{t: m_t=1} logsumexp(logits_t)^2,
 T = sum_t m_t over the global batch (PaLM's z-loss, Chowdhery et al. 2022, sec. 5).
+
+With data.objective_mixture (UL2 denoisers, data/denoise.py) the batch also holds `prefix` (a denoised example's
+bidirectional input, passed to the model by `Objective.forward`) and the loss mask covers only its targets.
 """
 from __future__ import annotations
 
@@ -19,6 +22,11 @@ class LanguageModel(base.Objective):
   sum_keys = ("ce", "z", "tokens")
   metric_keys = ("loss", "z_loss", "total_loss", "tokens")
   eval_keys = ("loss_sum", "tokens")
+
+  def __init__(self, config):
+    super().__init__(config)
+    if self.name == "lm" and config.data.get("objective_mixture"):
+      self.batch_keys = {**base.TOKEN_BATCH_KEYS, "prefix": jnp.int32}
 
   def sums(self, model, batch, extras, frozen):
     del extras, frozen

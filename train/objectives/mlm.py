@@ -25,8 +25,7 @@ from data import tokenizer as tokenizer_lib
 from train import loss as loss_lib
 from train.objectives import lm
 
-MASK_PIECE = "<|reserved_0|>"  # a meshlm tokenizer's control pieces follow PAD, UNK, BOS, EOS in RESERVED order
-MASK_ID = tokenizer_lib.EOS_ID + 1 + tokenizer_lib.RESERVED.index(MASK_PIECE)
+MASK_PIECE, MASK_ID = tokenizer_lib.MASK_PIECE, tokenizer_lib.MASK_ID
 FIRST_TEXT_ID = tokenizer_lib.EOS_ID + 1 + len(tokenizer_lib.RESERVED)  # byte and text pieces from here on
 
 
