@@ -50,7 +50,7 @@ def test_quantize_matches_ml_dtypes_rounding(fmt):
   assert q.dtype == dtype and float(s) == float(want_s)
   np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q.view(np.uint8))  # bit for bit
   assert np.isfinite(np.asarray(q, np.float32)).all()
-  assert FORMATS[fmt][1] / 2 < np.abs(np.asarray(q, np.float32)).max() <= FORMATS[fmt][1]  # the top binade is used
+  assert FORMATS[fmt][1] / 2 <= np.abs(np.asarray(q, np.float32)).max() <= FORMATS[fmt][1]  # the top binade is used
   err = np.abs(np.asarray(q, np.float64) * float(s) - x)
   assert (err <= _rounding_error_bound(x, float(s), fmt) * (1 + 1e-6)).all() and err.max() > 0
   zq, zs = quant.quantize_fp8(jnp.zeros((3, 4)), dtype)
