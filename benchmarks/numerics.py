@@ -1,8 +1,9 @@
 """Numerics on the built-in corpus: `python benchmarks/numerics.py [--steps 200] [--variants ...]`.
 
 Trains the tiny CPU config (`python -m train --config=tiny`) for `--steps` steps once per variant — a
-computation dtype (float32, bfloat16, float16 with dynamic loss scaling) or int8 (float32 with model.quant=int8
-on attention and MLP projections) — same seed and data, and prints one JSON object: per variant the training loss at the last step, its mean over the last 5 logged steps, the held-out loss at
+computation dtype (float32, bfloat16, float16 with dynamic loss scaling), int8 or fp8 (float32 with
+model.quant=int8 / fp8 on the attention and MLP projections) — same seed and data, and prints one JSON object: per
+variant the training loss at the last step, its mean over the last 5 logged steps, the held-out loss at
 the end, the last logged loss scale, wall seconds; and each dtype's relative difference to bfloat16 and float32.
 """
 import argparse
@@ -18,7 +19,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 VARIANTS = {"float32": ["--config.model.dtype=float32"], "bfloat16": ["--config.model.dtype=bfloat16"],
             "float16": ["--config.model.dtype=float16"],
-            "int8": ["--config.model.dtype=float32", "--config.model.quant=int8"]}
+            "int8": ["--config.model.dtype=float32", "--config.model.quant=int8"],
+            "fp8": ["--config.model.dtype=float32", "--config.model.quant=fp8"]}
 
 
 def run(dtype: str, steps: int, tmp: str, extra) -> dict:

@@ -18,7 +18,7 @@ CHOICES = {
     "router": ("topk_softmax", "softmax_topk"),
     "moe_impl": ("ragged", "tiled"),
     "parametrization": ("sp", "mup"),
-    "quant": ("none", "int8"),
+    "quant": ("none", "int8", "fp8"),
 }
 QUANT_LAYERS = ("attn", "mlp")
 _POSITIVE_INTS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
@@ -70,7 +70,7 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.causal = True  # causal self-attention (decoder); False = bidirectional within each document (masked-LM encoder)
   c.parametrization = "sp"  # sp (standard) | mup (maximal update: width-scaled init, lr and output; model/mup.py)
   c.mup_base_width = 256  # mup: the d_model at which muP's init and learning rates equal SP's
-  c.quant = "none"  # none | int8 (per-channel int8 matmuls, int32 accumulation, straight-through gradients; model/quant.py)
+  c.quant = "none"  # none | int8 (per-channel, int32 sums) | fp8 (e4m3 fwd, e5m2 grads, current scaling); model/quant.py
   c.quant_layers = ("attn", "mlp")  # layer types whose projections `quant` applies to: attn (q k v o), mlp (gate up down)
   return c
 

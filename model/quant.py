@@ -1,5 +1,7 @@
-"""int8 matmuls with per-channel scales and straight-through gradients (AQT-style; Abdolrashidi et al. 2021,
-"Pareto-Optimal Quantized ResNet Is Mostly 4-bit"; google/aqt), `model.quant=int8` on `model.quant_layers`.
+"""8-bit matmuls on `model.quant_layers`: int8 (`model.quant=int8`) and fp8 (`model.quant=fp8`).
+
+int8: per-channel scales and straight-through gradients (AQT-style; Abdolrashidi et al. 2021, "Pareto-Optimal
+Quantized ResNet Is Mostly 4-bit"; google/aqt).
 
 Symmetric quantisation of an operand over its contracting axes c (one scale per remaining index: per token for
 activations, per output channel for weights):
@@ -9,6 +11,19 @@ activations, per output channel for weights):
 and the product of an einsum over c: y = (sum_c q_x q_w) * s_x * s_w, with the sum in int32 (exact integer
 arithmetic). Backward is straight-through: the gradients are those of the float einsum of the unquantised
 operands. Error bound per output element: |y - x.w| <= sum_c (|w| s_x/2 + |x| s_w/2 + s_x s_w/4).
+
+fp8 (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"; NVIDIA Transformer Engine's HYBRID recipe with
+current scaling): both forward operands in e4m3 (3 mantissa bits, max 448), the output gradient in e5m2 (2
+mantissa bits, max 57344), each with one float32 scale per tensor computed from the tensor itself:
+
+  s = 2^ceil(log2(max |x| / fmax)),   q = fp8(x / s)  (round to nearest even),   x ~ s * q
+
+  forward   y  = (q_x . q_w) s_x s_w                 (float32 accumulation)
+  backward  dx = (q_g . q_w^T) s_g s_w,   dw = (q_x^T . q_g) s_x s_g   (q_g = e5m2 of the cotangent)
+
+Straight-through: the quantisers count as the identity in the backward pass; the two gradient matmuls use the
+saved fp8 operands. Error per element of each rounded operand: |x^ - x| <= 2^-4 |x| + 2^-10 s (e4m3's unit
+roundoff and half its subnormal spacing; e5m2: 2^-3 |x| + 2^-17 s).
 """
 from __future__ import annotations
 
@@ -64,8 +79,68 @@ def _bwd(spec, res, g):
 int8_einsum.defvjp(_fwd, _bwd)
 
 
+# ---- fp8 ------------------------------------------------------------------------------------------------
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def quantize_fp8(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """(fp8 q of x's shape, float32 scalar scale): current per-tensor scaling, x ~ scale * q (module docstring).
+
+  The scale is the smallest power of two with max|x| / scale <= fmax, so dividing by it is exact and fp8's
+  rounding is the only error (a power-of-two scale gives up less than one binade of fp8's range).
+  """
+  fmax = float(jnp.finfo(dtype).max)
+  x = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x))
+  scale = jnp.exp2(jnp.ceil(jnp.log2(amax / fmax)))
+  # log2 of a rounded ratio can land one power off: step to the smallest power of two that fits.
+  scale = jnp.where(amax / scale > fmax, 2 * scale, scale)
+  scale = jnp.where(amax / (scale / 2) <= fmax, scale / 2, scale)
+  scale = jnp.where(amax > 0, scale, 1.0)  # an all-zero tensor quantises to zeros at any scale
+  # fp8's cast turns anything above fmax into NaN (e4m3fn); the clip only guards that.
+  return jnp.clip(x / scale, -fmax, fmax).astype(dtype), scale
+
+
+def _fp8_dot(spec: str, a: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32) * scale
+
+
+def _transposed_specs(spec: str) -> tuple[str, str]:
+  """The einsums of the two gradients of `spec` = "x,w->y": ("y,w->x", "x,y->w")."""
+  (a, b), out = spec.split("->")[0].split(","), spec.split("->")[1]
+  return f"{out},{b}->{a}", f"{a},{out}->{b}"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fp8_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """`jnp.einsum(spec, x, w)` through e4m3 operands (module docstring), result in x's dtype; the backward pass
+  multiplies the e5m2 cotangent with the saved e4m3 operands (straight-through)."""
+  return _fp8_fwd(spec, x, w)[0]
+
+
+def _fp8_fwd(spec, x, w):
+  qx, sx = quantize_fp8(x, E4M3)
+  qw, sw = quantize_fp8(w, E4M3)
+  # Residuals are the fp8 operands and their scales (a quarter of float32's activation memory); the empty
+  # array carries w's dtype (dx has the output's, i.e. x's, dtype).
+  return _fp8_dot(spec, qx, qw, sx * sw).astype(x.dtype), (qx, sx, qw, sw, jnp.zeros((0,), w.dtype))
+
+
+def _fp8_bwd(spec, res, g):
+  qx, sx, qw, sw, w_like = res
+  qg, sg = quantize_fp8(g, E5M2)
+  dx_spec, dw_spec = _transposed_specs(spec)
+  return (_fp8_dot(dx_spec, qg, qw, sg * sw).astype(g.dtype),
+          _fp8_dot(dw_spec, qx, qg, sx * sg).astype(w_like.dtype))
+
+
+fp8_einsum.defvjp(_fp8_fwd, _fp8_bwd)
+
+
 def einsum(spec: str, x: jax.Array, w: jax.Array, quant: str) -> jax.Array:
-  """`jnp.einsum(spec, x, w)` (quant="none") or its int8 version (quant="int8")."""
+  """`jnp.einsum(spec, x, w)` (quant="none") or its int8 / fp8 version (quant="int8" / "fp8")."""
   if quant == "int8":
     return int8_einsum(spec, x, w)
+  if quant == "fp8":
+    return fp8_einsum(spec, x, w)
   return jnp.einsum(spec, x, w)

@@ -82,3 +82,19 @@ def test_mup_refuses_tied_embeddings():
   c.model.tie_embeddings = True
   with pytest.raises(ValueError, match="tie_embeddings"):
     model_lib.Transformer(c.model, rngs=nnx.Rngs(0))
+
+
+def test_lr_multipliers_scale_the_adam_direction_and_not_the_weight_decay():
+  """First AdamW step with muP multipliers m: delta = -lr (m g / |g| + wd p), so the decay factor lr x wd is the
+  same for every width (the `mup` package's MuAdamW); with_frozen's frozen parameters still do not move."""
+  from train import optimizer as optimizer_lib
+  t = _config(64).train
+  t.update(weight_decay=0.5, decay_exclude=())
+  params = {"hidden": jnp.full((3, 2), 2.0), "vector": jnp.full((2,), -1.0), "frozen": jnp.ones((2,))}
+  grads = {"hidden": jnp.array([[1.0, -2.0], [3.0, -4.0], [5.0, 6.0]]), "vector": jnp.array([0.5, -0.5]),
+           "frozen": jnp.ones((2,))}
+  tx = optimizer_lib.with_frozen(optimizer_lib.make(t, {"hidden": 0.25, "vector": 1.0, "frozen": 1.0}), ("frozen",))
+  updates, _ = tx.update(grads, tx.init(params), params)
+  np.testing.assert_allclose(updates["hidden"], 0.25 * np.sign(grads["hidden"]) + 0.5 * 2.0, rtol=1e-6)
+  np.testing.assert_allclose(updates["vector"], np.sign(grads["vector"]) + 0.5 * -1.0, rtol=1e-6)
+  np.testing.assert_array_equal(updates["frozen"], 0.0)

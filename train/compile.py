@@ -26,7 +26,7 @@ import ml_collections
 
 import configs
 from train import hardware, memory, predict
-from train.hlo import collective_ops, collectives  # noqa: F401  (the report's readers, re-exported)
+from train.hlo import collective_ops, collectives, matmuls  # noqa: F401  (the report's readers, re-exported)
 
 class NoTpuCompiler(RuntimeError):
   """libtpu (the TPU compiler) is missing or cannot describe the requested topology."""
@@ -114,6 +114,16 @@ def summarize(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, trainer
                  flops=cost.get("flops"), hlo=compiled.as_text())
 
 
+def matmul_types(hlo: str) -> dict[str, int]:
+  """Matmul instructions of the compiled program by operand and result type, e.g. {"s8 x s8 -> s32": 7}: with
+  model.quant=int8 the quantised projections show as s8 x s8 -> s32 (the MXU's integer path)."""
+  counts: dict[str, int] = {}
+  for m in matmuls(hlo):
+    key = f"{m['operands'][0]} x {m['operands'][-1]} -> {m['result']}"
+    counts[key] = counts.get(key, 0) + 1
+  return dict(sorted(counts.items()))
+
+
 def _report(config, tpu, sizes, devices, seconds, *, fits, memory_, flops, hlo) -> dict:
   from train import mfu
 
@@ -127,6 +137,7 @@ def _report(config, tpu, sizes, devices, seconds, *, fits, memory_, flops, hlo) 
       "estimate": _estimate(config, sizes),
       "flops": {"model_per_chip": model_flops, "compiled_per_chip": flops},
       "collectives": collectives(hlo),
+      "matmuls": matmul_types(hlo),
       "compile_seconds": seconds,
   }
   pipe = memory.pipeline_schedule(config, sizes)
@@ -391,6 +402,8 @@ def format_report(r: dict) -> str:
       lines.append(f"  {kind:20}{c['ops']:7d}{c['per_step']:10d}{c['bytes_per_step'] / 2**20:14.2f}")
     if not r["collectives"]:
       lines.append("  (none)")
+    if r.get("matmuls"):
+      lines.append("matmul instructions by type: " + ", ".join(f"{k}: {n}" for k, n in r["matmuls"].items()))
     pipe = r.get("pipeline")
     if pipe:
       lines.append(f"pipeline: {pipe['stages']} stages, {pipe['microbatches']} microbatches, {pipe['repeats']} "

@@ -1,5 +1,6 @@
 """Reading the optimised HLO text of a compiled program: computations, executed instructions with their loop
-multiplicities, and collectives (kind, bytes, group size). Used by `train.compile` and `train.predict`.
+multiplicities, collectives (kind, bytes, group size) and matmuls with their operand types. Used by
+`train.compile` and `train.predict`.
 
 Sizes are bytes per device (the program is the SPMD-partitioned one that every device runs).
 """
@@ -215,3 +216,48 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     s["per_step"] += op["per_step"]
     s["bytes_per_step"] += op["per_step"] * op["bytes"]
   return dict(sorted(out.items()))
+
+
+def _dtype(shape: str) -> str:
+  m = _ARRAY.search(shape)
+  return m.group(1) if m else shape
+
+
+def _operands(rest: str) -> list[str]:
+  """The operand segment of an instruction's `rest`, split at top-level commas (layouts hold parentheses)."""
+  depth, cur, out = 0, "", []
+  for ch in rest:
+    if ch in "({[":
+      depth += 1
+    elif ch in ")}]":
+      if depth == 0 and ch == ")":
+        break
+      depth -= 1
+    if ch == "," and depth == 0:
+      out.append(cur.strip())
+      cur = ""
+    else:
+      cur += ch
+  return out + ([cur.strip()] if cur.strip() else [])
+
+
+def matmuls(hlo_text: str) -> list[dict]:
+  """Every dot and convolution of a compiled program (the TPU compiler writes matmuls as convolutions), fused
+  computations included: [{"name", "opcode", "operands": (lhs dtype, rhs dtype), "result": dtype, "source"}],
+  dtypes as HLO spells them (s8, s32, bf16, f32, f8e4m3fn, ...), `source` the jax op that emitted it (metadata
+  op_name, e.g. ".../bld,df->blf/dot_general")."""
+  out = []
+  for instrs in parse(hlo_text).computations.values():
+    shapes = {i.name: i.shape for i in instrs}
+    for i in instrs:
+      if i.opcode not in ("dot", "convolution"):
+        continue
+      types = []
+      for operand in _operands(i.rest)[:2]:
+        # Operands print as "%name" or, in some dumps, "f32[8,4]{1,0} %name".
+        name = operand.split()[-1].lstrip("%")
+        types.append(_dtype(operand) if _ARRAY.search(operand) else _dtype(shapes.get(name, "?")))
+      source = re.search(r'op_name="([^"]*)"', i.rest)
+      out.append({"name": i.name, "opcode": i.opcode, "operands": tuple(types), "result": _dtype(i.shape),
+                  "source": source.group(1) if source else ""})
+  return out

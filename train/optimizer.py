@@ -71,19 +71,33 @@ def decay_mask(params: Any, exclude: Sequence[str]) -> Any:
       lambda path, _: not any(s in path_name(path) for s in exclude), params)
 
 
-def make(train_cfg) -> optax.GradientTransformation:
-  """clip_by_global_norm(clip_norm) -> scale_by_adam(b1, b2, eps) -> add_decayed_weights(weight_decay, mask).
+def make(train_cfg, lr_multipliers: Any = None) -> optax.GradientTransformation:
+  """clip_by_global_norm(clip_norm) -> scale_by_adam(b1, b2, eps) [-> lr_multipliers] -> add_decayed_weights(
+  weight_decay, mask).
 
   The result is the unit-learning-rate AdamW update; multiply by -schedule(step) (train.step does).
+  `lr_multipliers` (muP, model/mup.py: a pytree of floats that is a prefix of the parameters) scale the Adam
+  direction per parameter and not the decay term, so a parameter with learning rate lr * m still decays by
+  lr * weight_decay per step (the `mup` package's MuAdamW multiplies weight_decay by 1/m for the same effect).
   """
   parts = []
   if train_cfg.clip_norm > 0:
     parts.append(optax.clip_by_global_norm(float(train_cfg.clip_norm)))
   parts.append(optax.scale_by_adam(b1=float(train_cfg.b1), b2=float(train_cfg.b2), eps=float(train_cfg.eps)))
+  if lr_multipliers is not None and any(m != 1.0 for m in jax.tree.leaves(lr_multipliers)):
+    parts.append(_scale_per_parameter(lr_multipliers))
   if train_cfg.weight_decay > 0:
     exclude = tuple(train_cfg.decay_exclude)
     parts.append(optax.add_decayed_weights(float(train_cfg.weight_decay), mask=lambda p: decay_mask(p, exclude)))
   return optax.chain(*parts)
+
+
+def _scale_per_parameter(multipliers: Any) -> optax.GradientTransformation:
+  """updates * multiplier, the multipliers' tree a prefix of the updates' (optax.MaskedNode leaves, which
+  with_frozen's multi_transform passes for frozen parameters, stay as they are)."""
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  scale = lambda m, sub: jax.tree.map(lambda u: u if masked(u) else u * m, sub, is_leaf=masked)
+  return optax.stateless(lambda updates, params: jax.tree.map(scale, multipliers, updates, is_leaf=masked))
 
 
 def with_frozen(tx: optax.GradientTransformation, freeze: Sequence[str]) -> optax.GradientTransformation:
@@ -94,15 +108,6 @@ def with_frozen(tx: optax.GradientTransformation, freeze: Sequence[str]) -> opta
   labels = lambda params: jax.tree_util.tree_map_with_path(
       lambda path, _: "frozen" if any(s in path_name(path) for s in freeze) else "trained", params)
   return optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
-
-
-def with_lr_multipliers(tx: optax.GradientTransformation, multipliers: Any) -> optax.GradientTransformation:
-  """`tx` followed by a per-parameter factor on the update (a pytree of floats like the parameters), i.e. a
-  per-parameter learning rate lr * multiplier (muP, model/mup.py); `tx` itself when every factor is 1."""
-  if all(m == 1.0 for m in jax.tree.leaves(multipliers)):
-    return tx
-  scale = optax.stateless(lambda updates, params: jax.tree.map(lambda u, m: u * m, updates, multipliers))
-  return optax.chain(tx, scale)
 
 
 def apply_lr(params: Any, updates: Any, lr: jax.Array) -> Any:

@@ -149,7 +149,7 @@ class Trainer:
       multipliers = nnx.to_pure_dict(multipliers)
       if self.objective.extra_params:
         multipliers = {"model": multipliers, **{name: 1.0 for name in self.objective.extra_params}}
-      self.tx = optimizer_lib.with_lr_multipliers(self.tx, multipliers)
+      self.tx = optimizer_lib.with_frozen(optimizer_lib.make(t, multipliers), tuple(t.freeze))
     if self.lora_rank and not lora_lib.kernels(model_params, self.lora_targets):
       raise ValueError(f"config.train.lora_targets={self.lora_targets!r} matches no parameter of the model")
     extra_specs = {name: model_lib.axes.spec(names, self.rules)
