@@ -164,6 +164,12 @@ def check(config: ml_collections.ConfigDict) -> list[str]:
   if t is not None and "mlm_mask_fraction" in t and t.mlm_mask_fraction + t.mlm_random_fraction > 1:
     raise ConfigError(f"train.mlm_mask_fraction={t.mlm_mask_fraction} + train.mlm_random_fraction="
                       f"{t.mlm_random_fraction} exceeds 1: they split the selected tokens with the unchanged rest")
+  if t is not None and "profile_steps" in t:
+    from train import profiling  # pylint: disable=g-import-not-at-top
+    try:
+      profiling.parse_profile_steps(t.profile_steps)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
   warnings = []
   t = config.get("train")
   if t is not None and "warmup_steps" in t and t.warmup_steps > t.steps:

@@ -134,7 +134,7 @@ OPTION_SETS = {
     "llama": dict(),
     "window_every_2nd_global_unrolled": dict(WINDOWED, scan_layers=False),
     "layernorm_gelu_bias_tied": dict(norm_type="layernorm", mlp_type="gelu", use_bias=True, tie_embeddings=True),
-    "parallel_geglu_mqa": dict(block_type="parallel", mlp_type="geglu", num_kv_heads=1),
+    "parallel_geglu_mqa_unroll2": dict(block_type="parallel", mlp_type="geglu", num_kv_heads=1, scan_unroll=2),
     "blockwise_window": dict(attention_impl="blockwise", attention_block_size=4, sliding_window=4,
                              rope_theta=500.0),
 }
