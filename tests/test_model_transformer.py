@@ -235,7 +235,9 @@ def test_remat_policies_choose_what_is_saved(scanned, batch):
     unrolled.remat = policy
     saved[policy] = _saved_residuals(unrolled, batch[0])
   named = lambda lines: sorted(re.search(r"named '(\w+)'", l).group(1) for l in lines if " named '" in l)
-  assert {"key_proj", "attn_context", "mlp_hidden"} <= set(named(saved["none"]))
+  # attn_context and mlp_hidden feed 2-D projections (model.quant.project): without remat they are kept as the
+  # flattened (bitcast) operand of that matmul, which carries no name (q too: grouped by kv head); k and v keep theirs.
+  assert {"key_proj", "value_proj"} <= set(named(saved["none"]))
   assert named(saved["full"]) == [] and len(saved["full"]) < len(saved["none"])
   layers = scanned.cfg.num_layers
   assert named(saved["save_qkv_proj"]) == sorted(["key_proj", "query_proj", "value_proj"] * layers)
