@@ -1,7 +1,7 @@
 """Training-step throughput and MFU of meshlm vs PyTorch + transformers, a hand-written JAX step and MaxText, 1 CPU.
 
   JAX_PLATFORMS=cpu python benchmarks/train_step.py [--configs tiny,d256,50m] [--remat none,full] [--steps 4]
-      [--peers torch,hand_written] [--maxtext_venv VENV]
+      [--peers torch,hand_written] [--maxtext_venv VENV] [--threads=1]  (on a shared machine: taskset -c 0 ... --threads=1)
 
 Prints one JSON object. For each config and remat (none / full): tokens/s and MFU (`mfu`: causal attention FLOPs
 halved; `mfu_full_attention`: not halved; both against a float32 matmul peak measured in the same run) of
@@ -26,6 +26,11 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# --threads=1 must reach XLA before jax starts (as torch.set_num_threads(1) on the other side); pin the process
+# to one core as well (`taskset -c 0`). On a machine shared with other jobs, single-threaded sides degrade alike,
+# while a 2-thread OpenMP side (torch) that spins at barriers degrades far more than XLA's pool.
+if "--threads=1" in sys.argv:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
@@ -133,12 +138,12 @@ def hand_written_step(config, remat: bool):
 
 
 # ---- peers ----------------------------------------------------------------------------------------------
-def torch_step(config, remat: bool):
+def torch_step(config, remat: bool, threads: int):
   """transformers' Llama of the same dimensions and a step (forward, backward, clip, AdamW): () -> loss."""
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   m, t = config.model, config.train
-  torch.set_num_threads(os.cpu_count())
+  torch.set_num_threads(threads)
   torch.manual_seed(0)
   hf = transformers.LlamaConfig(
       vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.mlp_dim, num_hidden_layers=m.num_layers,
@@ -207,7 +212,7 @@ def _figures(times, config, peak) -> dict:
 
 
 def bench(name: str, overrides: dict, remat: str, steps: int, peak: float, peers: list[str],
-          maxtext_venv: str, workdir: str) -> dict:
+          maxtext_venv: str, workdir: str, threads: int) -> dict:
   config = configs.load("tiny", **overrides, **{"mesh.data": 1, "train.remat": remat})
   t = config.train
   mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
@@ -236,7 +241,7 @@ def bench(name: str, overrides: dict, remat: str, steps: int, peak: float, peers
 
     steppers["hand_written"] = hand_step
   if "torch" in peers:
-    steppers["torch"] = torch_step(config, remat == "full")
+    steppers["torch"] = torch_step(config, remat == "full", threads)
   times = {who: [] for who in steppers}
   out["first_step_loss"] = {}
   for who, fn in steppers.items():  # compile / warm up
@@ -279,15 +284,17 @@ def main() -> None:
   parser.add_argument("--peers", default="torch,hand_written", help="in-process peers: torch, hand_written")
   parser.add_argument("--maxtext_venv", default="", help="a MaxText 0.2.5 venv: also run MaxText (full remat)")
   parser.add_argument("--workdir", default="/tmp/meshlm_train_step", help="MaxText's output directory")
+  parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                      help="torch threads; 1 also makes XLA single-threaded (the fair setting on a loaded machine)")
   args = parser.parse_args()
   peak = matmul_peak_flops()
   peers = [p for p in args.peers.split(",") if p]
   result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "matmul_peak_gflops": peak / 1e9,
-            "cpu_count": os.cpu_count(), "load_average_before": os.getloadavg(), "configs": {}}
+            "cpu_count": os.cpu_count(), "threads": args.threads, "load_average_before": os.getloadavg(), "configs": {}}
   for name in args.configs.split(","):
     for remat in args.remat.split(","):
       result["configs"][f"{name}/{remat}"] = bench(name, CONFIGS[name], remat, args.steps, peak, peers,
-                                                   args.maxtext_venv, args.workdir)
+                                                   args.maxtext_venv, args.workdir, args.threads)
       print(json.dumps({f"{name}/{remat}": result["configs"][f"{name}/{remat}"]}), file=sys.stderr, flush=True)
   result["matmul_peak_gflops_after"] = matmul_peak_flops() / 1e9
   print(json.dumps(result, indent=1))
