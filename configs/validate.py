@@ -135,6 +135,21 @@ RANGES: dict[str, Range] = {
 }
 
 
+def profile_window(spec: str) -> tuple[int, int] | None:
+  """train.profile_steps "A:B" -> (A, B) with 1 <= A < B (steps A..B-1 are traced); "" -> None; else ConfigError."""
+  if not spec:
+    return None
+  parts = str(spec).split(":")
+  try:
+    first, end = (int(p) for p in parts)
+  except ValueError:
+    first, end = 0, 0
+  if len(parts) != 2 or not 1 <= first < end:
+    raise ConfigError(f"train.profile_steps={spec!r} must be \"A:B\" with 1 <= A < B (traces steps A..B-1, e.g. "
+                      "\"10:13\"), or \"\" for no trace")
+  return first, end
+
+
 def _get(config: ml_collections.ConfigDict, dotted: str):
   node = config
   for part in dotted.split("."):
@@ -165,11 +180,7 @@ def check(config: ml_collections.ConfigDict) -> list[str]:
     raise ConfigError(f"train.mlm_mask_fraction={t.mlm_mask_fraction} + train.mlm_random_fraction="
                       f"{t.mlm_random_fraction} exceeds 1: they split the selected tokens with the unchanged rest")
   if t is not None and "profile_steps" in t:
-    from train import profiling  # pylint: disable=g-import-not-at-top
-    try:
-      profiling.parse_profile_steps(t.profile_steps)
-    except ValueError as e:
-      raise ConfigError(str(e)) from None
+    profile_window(t.profile_steps)
   warnings = []
   t = config.get("train")
   if t is not None and "warmup_steps" in t and t.warmup_steps > t.steps:

@@ -49,8 +49,8 @@ def test_project_equals_the_einsum_with_its_gradients(spec, x_shape, w_shape):
 
 
 def test_profile_steps_are_checked():
-  assert profiling.parse_profile_steps("10:13") == (10, 13)
-  assert profiling.parse_profile_steps("") is None
+  assert validate.profile_window("10:13") == (10, 13)
+  assert validate.profile_window("") is None
   for bad in ("3:3", "0:2", "5", "a:b", "2:1"):
     with pytest.raises(ConfigError, match="train.profile_steps"):
       validate.check(configs.load("tiny", **{"train.profile_steps": bad}))

@@ -11,29 +11,15 @@ import os
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from configs import validate
 from train.logger import TENSORBOARD_DIR
-
-
-def parse_profile_steps(spec: str) -> tuple[int, int] | None:
-  """"A:B" -> (A, B) with 1 <= A < B (steps A..B-1 are traced); "" -> None. ValueError names the key and fix."""
-  if not spec:
-    return None
-  parts = str(spec).split(":")
-  try:
-    first, end = (int(p) for p in parts)
-  except ValueError:
-    first, end = 0, 0
-  if len(parts) != 2 or not 1 <= first < end:
-    raise ValueError(f"train.profile_steps={spec!r} must be \"A:B\" with 1 <= A < B (traces steps A..B-1, e.g. "
-                     "\"10:13\"), or \"\" for no trace")
-  return first, end
 
 
 class StepProfiler:
   """Starts a jax.profiler trace before step A is dispatched and stops it once step B-1 has finished."""
 
   def __init__(self, spec: str, workdir: str):
-    self.window = parse_profile_steps(spec)
+    self.window = validate.profile_window(spec)
     self.directory = os.path.join(workdir, TENSORBOARD_DIR)
     self.active = False
 
