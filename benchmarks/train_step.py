@@ -1,12 +1,19 @@
-"""Training-step throughput, MFU and compiled memory of meshlm vs a minimal hand-written JAX step, on 1 CPU device.
+"""Training-step throughput and MFU of meshlm vs PyTorch + transformers, a hand-written JAX step and MaxText, 1 CPU.
 
-  JAX_PLATFORMS=cpu python benchmarks/train_step.py [--configs tiny,50m] [--steps 3]
+  JAX_PLATFORMS=cpu python benchmarks/train_step.py [--configs tiny,d256,50m] [--remat none,full] [--steps 4]
+      [--peers torch,hand_written] [--maxtext_venv VENV] [--threads=1]  (on a shared machine: taskset -c 0 ... --threads=1)
 
-Prints one JSON object. For each config: tokens/s and MFU (against a float32 matmul peak measured in the same
-run) of `train.step.Trainer.step_fn` and of a hand-written step of the same model (same parameters, same AdamW,
-no framework); their ratio; per-device compiled memory with remat none vs full for both; and the first-step
-losses of both (they compute the same function, so these agree). Steps of the two are interleaved so machine
-load affects both alike; tokens/s use the fastest step (on a shared machine load only adds time).
+Prints one JSON object. For each config and remat (none / full): tokens/s and MFU (`mfu`: causal attention FLOPs
+halved; `mfu_full_attention`: not halved; both against a float32 matmul peak measured in the same run) of
+`train.step.Trainer.step_fn` and of each peer on the same model (same dimensions, batch, AdamW with clipping):
+- torch: transformers' LlamaForCausalLM (sdpa attention) with torch.optim.AdamW and clip_grad_norm_, as many
+  threads as jax uses; full remat = `gradient_checkpointing_enable()`;
+- hand_written: the minimal jitted JAX step below (no framework);
+- maxtext: MaxText 0.2.5 in its own venv (--maxtext_venv; `bash ../shared/peers/maxtext/install.sh VENV` style
+  installs, never a project dependency), run as a subprocess on synthetic data between two meshlm blocks; its
+  fastest logged step is compared.
+Steps of meshlm and the in-process peers alternate one by one so machine load affects them alike; tokens/s use
+the fastest step (on a shared machine load only adds time), medians are reported too, with the load average.
 """
 from __future__ import annotations
 
@@ -19,6 +26,11 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# --threads=1 must reach XLA before jax starts (as torch.set_num_threads(1) on the other side); pin the process
+# to one core as well (`taskset -c 0`). On a machine shared with other jobs, single-threaded sides degrade alike,
+# while a 2-thread OpenMP side (torch) that spins at barriers degrades far more than XLA's pool.
+if "--threads=1" in sys.argv:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
@@ -33,6 +45,9 @@ from train import step as step_lib  # noqa: E402
 
 CONFIGS = {
     "tiny": {},  # configs/tiny.py as it is: d 128, 4 layers, seq 128, batch 16 (1.3M parameters)
+    "d256": {"model.vocab_size": 2048, "model.d_model": 256, "model.num_layers": 4, "model.num_heads": 4,
+             "model.num_kv_heads": 4, "model.head_dim": 64, "model.mlp_dim": 1024, "model.max_seq_len": 256,
+             "train.batch_size": 8, "train.seq_len": 256},
     "50m": {"model.vocab_size": 16000, "model.d_model": 512, "model.num_layers": 10, "model.num_heads": 8,
             "model.num_kv_heads": 8, "model.head_dim": 64, "model.mlp_dim": 1536, "model.max_seq_len": 256,
             "train.batch_size": 4, "train.seq_len": 256},
@@ -122,6 +137,63 @@ def hand_written_step(config, remat: bool):
   return jax.jit(step, donate_argnums=0)
 
 
+# ---- peers ----------------------------------------------------------------------------------------------
+def torch_step(config, remat: bool, threads: int):
+  """transformers' Llama of the same dimensions and a step (forward, backward, clip, AdamW): () -> loss."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  m, t = config.model, config.train
+  torch.set_num_threads(threads)
+  torch.manual_seed(0)
+  hf = transformers.LlamaConfig(
+      vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.mlp_dim, num_hidden_layers=m.num_layers,
+      num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim,
+      max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+      tie_word_embeddings=m.tie_embeddings, attn_implementation="sdpa", use_cache=False)
+  model = transformers.LlamaForCausalLM(hf)
+  model.train()
+  if remat:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+  opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.b1, t.b2), eps=t.eps, weight_decay=t.weight_decay)
+  tokens = torch.randint(0, m.vocab_size, (t.batch_size, t.seq_len), generator=torch.Generator().manual_seed(0))
+
+  def step():
+    opt.zero_grad(set_to_none=True)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_norm)
+    opt.step()
+    return float(loss)
+
+  return step
+
+
+def maxtext_run(venv: str, config, remat: str, steps: int, workdir: str) -> dict:
+  """MaxText 0.2.5 on synthetic data, same model; -> its fastest and median logged step (the first excluded)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  m, t = config.model, config.train
+  out = os.path.join(workdir, f"maxtext_{remat}")
+  os.makedirs(out, exist_ok=True)
+  args = [os.path.join(venv, "bin", "python"), "-m", "maxtext.trainers.pre_train.train", "run_name=bench",
+          f"base_output_directory={out}", "dataset_type=synthetic", f"base_emb_dim={m.d_model}",
+          f"base_num_query_heads={m.num_heads}", f"base_num_kv_heads={m.num_kv_heads}", f"base_mlp_dim={m.mlp_dim}",
+          f"base_num_decoder_layers={m.num_layers}", f"head_dim={m.head_dim}", f"vocab_size={m.vocab_size}",
+          f"per_device_batch_size={t.batch_size}", f"max_target_length={t.seq_len}", f"steps={steps + 2}",
+          "enable_checkpointing=false", "attention=dot_product", f"remat_policy={remat}", "dtype=float32",
+          "weight_dtype=float32", "enable_goodput_recording=false", "monitor_goodput=false", 'jax_cache_dir=""',
+          "log_config=false", f"metrics_file={out}/metrics.jsonl"]
+  env = dict(os.environ, DECOUPLE_GCLOUD="TRUE", JAX_PLATFORMS="cpu")
+  env.pop("PYTHONPATH", None)
+  proc = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+  if proc.returncode:
+    return {"error": proc.stderr[-2000:]}
+  with open(f"{out}/metrics.jsonl") as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  times = [r["perf/step_time_seconds"] for r in rows if r.get("step", 0) >= 1]
+  return {"step_time_s": min(times), "step_time_median_s": statistics.median(times),
+          "tokens_per_sec": t.batch_size * t.seq_len / min(times)}
+
+
 # ---- measurement -------------------------------------------------------------------------------------------
 def _memory(compiled) -> dict[str, int]:
   ma = compiled.memory_analysis()
@@ -129,61 +201,102 @@ def _memory(compiled) -> dict[str, int]:
           "temp_bytes": int(ma.temp_size_in_bytes)}
 
 
-def bench(name: str, overrides: dict, steps: int, peak: float) -> dict:
-  config = configs.load("tiny", **overrides, **{"mesh.data": 1})
+def _figures(times, config, peak) -> dict:
+  t = config.train
+  seconds = min(times)  # the least-disturbed step: other processes only ever add time
+  tokens_per_sec = t.batch_size * t.seq_len / seconds
+  out = {"step_time_s": seconds, "step_time_median_s": statistics.median(times), "tokens_per_sec": tokens_per_sec}
+  out.update({f"{k}_vs_measured_peak": v for k, v in
+              mfu_lib.utilisation(tokens_per_sec, config.model, t.seq_len, 1, peak).items()})
+  return out
+
+
+def bench(name: str, overrides: dict, remat: str, steps: int, peak: float, peers: list[str],
+          maxtext_venv: str, workdir: str, threads: int) -> dict:
+  config = configs.load("tiny", **overrides, **{"mesh.data": 1, "train.remat": remat})
   t = config.train
   mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
-  out = {"params": step_lib.model_lib.count_params(config.model), "batch": t.batch_size, "seq_len": t.seq_len}
-  trainers = {}
-  for remat in ("none", "full"):
-    config.train.remat = remat
-    trainers[remat] = step_lib.Trainer(config, mesh)
-  meshlm_mem = {r: trainers[r].memory_analysis() for r in trainers}
-  trainer = trainers["none"]
+  trainer = step_lib.Trainer(config, mesh)
+  out = {"params": step_lib.model_lib.count_params(config.model), "batch": t.batch_size, "seq_len": t.seq_len,
+         "remat": remat, "flops_per_token": mfu_lib.flops_per_token(config.model, t.seq_len),
+         "meshlm_memory": trainer.memory_analysis()}
   state = trainer.init()
   batches = [trainer.batch_to_device(step_lib.synthetic_batch(config, i, packed=False)) for i in range(steps + 1)]
-  hand = {r: hand_written_step(config, r == "full") for r in ("none", "full")}
-  hand_state = (jax.tree.map(jnp.copy, state["params"]), jax.tree.map(jnp.zeros_like, state["params"]),
-                jax.tree.map(jnp.zeros_like, state["params"]), jnp.zeros((), jnp.int32))
-  hand_mem = {r: _memory(hand[r].lower(hand_state, batches[0]).compile()) for r in hand}
+  steppers = {}
 
-  state, m0 = trainer.step_fn(state, batches[0])  # compile + warm-up; also the first-step losses
-  hand_state, hand_loss0 = hand["none"](hand_state, batches[0])
-  out["first_step_loss"] = {"meshlm": float(m0["loss"]), "hand_written": float(hand_loss0)}
-  times = {"meshlm": [], "hand_written": []}
-  for batch in batches[1:]:
-    start = time.perf_counter()
-    state, m = trainer.step_fn(state, batch)
-    jax.block_until_ready(m)
-    times["meshlm"].append(time.perf_counter() - start)
-    start = time.perf_counter()
-    hand_state, loss = hand["none"](hand_state, batch)
-    jax.block_until_ready(loss)
-    times["hand_written"].append(time.perf_counter() - start)
+  def meshlm():
+    nonlocal state
+    state, m = trainer.step_fn(state, batches[len(times["meshlm"]) % len(batches)])
+    return float(m["loss"])
 
-  flops_per_token = mfu_lib.flops_per_token(config.model, t.seq_len)
-  tokens = t.batch_size * t.seq_len
-  for who, mem in (("meshlm", meshlm_mem), ("hand_written", hand_mem)):
-    seconds = min(times[who])  # the least-disturbed step: other processes only ever add time
-    out[who] = {"step_time_s": seconds, "step_time_median_s": statistics.median(times[who]),
-                "tokens_per_sec": tokens / seconds,
-                "mfu_vs_measured_peak": mfu_lib.mfu(tokens / seconds, flops_per_token, 1, peak),
-                "memory_remat_none": mem["none"], "memory_remat_full": mem["full"],
-                "remat_full_temp_reduction": 1.0 - mem["full"]["temp_bytes"] / max(mem["none"]["temp_bytes"], 1)}
-  out["tokens_per_sec_ratio_meshlm_over_hand_written"] = (out["meshlm"]["tokens_per_sec"]
-                                                           / out["hand_written"]["tokens_per_sec"])
-  out["flops_per_token"] = flops_per_token
+  steppers["meshlm"] = meshlm
+  if "hand_written" in peers:
+    hand = hand_written_step(config, remat == "full")
+    hand_state = [(jax.tree.map(jnp.copy, state["params"]), jax.tree.map(jnp.zeros_like, state["params"]),
+                   jax.tree.map(jnp.zeros_like, state["params"]), jnp.zeros((), jnp.int32))]
+
+    def hand_step():
+      hand_state[0], loss = hand(hand_state[0], batches[len(times["hand_written"]) % len(batches)])
+      return float(loss)
+
+    steppers["hand_written"] = hand_step
+  if "torch" in peers:
+    steppers["torch"] = torch_step(config, remat == "full", threads)
+  times = {who: [] for who in steppers}
+  out["first_step_loss"] = {}
+  for who, fn in steppers.items():  # compile / warm up
+    out["first_step_loss"][who] = fn()
+  cpu = {who: [] for who in steppers}
+  for _ in range(steps):
+    for who, fn in steppers.items():
+      start, start_cpu = time.perf_counter(), time.process_time()
+      fn()
+      times[who].append(time.perf_counter() - start)
+      cpu[who].append(time.process_time() - start_cpu)
+  if maxtext_venv and remat == "full":  # MaxText between two meshlm blocks
+    out["maxtext"] = maxtext_run(maxtext_venv, config, remat, steps, workdir)
+    for _ in range(steps):
+      start = time.perf_counter()
+      meshlm()
+      times["meshlm"].append(time.perf_counter() - start)
+  for who in times:
+    out[who] = _figures(times[who], config, peak)
+    # CPU seconds of this process per step (all threads): less sensitive to other jobs than wall time, though a
+    # runtime that spins while waiting is charged for it.
+    out[who]["cpu_s_per_step"] = min(cpu[who])
+    out[who]["tokens_per_cpu_sec"] = t.batch_size * t.seq_len / min(cpu[who])
+  if "maxtext" in out and "tokens_per_sec" in out["maxtext"]:
+    out["maxtext"].update({f"{k}_vs_measured_peak": v for k, v in mfu_lib.utilisation(
+        out["maxtext"]["tokens_per_sec"], config.model, t.seq_len, 1, peak).items()})
+  for who in [w for w in out if w in ("torch", "hand_written", "maxtext") and "tokens_per_sec" in out[w]]:
+    out[f"ratio_meshlm_over_{who}"] = out["meshlm"]["tokens_per_sec"] / out[who]["tokens_per_sec"]
+    if "tokens_per_cpu_sec" in out[who]:
+      out[f"cpu_ratio_meshlm_over_{who}"] = out["meshlm"]["tokens_per_cpu_sec"] / out[who]["tokens_per_cpu_sec"]
+  out["load_average_after"] = os.getloadavg()
   return out
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--configs", default="tiny,50m", help="comma-separated subset of " + ",".join(CONFIGS))
+  parser.add_argument("--configs", default="tiny,d256,50m", help="comma-separated subset of " + ",".join(CONFIGS))
+  parser.add_argument("--remat", default="none,full", help="remat policies to measure (none, full)")
   parser.add_argument("--steps", type=int, default=4, help="timed steps per implementation (after a warm-up)")
+  parser.add_argument("--peers", default="torch,hand_written", help="in-process peers: torch, hand_written")
+  parser.add_argument("--maxtext_venv", default="", help="a MaxText 0.2.5 venv: also run MaxText (full remat)")
+  parser.add_argument("--workdir", default="/tmp/meshlm_train_step", help="MaxText's output directory")
+  parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                      help="torch threads; 1 also makes XLA single-threaded (the fair setting on a loaded machine)")
   args = parser.parse_args()
   peak = matmul_peak_flops()
+  peers = [p for p in args.peers.split(",") if p]
   result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "matmul_peak_gflops": peak / 1e9,
-            "configs": {name: bench(name, CONFIGS[name], args.steps, peak) for name in args.configs.split(",")}}
+            "cpu_count": os.cpu_count(), "threads": args.threads, "load_average_before": os.getloadavg(), "configs": {}}
+  for name in args.configs.split(","):
+    for remat in args.remat.split(","):
+      result["configs"][f"{name}/{remat}"] = bench(name, CONFIGS[name], remat, args.steps, peak, peers,
+                                                   args.maxtext_venv, args.workdir, args.threads)
+      print(json.dumps({f"{name}/{remat}": result["configs"][f"{name}/{remat}"]}), file=sys.stderr, flush=True)
+  result["matmul_peak_gflops_after"] = matmul_peak_flops() / 1e9
   print(json.dumps(result, indent=1))
 
 

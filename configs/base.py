@@ -81,6 +81,8 @@ def get_config() -> ml_collections.ConfigDict:
   t.mlm_rate = 0.15  # objective=mlm: fraction of text tokens selected for prediction (BERT)
   t.mlm_mask_fraction = 0.8  # objective=mlm: selected tokens replaced by the mask token
   t.mlm_random_fraction = 0.1  # objective=mlm: selected tokens replaced by a random token (the rest stay unchanged)
+  t.profile_steps = ""  # "A:B": a jax.profiler trace of steps A..B-1 into WORKDIR/tensorboard (TensorBoard/Perfetto); "" = off
+  t.compile_cache = "auto"  # persistent XLA compilation cache dir; auto = $XDG_CACHE_HOME or ~/.cache, then meshlm/xla; "" = off
 
   d = c.data = ml_collections.ConfigDict()
   d.sources = "builtin"  # builtin (Python's own docs + stdlib source) or a mixture spec; see data/sources.py

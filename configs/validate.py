@@ -139,6 +139,21 @@ RANGES: dict[str, Range] = {
 }
 
 
+def profile_window(spec: str) -> tuple[int, int] | None:
+  """train.profile_steps "A:B" -> (A, B) with 1 <= A < B (steps A..B-1 are traced); "" -> None; else ConfigError."""
+  if not spec:
+    return None
+  parts = str(spec).split(":")
+  try:
+    first, end = (int(p) for p in parts)
+  except ValueError:
+    first, end = 0, 0
+  if len(parts) != 2 or not 1 <= first < end:
+    raise ConfigError(f"train.profile_steps={spec!r} must be \"A:B\" with 1 <= A < B (traces steps A..B-1, e.g. "
+                      "\"10:13\"), or \"\" for no trace")
+  return first, end
+
+
 def _get(config: ml_collections.ConfigDict, dotted: str):
   node = config
   for part in dotted.split("."):
@@ -174,6 +189,8 @@ def check(config: ml_collections.ConfigDict) -> list[str]:
       denoise.check_config(config)
     except ValueError as e:
       raise ConfigError(str(e)) from None
+  if t is not None and "profile_steps" in t:
+    profile_window(t.profile_steps)
   warnings = []
   t = config.get("train")
   if t is not None and "warmup_steps" in t and t.warmup_steps > t.steps:

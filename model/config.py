@@ -22,7 +22,7 @@ CHOICES = {
 }
 QUANT_LAYERS = ("attn", "mlp")
 _POSITIVE_INTS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-                  "max_seq_len", "attention_block_size", "rope_original_max_len", "mup_base_width")
+                  "max_seq_len", "attention_block_size", "rope_original_max_len", "mup_base_width", "scan_unroll")
 _POSITIVE_FLOATS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
                     "rope_high_freq_factor")
 
@@ -72,6 +72,7 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.mup_base_width = 256  # mup: the d_model at which muP's init and learning rates equal SP's
   c.quant = "none"  # none | int8 (per-channel, int32 sums) | fp8 (e4m3 fwd, e5m2 grads, current scaling); model/quant.py
   c.quant_layers = ("attn", "mlp")  # layer types whose projections `quant` applies to: attn (q k v o), mlp (gate up down)
+  c.scan_unroll = 1  # with scan_layers: layers per scan iteration (num_layers = fully unrolled: faster steps, longer compile)
   return c
 
 

@@ -30,18 +30,20 @@ def count_params(cfg_model: Mapping[str, Any]) -> dict[str, int]:
   return counts
 
 
-def mean_attended_length(window: int, seq_len: int) -> float:
-  """Mean number of keys a query attends to under a causal mask, in the continuous approximation.
+def mean_attended_length(window: int, seq_len: int, causal: bool = True) -> float:
+  """Mean number of keys a query attends to, in the continuous approximation.
 
-  Full causal (window 0 or >= seq_len): T/2. Window w < T: (1/T) * integral_0^T min(t, w) dt = w - w^2 / (2T).
+  causal (the mask halves the work): full causal (window 0 or >= seq_len) T/2; window w < T:
+  (1/T) * integral_0^T min(t, w) dt = w - w^2 / (2T). causal=False (no halving, the PaLM / torchtitan
+  convention): T, or w for a window w < T.
   """
   T, w = float(seq_len), float(window)
   if window == 0 or w >= T:
-    return T / 2
-  return w - w * w / (2 * T)
+    return T / 2 if causal else T
+  return w - w * w / (2 * T) if causal else w
 
 
-def flops_per_token(cfg_model: Mapping[str, Any], seq_len: int) -> float:
+def flops_per_token(cfg_model: Mapping[str, Any], seq_len: int, causal_halving: bool = True) -> float:
   """Training (forward + backward) FLOPs per token.
 
     6 * (N_non_embedding + D * V)  +  12 * H * K * sum_layers mean_attended_length(window_l, T)
@@ -51,6 +53,8 @@ def flops_per_token(cfg_model: Mapping[str, Any], seq_len: int) -> float:
   the output projection (D * V, a real matmul, tied or not) but not the input embedding lookup (no FLOPs).
   The second is QK^T and PV (2 matmuls * 2 FLOPs * H * K per attended key, times 3 for the backward); for full
   causal attention it is 6 * num_layers * H * K * T, i.e. 12 * L * H * K * T halved for the mask.
+  causal_halving=False counts every key of the window (12 * L * H * K * T for full attention): the convention of
+  PaLM (Chowdhery et al. 2022, appendix B) and torchtitan, whose MFU is therefore higher for the same run.
   """
   cfg = config_lib.validate(cfg_model)
   if seq_len < 1:
@@ -58,5 +62,5 @@ def flops_per_token(cfg_model: Mapping[str, Any], seq_len: int) -> float:
   counts = count_params(cfg)
   embedding = counts["total"] - counts["non_embedding"]
   n = counts.get("active", counts["total"]) - embedding + cfg.d_model * cfg.vocab_size
-  attended = sum(mean_attended_length(w, seq_len) for w in config_lib.layer_windows(cfg))
+  attended = sum(mean_attended_length(w, seq_len, causal_halving) for w in config_lib.layer_windows(cfg))
   return 6.0 * n + 12.0 * cfg.num_heads * cfg.head_dim * attended

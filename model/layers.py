@@ -196,8 +196,8 @@ class Embed(nnx.Module):
     return axes.constrain(x_BLD, (BATCH, LENGTH, EMBED))
 
   def attend(self, x_BLD) -> jax.Array:
-    return jnp.einsum("bld,vd->blv", x_BLD, _value(self.embedding, self.dtype),
-                      preferred_element_type=jnp.float32)
+    return quant_lib.project("bld,dv->blv", x_BLD, _value(self.embedding, self.dtype).T,
+                             preferred_element_type=jnp.float32)
 
 
 class LayerGroup(nnx.Module):

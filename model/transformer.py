@@ -14,6 +14,7 @@ from model import config as config_lib
 from model import kv_cache
 from model import layers
 from model import mup
+from model import quant
 from model import remat as remat_lib
 from model import rope
 from model.axes import BATCH, EMBED, LAYERS, LENGTH, VOCAB
@@ -122,7 +123,7 @@ class Transformer(nnx.Module):
       layer_state, window = xs
       return nnx.merge(graphdef, layer_state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, prefix_BL=prefix_BL)
     body = remat_lib.wrap(body, self.remat, prevent_cse=False)
-    return jax.lax.scan(body, x_BLD, (state, windows_U))
+    return jax.lax.scan(body, x_BLD, (state, windows_U), unroll=self.cfg.scan_unroll)
 
   def _pipelined(self, x_BLD, windows_U, segment_ids_BL, positions_BL, prefix_BL=None):
     """The stack split over the `stage` mesh axis (parallel.pipeline); stats averaged like the plain scan's."""
@@ -171,8 +172,8 @@ class Transformer(nnx.Module):
     if self.cfg.tie_embeddings:
       logits_BLV = self.embed.attend(x_BLD)
     else:
-      logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, self.unembed[...].astype(config_lib.DTYPES[self.cfg.dtype]),
-                              preferred_element_type=jnp.float32)
+      logits_BLV = quant.project("bld,dv->blv", x_BLD, self.unembed[...].astype(config_lib.DTYPES[self.cfg.dtype]),
+                                 preferred_element_type=jnp.float32)
     logits_BLV = logits_BLV.astype(jnp.float32)
     if mup.enabled(self.cfg):  # muP's output multiplier 1 / width_mult
       logits_BLV = logits_BLV * mup.output_multiplier(self.cfg)

@@ -134,7 +134,7 @@ OPTION_SETS = {
     "llama": dict(),
     "window_every_2nd_global_unrolled": dict(WINDOWED, scan_layers=False),
     "layernorm_gelu_bias_tied": dict(norm_type="layernorm", mlp_type="gelu", use_bias=True, tie_embeddings=True),
-    "parallel_geglu_mqa": dict(block_type="parallel", mlp_type="geglu", num_kv_heads=1),
+    "parallel_geglu_mqa_unroll2": dict(block_type="parallel", mlp_type="geglu", num_kv_heads=1, scan_unroll=2),
     "blockwise_window": dict(attention_impl="blockwise", attention_block_size=4, sliding_window=4,
                              rope_theta=500.0),
 }
@@ -235,7 +235,9 @@ def test_remat_policies_choose_what_is_saved(scanned, batch):
     unrolled.remat = policy
     saved[policy] = _saved_residuals(unrolled, batch[0])
   named = lambda lines: sorted(re.search(r"named '(\w+)'", l).group(1) for l in lines if " named '" in l)
-  assert {"key_proj", "attn_context", "mlp_hidden"} <= set(named(saved["none"]))
+  # attn_context and mlp_hidden feed 2-D projections (model.quant.project): without remat they are kept as the
+  # flattened (bitcast) operand of that matmul, which carries no name (q too: grouped by kv head); k and v keep theirs.
+  assert {"key_proj", "value_proj"} <= set(named(saved["none"]))
   assert named(saved["full"]) == [] and len(saved["full"]) < len(saved["none"])
   layers = scanned.cfg.num_layers
   assert named(saved["save_qkv_proj"]) == sorted(["key_proj", "query_proj", "value_proj"] * layers)

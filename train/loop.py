@@ -274,9 +274,11 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
   from parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from train import mfu as mfu_lib  # pylint: disable=g-import-not-at-top
   from train import chat_eval  # pylint: disable=g-import-not-at-top
+  from train import profiling  # pylint: disable=g-import-not-at-top
   from train import step as step_lib  # pylint: disable=g-import-not-at-top
 
   parallel.distributed.initialize(config.distributed)
+  profiling.enable_compile_cache(config.train.compile_cache)  # before the first compile of this run
   primary = jax.process_index() == 0
   tc, ck = config.train, config.checkpoint
   # Every check reads only; config.json and checkpoints/ are written once they have all passed.
@@ -356,8 +358,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
     _close_checkpointer(checkpointer, raise_errors=False)
     raise SetupError(str(e)) from None
   tokens_per_step = tc.batch_size * tc.seq_len
-  flops_per_token = mfu_lib.flops_per_token(config.model, tc.seq_len)
   peak = mfu_lib.peak_flops_per_device(jax.devices(), tc.peak_tflops)
+  profiler = profiling.StepProfiler(tc.profile_steps, workdir)
 
   def save(step: int) -> None:
     meta = {"nonfinite_run": nonfinite_run, "config": config_dict, "mesh": dict(mesh.shape),
@@ -402,8 +404,16 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
       step += 1
       if step in tc.debug_nan_steps:  # fault injection: a NaN loss mask makes this step's loss and grads NaN
         local = {k: np.full_like(v, np.nan) if k.endswith("loss_mask") else v for k, v in local.items()}
+      profiler.before(step)
       state, metrics = trainer.step_fn(state, trainer.batch_to_device(local))
-      window_steps += 1
+      profiler.after(step, metrics)
+      if step == start + 1:
+        # This process's first step compiles: wait for it and open the throughput window after it, so that the
+        # first logged tokens/s and MFU measure training, not compilation.
+        jax.block_until_ready(metrics)
+        window_start, window_wait = time.perf_counter(), 0.0
+      else:
+        window_steps += 1
       if pending is not None:
         nonfinite_run = _count_nonfinite(*pending, nonfinite_run, tc.max_nonfinite, checkpointer)
       pending = (step, metrics)
@@ -420,11 +430,11 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
       if log_now:
         host = {k: float(v) for k, v in jax.device_get(metrics).items()}
         elapsed = time.perf_counter() - window_start
-        host["tokens_per_sec"] = window_steps * tokens_per_step / elapsed
-        host["data_wait_frac"] = window_wait / elapsed
-        util = mfu_lib.mfu(host["tokens_per_sec"], flops_per_token, jax.device_count(), peak)
-        if util is not None:
-          host["mfu"] = util
+        if window_steps:  # none when the window held only the compiling first step
+          host["tokens_per_sec"] = window_steps * tokens_per_step / elapsed
+          host["data_wait_frac"] = window_wait / elapsed
+          host.update(mfu_lib.utilisation(host["tokens_per_sec"], config.model, tc.seq_len, jax.device_count(),
+                                          peak))
         host.update(pipeline_lib.stats(train_iter))  # realised mixture and packing efficiency so far
         log.log(step, host)
         summary["loss"] = host["loss"]
@@ -445,6 +455,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
   except ckpt_lib.CheckpointError as e:
     raise TrainingError(str(e)) from None
   finally:
+    profiler.stop()
     log.close()
     _close(train_iter)
     _close_checkpointer(checkpointer, raise_errors=finished)

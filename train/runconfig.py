@@ -19,10 +19,11 @@ from configs import ConfigError
 from train import checkpoint as ckpt_lib
 
 # Model keys that say how the function is computed, not which function: a run may set them freely over a
-# checkpoint's (layer scan, attention kernel and block, compute and parameter dtypes, the unused init scale).
-FUNCTION_PRESERVING = ("scan_layers", "attention_impl", "attention_block_size", "dtype", "param_dtype", "init_std")
+# checkpoint's (layer scan and its unrolling, attention kernel and block, compute and parameter dtypes, the unused init scale).
+FUNCTION_PRESERVING = ("scan_layers", "attention_impl", "attention_block_size", "dtype", "param_dtype", "init_std",
+                       "scan_unroll")
 # Of those, the ones a resumed run may change: the others change the saved state's layout or dtype.
-RESUME_FREE = ("attention_impl", "attention_block_size", "dtype")
+RESUME_FREE = ("attention_impl", "attention_block_size", "dtype", "scan_unroll")
 
 
 def is_hf_dir(path: str) -> bool:

@@ -490,11 +490,11 @@ def run_synthetic(trainer: Trainer, steps: int, seed: int = 0) -> list[dict[str,
   """Runs `steps` steps from a fresh state on `synthetic_batch(config, seed + i)`; returns metrics per step.
 
   Every process builds the same global batch and feeds its own consecutive block of rows, so any process
-  count gives the same numbers. Adds step_time_s, tokens_per_sec and (where the peak is known) mfu.
+  count gives the same numbers. Adds step_time_s, tokens_per_sec and (where the peak is known) mfu and
+  mfu_full_attention (`train.mfu.utilisation`).
   """
   config = trainer.config
   t = config.train
-  flops_per_token = mfu_lib.flops_per_token(config.model, t.seq_len)
   peak = mfu_lib.peak_flops_per_device(jax.devices(), t.peak_tflops)
   rows = t.batch_size // jax.process_count()
   mine = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
@@ -508,9 +508,7 @@ def run_synthetic(trainer: Trainer, steps: int, seed: int = 0) -> list[dict[str,
     seconds = time.perf_counter() - start
     line = {"step": i + 1, **metrics, "step_time_s": seconds,
             "tokens_per_sec": t.batch_size * t.seq_len / seconds}
-    util = mfu_lib.mfu(line["tokens_per_sec"], flops_per_token, jax.device_count(), peak)
-    if util is not None:
-      line["mfu"] = util
+    line.update(mfu_lib.utilisation(line["tokens_per_sec"], config.model, t.seq_len, jax.device_count(), peak))
     lines.append(line)
   return lines
 

@@ -1,0 +1,104 @@
+"""Throughput tools (docs/throughput.md): projections as 2-D matmuls, the profiler trace of `train.profile_steps`,
+the persistent compilation cache, and the loop's MFU figures with the compiling first step kept out of the window.
+
+One 3-step run (module fixture) serves the loop tests.
+"""
+import glob
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+import configs
+from configs.loader import ConfigError
+from configs import validate
+from model import quant
+from train import loop
+from train import mfu
+from train import profiling
+
+SMALL = {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 2,
+         "model.head_dim": 16, "model.mlp_dim": 128, "model.vocab_size": 512, "model.max_seq_len": 64,
+         "train.seq_len": 64, "train.batch_size": 8, "train.steps": 3, "train.warmup_steps": 1, "train.log_every": 1,
+         "train.eval_every": 0, "checkpoint.every": 0, "log.progress": False, "log.tensorboard": False,
+         "train.peak_tflops": 1.0, "train.profile_steps": "2:4", "data.tokenizer_max_sentences": 2000}
+
+
+@pytest.mark.parametrize("spec,x_shape,w_shape", [("bld,dhk->blhk", (2, 3, 4), (4, 5, 6)),
+                                                  ("blhk,hkd->bld", (2, 3, 5, 6), (5, 6, 4)),
+                                                  ("bld,df->blf", (2, 3, 4), (4, 7)),
+                                                  ("bld,vd->blv", (2, 3, 4), (7, 4))])  # not a projection: einsum
+def test_project_equals_the_einsum_with_its_gradients(spec, x_shape, w_shape):
+  rng = np.random.default_rng(0)
+  x, w = rng.normal(size=x_shape).astype(np.float32), rng.normal(size=w_shape).astype(np.float32)
+  g = rng.normal(size=np.einsum(spec, x, w).shape).astype(np.float32)
+  # Reference in NumPy: y = einsum(x, w); with cotangent g, dx = einsum(g, w), dw = einsum(x, g) over the free axes.
+  inputs, out = spec.split("->")
+  a, b = inputs.split(",")
+  want_dx = np.einsum(f"{out},{b}->{a}", g, w)
+  want_dw = np.einsum(f"{a},{out}->{b}", x, g)
+  y, vjp = jax.vjp(lambda x, w: quant.project(spec, x, w), jnp.asarray(x), jnp.asarray(w))
+  dx, dw = vjp(jnp.asarray(g))
+  np.testing.assert_allclose(y, np.einsum(spec, x, w), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-5)
+
+
+def test_profile_steps_are_checked():
+  assert validate.profile_window("10:13") == (10, 13)
+  assert validate.profile_window("") is None
+  for bad in ("3:3", "0:2", "5", "a:b", "2:1"):
+    with pytest.raises(ConfigError, match="train.profile_steps"):
+      validate.check(configs.load("tiny", **{"train.profile_steps": bad}))
+
+
+def test_compile_cache_dir_follows_the_setting(monkeypatch, tmp_path):
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  assert profiling.compile_cache_dir("auto") == str(tmp_path / "meshlm" / "xla")
+  assert profiling.compile_cache_dir("") is None
+  assert profiling.compile_cache_dir(str(tmp_path / "c")) == str(tmp_path / "c")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """A 3-step run tracing steps 2..3 with its own compilation cache; jax's cache settings restored after."""
+  root = tmp_path_factory.mktemp("throughput")
+  cache = root / "xla"
+  saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+  # Every executable is written whatever its compile time, so the check does not depend on this machine's speed.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  try:
+    config = configs.load("tiny", **SMALL, **{"train.compile_cache": str(cache)})
+    loop.run(config, str(root / "run"))
+  finally:
+    jax.config.update("jax_compilation_cache_dir", saved[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
+    compilation_cache.reset_cache()
+  with open(root / "run" / "metrics.jsonl") as f:
+    lines = {r["step"]: r for r in map(json.loads, f) if "loss" in r}
+  return {"root": root, "cache": cache, "lines": lines, "config": config}
+
+
+def test_profile_trace_is_written(run):
+  traces = glob.glob(str(run["root"] / "run" / "tensorboard" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+  assert traces and os.path.getsize(traces[0]) > 0
+
+
+def test_compile_cache_gets_entries(run):
+  assert [p for p in os.listdir(run["cache"]) if not p.startswith(".")]
+
+
+def test_first_window_excludes_compilation_and_both_mfus_are_logged(run):
+  lines, c = run["lines"], run["config"]
+  # Step 1 compiles: its window holds no timed step, so it reports no throughput; later steps do.
+  assert "tokens_per_sec" not in lines[1] and "mfu" not in lines[1]
+  for step in (2, 3):
+    line = lines[step]
+    flops = {h: mfu.flops_per_token(c.model, c.train.seq_len, h) for h in (True, False)}
+    assert line["mfu"] == pytest.approx(line["tokens_per_sec"] * flops[True] / (jax.device_count() * 1e12))
+    assert line["mfu_full_attention"] == pytest.approx(line["mfu"] * flops[False] / flops[True])
+    assert line["mfu_full_attention"] > line["mfu"]
