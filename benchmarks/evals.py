@@ -1,9 +1,12 @@
 """Loglikelihood requests/s: meshlm's evals.LM vs lm-evaluation-harness's hf backend on the same exported model.
 
-`python benchmarks/evals.py --workdir runs/tiny,runs/m50 [--requests 256] [--batch_size 32] [--repeats 3]`
-exports each run (train.export), scores the same (context, continuation) requests with both, alternating the two
-`--repeats` times, and prints one JSON line per run: the median requests/s of each (every repeat listed), the
-speed-up, meshlm's first call (compilation included) and the largest per-request |log-likelihood| difference.
+`python benchmarks/evals.py --workdir runs/tiny,runs/m50 [--requests 256] [--choices 1,4] [--batch_size 32]
+[--repeats 3]` exports each run (train.export), scores the same (context, continuation) requests with both,
+alternating the two `--repeats` times, and prints one JSON line per run and request shape: the median
+requests/s of each (every repeat listed), the speed-up, meshlm's first call (compilation included), the largest
+per-request |log-likelihood| difference and the machine's load average. `--choices K` gives each context K
+continuations, as a K-way multiple-choice task does (HellaSwag: 4, PIQA: 2); K = 1 is the worst case for meshlm,
+whose requests sharing a context share one prefill, while lm-eval's hf backend runs every request in full.
 A ~50M-parameter run to compare with, a few steps:
 `python -m train --workdir runs/m50 --config.model.vocab_size=8192 --config.model.d_model=512
  --config.model.num_layers=10 --config.model.num_heads=8 --config.model.num_kv_heads=8 --config.model.head_dim=64
@@ -23,17 +26,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 
 
-def requests(n):
-  """n (context, continuation) pairs of Python's own documentation: contexts of 10-49 words, continuations of
-  2-7 words (multiple-choice-like)."""
+def requests(n, choices=1):
+  """n (context, continuation) pairs of Python's own documentation, `choices` consecutive ones per context:
+  contexts of 10-49 words, continuations of 2-7 words (multiple-choice-like)."""
   import pydoc_data.topics
   words = " ".join(pydoc_data.topics.topics.values()).split()
   out = []
-  for i in range(n):
-    start = (i * 37) % (len(words) - 80)
+  for i in range(-(-n // choices)):
+    start = (i * 37) % (len(words) - 120)
     ctx = " ".join(words[start:start + 10 + i % 40])
-    out.append((ctx, " " + " ".join(words[start + 50:start + 52 + i % 6])))
-  return out
+    for j in range(choices):
+      at = start + 50 + 8 * j
+      out.append((ctx, " " + " ".join(words[at:at + 2 + (i + j) % 6])))
+  return out[:n]
 
 
 def _timed(fn):
@@ -42,7 +47,7 @@ def _timed(fn):
   return out, time.perf_counter() - t0
 
 
-def bench(workdir, reqs, batch_size, repeats):
+def bench(workdir, reqs, choices, batch_size, repeats):
   import flax
   import jax
   import evals
@@ -50,6 +55,7 @@ def bench(workdir, reqs, batch_size, repeats):
   from lm_eval.api.instance import Instance
   from lm_eval.models.huggingface import HFLM
   from train import export, restore
+  load_before = os.getloadavg()[0]
   run = restore.load_run(workdir)
   lm = evals.LM(run.model, tokenizer_lib.Tokenizer.load(run.tokenizer_path), run.mesh, run.rules,
                 batch_size=batch_size)
@@ -67,25 +73,28 @@ def bench(workdir, reqs, batch_size, repeats):
   n = len(reqs)
   return {
       "workdir": workdir, "params": sum(x.size for x in jax.tree.leaves(flax.nnx.state(run.model))),
-      "max_seq_len": lm.max_len, "requests": n, "batch_size": lm.batch_size, "repeats": repeats,
+      "max_seq_len": lm.max_len, "requests": n, "choices": choices, "batch_size": lm.batch_size, "repeats": repeats,
       "meshlm_requests_per_s": n / statistics.median(ours_s),
       "lm_eval_hf_requests_per_s": n / statistics.median(ref_s),
       "speedup": statistics.median(ref_s) / statistics.median(ours_s),
       "meshlm_each_s": [round(s, 3) for s in ours_s], "lm_eval_hf_each_s": [round(s, 3) for s in ref_s],
       "meshlm_first_call_s": first_s, "max_abs_ll_diff": max(abs(a[0] - b[0]) for a, b in zip(ours, ref)),
-      "greedy_equal": all(a[1] == b[1] for a, b in zip(ours, ref))}
+      "greedy_equal": all(a[1] == b[1] for a, b in zip(ours, ref)),
+      "load_average_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
 
 
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--workdir", default="runs/tiny", help="one run directory or several, comma-separated")
   p.add_argument("--requests", type=int, default=256)
+  p.add_argument("--choices", default="1,4", help="continuations per context, one value or several, comma-separated")
   p.add_argument("--batch_size", type=int, default=32)
   p.add_argument("--repeats", type=int, default=3)
   args = p.parse_args()
-  reqs = requests(args.requests)
   for workdir in args.workdir.split(","):
-    print(json.dumps(bench(workdir, reqs, args.batch_size, args.repeats)), flush=True)
+    for choices in (int(k) for k in args.choices.split(",")):
+      print(json.dumps(bench(workdir, requests(args.requests, choices), choices, args.batch_size, args.repeats)),
+            flush=True)
 
 
 if __name__ == "__main__":

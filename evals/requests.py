@@ -15,10 +15,15 @@ Inputs longer than the model are left-truncated: `(context + continuation)[-(max
 `lm_eval.utils.get_rolling_token_windows` (prefix BOS, context length 1) on `tok_encode(text)` (so the first
 scored token is BOS itself, as lm-eval does with BOS-adding tokenizers).
 
-Batching: requests are sorted by length (longest first), cut into batches of `batch_size` rows padded to the
-batch size and to a bucketed length (four sizes per octave, so a handful of shapes compile), run under the mesh
-with rows sharded over the data axes; padding is on the right, so a causal model's scores do not depend on the
-batch. Only the continuation's positions are projected to the vocabulary.
+Batching: a request's model input is its prefix (every token before the continuation) followed by the
+continuation's first n - 1 tokens. Requests with equal prefixes (the choices of a multiple-choice question, or
+every empty-context request: prefix [BOS]) share one prefill: distinct prefixes, sorted by length (longest
+first), are cut into batches of `batch_size` rows, left-padded to a bucketed length (four sizes per octave, so
+a handful of shapes compile) and run once into a KV cache; the logits after each prefix score the first
+continuation token, and the requests of the batch, in rows of `batch_size` sorted by continuation length, feed
+their remaining tokens after a copy of their prefix's cache rows. Rows are sharded over the data axes; padding
+is masked, so scores do not depend on the batch. Only the continuation's positions are projected to the
+vocabulary.
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ import numpy as np
 from flax import nnx
 
 import parallel
+from model import generate as generate_lib
+from model import kv_cache
+from model import logprobs
 
 _MIN_BUCKET = 16  # shortest padded input length
 _MIN_CONT_BUCKET = 4  # fewest scored positions per row
@@ -114,7 +122,8 @@ class LM:
       return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
     self.batch_size = -(-batch_size // shards(0)) * shards(0)
     self._length_shards = shards(1)  # padded lengths are multiples of it (sequence parallelism)
-    self._score_fn = jax.jit(self._score)
+    self._row_sharding = parallel.sharding.logical_sharding(mesh, self.rules, ("batch",))
+    self._prefill_fn, self._extend_fn = jax.jit(self._prefill), jax.jit(self._extend)
 
   def update(self, model) -> None:
     """Scores with `model`'s current parameters from now on (same architecture: nothing recompiles)."""
@@ -182,7 +191,6 @@ class LM:
     requests: (context, until, max_tokens). The context is `tok_encode`d and left-truncated to
     `max_len - max_tokens` tokens; generation stops at EOS or after max_tokens. Greedy unless temperature > 0.
     """
-    from model import generate as generate_lib  # pylint: disable=g-import-not-at-top
     return self._generate_with(generate_lib.generate, requests, temperature=temperature, top_p=top_p, seed=seed)
 
   def _generate_with(self, sampler: Callable, requests, *, temperature: float, top_p: float, seed: int):
@@ -206,70 +214,97 @@ class LM:
 
   # ---- token-level scoring --------------------------------------------------------------------------------
   def loglikelihood_tokens(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[float, bool]]:
-    """Scores (context ids, continuation ids) pairs: [(sum log p(continuation), greedy?)], in input order."""
-    rows = []
+    """Scores (context ids, continuation ids) pairs: [(sum log p(continuation), greedy?)], in input order.
+
+    Each request's model input (context + continuation, left-truncated, minus its last token) splits into a
+    prefix (every token before the continuation) and the continuation's first n - 1 tokens. Requests with equal
+    prefixes (the choices of one multiple-choice question) share one prefill: the prefix runs once into a KV
+    cache (model.kv_cache), whose last position scores the first continuation token; each request's remaining
+    tokens are then scored from a copy of its prefix's cache rows. Same numbers as one pass over the whole input.
+    """
+    rows = []  # (prefix, continuation)
     for i, (ctx, cont) in enumerate(pairs):
       if not ctx or not cont:
         raise ValueError(f"request {i}: context and continuation must both hold tokens")
       if len(cont) > self.max_len:  # lm-eval asserts here; meshlm scores the last max_len tokens instead
         ctx, cont = list(ctx) + list(cont[:-self.max_len]), cont[-self.max_len:]
       whole = (list(ctx) + list(cont))[-(self.max_len + 1):]
-      rows.append((whole[:-1], whole[-len(cont):]))
-    order = sorted(range(len(rows)), key=lambda i: (-len(rows[i][0]), i))
-    results: list[Any] = [None] * len(rows)
-    batches = [order[s:s + self.batch_size] for s in range(0, len(order), self.batch_size)]
+      rows.append((tuple(whole[:-len(cont)]), list(cont)))
+    groups: dict[tuple, list[int]] = {}
+    for i, (prefix, _) in enumerate(rows):
+      groups.setdefault(prefix, []).append(i)
+    prefixes = sorted(groups, key=lambda p: (-len(p), groups[p][0]))
+    batches = [prefixes[s:s + self.batch_size] for s in range(0, len(prefixes), self.batch_size)]
     if self.progress and len(batches) > 1:
       from tqdm import tqdm  # pylint: disable=g-import-not-at-top
       batches = tqdm(batches, desc="scoring", unit="batch", leave=False)
+    results: list[Any] = [None] * len(rows)
     pending = []
     for batch in batches:
-      L = _round_up(_bucket(len(rows[batch[0]][0]), self.max_len), self._length_shards)
-      C = _round_up(min(_pow2(max(_MIN_CONT_BUCKET, *(len(rows[i][1]) for i in batch))), L), self._length_shards)
-      inputs_BL = np.zeros((self.batch_size, L), np.int32)
-      index_BC = np.zeros((self.batch_size, C), np.int32)
-      targets_BC = np.zeros((self.batch_size, C), np.int32)
-      mask_BC = np.zeros((self.batch_size, C), np.float32)
-      for r, i in enumerate(batch):
-        inp, cont = rows[i]
-        n = len(cont)
-        inputs_BL[r, :len(inp)] = inp
-        index_BC[r, :n] = np.arange(len(inp) - n, len(inp))  # the positions whose next token is the continuation
-        targets_BC[r, :n], mask_BC[r, :n] = cont, 1.0
-      args = [jax.device_put(inputs_BL, self._sharding)] + [
-          jax.device_put(a, self._sharding) for a in (index_BC, targets_BC, mask_BC)]
-      pending.append((batch, self._score_fn(self._state, *args)))  # dispatched; fetched below
-      if len(pending) > 2:
-        self._collect(pending.pop(0), results)
+      P = _round_up(_bucket(len(batch[0]), self.max_len), self._length_shards)
+      tokens_BP = np.zeros((self.batch_size, P), np.int32)
+      start_B = np.full((self.batch_size,), P - 1, np.int32)  # padding rows: one (ignored) token
+      for b, prefix in enumerate(batch):
+        tokens_BP[b, P - len(prefix):], start_B[b] = prefix, P - len(prefix)
+      cache, logits_BV = self._prefill_fn(self._state, jax.device_put(tokens_BP, self._sharding),
+                                          jax.device_put(start_B, self._row_sharding))
+      members = sorted(((i, b) for b, prefix in enumerate(batch) for i in groups[prefix]),
+                       key=lambda ib: (-len(rows[ib[0]][1]), ib[0]))
+      for s in range(0, len(members), self.batch_size):
+        chunk = members[s:s + self.batch_size]
+        n = len(rows[chunk[0][0]][1])  # the longest continuation of the chunk
+        C = 0 if n == 1 else _round_up(min(_pow2(max(_MIN_CONT_BUCKET, n - 1)), self.max_len), self._length_shards)
+        row_E = np.zeros((self.batch_size,), np.int32)
+        tokens_EC = np.zeros((self.batch_size, C), np.int32)
+        targets_EX = np.zeros((self.batch_size, C + 1), np.int32)
+        mask_EX = np.zeros((self.batch_size, C + 1), np.float32)
+        for e, (i, b) in enumerate(chunk):
+          cont = rows[i][1]
+          row_E[e], tokens_EC[e, :len(cont) - 1] = b, cont[:-1]
+          targets_EX[e, :len(cont)], mask_EX[e, :len(cont)] = cont, 1.0
+        args = [jax.device_put(row_E, self._row_sharding), jax.device_put(tokens_EC, self._sharding)] + [
+            jax.device_put(a, self._row_sharding) for a in (targets_EX, mask_EX)]  # C + 1 columns: rows split
+        pending.append(([i for i, _ in chunk], self._extend_fn(self._state, cache, logits_BV, *args)))
+        if len(pending) > 2:  # dispatched; fetched a little later so the host prepares the next batch meanwhile
+          self._collect(pending.pop(0), results)
     for item in pending:
       self._collect(item, results)
     return results
 
   @staticmethod
   def _collect(item, results):
-    batch, (logprob_B, greedy_B) = item
-    logprob_B, greedy_B = jax.device_get((logprob_B, greedy_B))
-    for r, i in enumerate(batch):
-      results[i] = (float(logprob_B[r]), bool(greedy_B[r]))
+    idx, (logprob_E, greedy_E) = item
+    logprob_E, greedy_E = jax.device_get((logprob_E, greedy_E))
+    for e, i in enumerate(idx):
+      results[i] = (float(logprob_E[e]), bool(greedy_E[e]))
 
-  def _score(self, state, inputs_BL, index_BC, targets_BC, mask_BC):
-    """(sum over masked continuation positions of log p(target), all masked targets are the argmax) per row.
+  def _prefill(self, state, tokens_BP, start_B):
+    """Left-padded prefixes -> (their KV cache, the logits after each prefix [B, V] float32)."""
+    with parallel.activate(self.mesh, self.rules, inside_jit=True):
+      model = nnx.merge(self._graphdef, state)
+      x_BPD, cache = generate_lib.prefill(model, tokens_BP, start_B, 0)
+      return cache, model.logits(x_BPD[:, -1:])[:, 0]  # every prefix ends at slot P - 1
 
-    Only the C scored positions (`index_BC` into the length axis) go through the output projection and the
-    softmax: a continuation is a few tokens of a long input, and the [B, L, V] logits would dominate the cost.
+  def _extend(self, state, cache, logits_BV, row_E, tokens_EC, targets_EX, mask_EX):
+    """(sum over masked positions of log p(target), every masked target is the argmax) per row.
+
+    Row e continues prefix row_E[e] of the prefill: position 0 is scored by the prefill's last logits,
+    positions 1..C by the C tokens tokens_EC fed after a copy of that prefix's cache (X = C + 1 positions).
+    Only these positions go through the output projection: a continuation is a few tokens of a long input.
     """
     with parallel.activate(self.mesh, self.rules, inside_jit=True):
       model = nnx.merge(self._graphdef, state)
-      x_BLD = model.features(inputs_BL)
-      x_BCD = jnp.take_along_axis(x_BLD, index_BC[..., None], axis=1)
-      logits_BCV = model.logits(x_BCD)
-    logz_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-    # A masked sum instead of a gather keeps a vocabulary-sharded logits tensor local (as train/loss.py does).
-    vocab_V = jnp.arange(logits_BCV.shape[-1], dtype=targets_BC.dtype)
-    target_logit_BC = jnp.sum(jnp.where(vocab_V == targets_BC[..., None], logits_BCV, 0.0), axis=-1)
-    logprob_B = jnp.sum((target_logit_BC - logz_BC) * mask_BC, axis=-1)
-    greedy_BC = jnp.argmax(logits_BCV, axis=-1) == targets_BC
-    greedy_B = jnp.all(greedy_BC | (mask_BC == 0), axis=-1)
-    return logprob_B, greedy_B
+      logits_EXV = jnp.take(logits_BV, row_E, axis=0)[:, None]
+      C = tokens_EC.shape[1]
+      if C:
+        rows = kv_cache.select_rows(cache, row_E, C)
+        positions_EC = (rows.index - rows.start)[:, None] + jnp.arange(C, dtype=jnp.int32)
+        x_ECD, _ = model.features(tokens_EC, positions_BL=positions_EC, cache=rows)
+        logits_EXV = jnp.concatenate([logits_EXV, model.logits(x_ECD)], axis=1)
+    logp_EX, _ = logprobs.token_logprobs(logits_EXV, targets_EX)
+    logprob_E = jnp.sum(logp_EX * mask_EX, axis=-1)
+    greedy_E = jnp.all((jnp.argmax(logits_EXV, axis=-1) == targets_EX) | (mask_EX == 0), axis=-1)
+    return logprob_E, greedy_E
 
 
 def cut_at_stops(text: str, until: Sequence[str]) -> str:

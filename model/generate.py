@@ -127,18 +127,24 @@ def _emit(step, token_B, done_B):
     _listener[0](int(step), np.asarray(token_B), np.asarray(done_B))
 
 
+def prefill(model, tokens_BP: jax.Array, start_B: jax.Array, free_slots: int) -> tuple[jax.Array, kv_cache.KVCache]:
+  """Left-padded prompts (row b's tokens in slots [start_B[b], P)) through `model` into a new cache of
+  P + free_slots slots: -> (features x_BPD, the cache with index P). Traced inside a jitted caller."""
+  P = tokens_BP.shape[1]
+  slots_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), tokens_BP.shape)
+  segment_ids_BP = (slots_BP >= start_B[:, None]).astype(jnp.int32)  # 0 = left padding
+  positions_BP = jnp.maximum(slots_BP - start_B[:, None], 0)
+  tokens_BP = axes.constrain(tokens_BP, (BATCH, LENGTH))
+  cache = kv_cache.zeros(model.cfg, start_B, P + free_slots)
+  return model.features(tokens_BP, segment_ids_BP, positions_BP, cache=cache)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
 def _prefill(graphdef, state, tokens_BP, start_B, seed, *, settings: _Settings):
   """Prompts -> (filled cache, first tokens [B], their log-probs [B])."""
   with axes.axis_rules(settings.rules):
     model = nnx.merge(graphdef, state)
-    P = tokens_BP.shape[1]
-    slots_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), tokens_BP.shape)
-    segment_ids_BP = (slots_BP >= start_B[:, None]).astype(jnp.int32)  # 0 = left padding
-    positions_BP = jnp.maximum(slots_BP - start_B[:, None], 0)
-    tokens_BP = axes.constrain(tokens_BP, (BATCH, LENGTH))
-    cache = kv_cache.zeros(model.cfg, start_B, P + settings.new_bucket)
-    x_BPD, cache = model.features(tokens_BP, segment_ids_BP, positions_BP, cache=cache)
+    x_BPD, cache = prefill(model, tokens_BP, start_B, settings.new_bucket)
     logits_BV = model.logits(x_BPD[:, -1:])[:, 0]  # left padding: every row's last prompt token is at slot P-1
     token_B, logp_B = choose(logits_BV, _step_keys(seed, tokens_BP.shape[0], 0), settings.temperature, settings.top_k,
                              settings.top_p)

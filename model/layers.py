@@ -73,9 +73,11 @@ class Attention(nnx.Module):
     """-> y_BLD, or (y_BLD, this layer's updated cache) when `cache` (one layer's slice) is given; `prefix_BL`
     (1 = bidirectional prefix token, model/attention.py) applies without a cache.
 
-    With a cache the L new keys/values are stored at slots [cache.index, cache.index + L). L > 1 is a prefill
-    into an empty cache (index 0): the tokens attend among themselves with `model.attention_impl`, exactly as
-    without a cache. L == 1 is a decode step: the token attends to the cached slots (`cached_attention`).
+    With a cache the L new keys/values are stored at slots [cache.index, cache.index + L). L == 1 is a decode
+    step: the token attends to the cached slots (`cached_attention`). L > 1 into an empty cache (index 0) is a
+    prefill: the tokens attend among themselves with `model.attention_impl`, exactly as without a cache. L > 1
+    into a filled cache (index > 0) extends it: the chunk attends to the cached slots and causally to itself
+    (`cached_attention`; scoring several continuations of one cached prefix, evals/requests.py).
     """
     dt = self.dtype
     q_BLHK = quant_lib.einsum("bld,dhk->blhk", x_BLD, _value(self.q, dt), self.quant)
@@ -94,11 +96,15 @@ class Attention(nnx.Module):
     v_BLGK = remat.tag(axes.constrain(v_BLGK, (BATCH, KV_LENGTH, KV_HEADS, HEAD_DIM)), remat.VALUE_PROJ)
     if cache is not None:
       cache = kv_cache.write(cache, k_BLGK, v_BLGK)
-    if cache is not None and q_BLHK.shape[1] == 1:
-      o_BLHK = attention_lib.cached_attention(q_BLHK, cache.k, cache.v, cache.index, cache.start, window)
-    else:
-      o_BLHK = attention_lib.attend(self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window, self.block_size,
-                                    self.causal, prefix_BL)
+    cached = lambda: attention_lib.cached_attention(q_BLHK, cache.k, cache.v, cache.index, cache.start, window)
+    own = lambda: attention_lib.attend(self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window, self.block_size,
+                                       self.causal, prefix_BL)
+    if cache is None:
+      o_BLHK = own()
+    elif q_BLHK.shape[1] == 1:
+      o_BLHK = cached()
+    else:  # the index is traced: the branch is chosen at run time
+      o_BLHK = jax.lax.cond(cache.index == 0, own, cached)
     o_BLHK = remat.tag(axes.constrain(o_BLHK, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTN_CONTEXT)
     y_BLD = quant_lib.einsum("blhk,hkd->bld", o_BLHK, _value(self.o, dt), self.quant)
     if self.use_bias:

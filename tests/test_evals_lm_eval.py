@@ -1,8 +1,9 @@
 """meshlm's evaluation against lm-evaluation-harness itself: a model trained a few steps by `python -m train`,
-exported by `python -m train.export`, scored by lm-eval's `hf` backend (PyTorch) on local task YAMLs and by
-`python -m train.evaluate` (JAX, 8 simulated devices) and by lm-eval's own command line with the meshlm backend
-(`python -m train.lm_eval --model meshlm`): per-document log-likelihoods within 1e-4, identical acc / acc_norm,
-equal perplexities, the same few-shot prompts, and the exported tokenizer's ids equal to SentencePiece's."""
+exported by `python -m train.export` (its `main`, in this process), scored by lm-eval's `hf` backend (PyTorch)
+on local task YAMLs and by `python -m train.evaluate` (JAX, 8 simulated devices) and by lm-eval's own command
+line with the meshlm backend (`python -m train.lm_eval --model meshlm`): per-document log-likelihoods within
+1e-4, identical acc / acc_norm, equal perplexities, the same few-shot prompts, and the exported tokenizer's ids
+equal to SentencePiece's."""
 import json
 import os
 import subprocess
@@ -57,14 +58,18 @@ def setup(tmp_path_factory):
     with open(tmp / f"{name}.jsonl", "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)
     _yaml(tmp / f"meshlm_{name}.yaml", f"meshlm_{name}", tmp / f"{name}.jsonl", name)
+  # A model smaller than tiny's (cheap compiles, steps and scoring); GQA kept so the exported config maps heads.
   train = [sys.executable, "-m", "train", "--config=tiny", f"--workdir={run}", "--config.train.steps=3",
            "--config.train.batch_size=4", "--config.train.seq_len=48", f"--config.model.max_seq_len={MAX_LEN}",
+           "--config.model.vocab_size=512", "--config.model.d_model=64", "--config.model.num_layers=2",
+           "--config.model.num_heads=2", "--config.model.num_kv_heads=1", "--config.model.head_dim=32",
+           "--config.model.mlp_dim=128",
            "--config.train.eval_every=3", "--config.train.eval_steps=1", "--config.train.warmup_steps=1",
-           "--config.log.progress=false", "--config.data.tokenizer_max_sentences=3000",
+           "--config.log.progress=false", "--config.data.tokenizer_max_sentences=1500",
            f"--config.train.eval_tasks=mc:{tmp}/mc.jsonl"]  # benchmark tasks during training too
   subprocess.run(train, check=True, env=env, cwd=REPO, capture_output=True)
-  subprocess.run([sys.executable, "-m", "train.export", f"--workdir={run}", f"--output={export}"], check=True,
-                 env=env, cwd=REPO, capture_output=True)
+  from train import export as export_lib  # the CLI in this process: no second interpreter and JAX start-up
+  assert export_lib.main([f"--workdir={run}", f"--output={export}"]) == 0
   return tmp, run, export
 
 
