@@ -160,8 +160,9 @@ def project(spec: str, x: jax.Array, w: jax.Array, preferred_element_type=None) 
   if not c:
     return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
   free_x, free_w = x.shape[:x.ndim - c], w.shape[c:]
-  y = jnp.matmul(x.reshape(math.prod(free_x), -1), w.reshape(-1, math.prod(free_w)),
-                 preferred_element_type=preferred_element_type)
+  with jax.named_scope(spec):  # profiles and HLO metadata keep the einsum's name, as jnp.einsum's op does
+    y = jnp.matmul(x.reshape(math.prod(free_x), -1), w.reshape(-1, math.prod(free_w)),
+                   preferred_element_type=preferred_element_type)
   return y.reshape(*free_x, *free_w)
 
 
