@@ -131,15 +131,16 @@ def is_preference_source(spec) -> bool:
 # ---- the built-in synthetic task ------------------------------------------------------------------------------
 def wrong_answer(family: str, answer: str, rng: np.random.Generator) -> str:
   """A wrong answer to an instruct item (data/instruct.py), different from `answer` by construction:
-  addition with a wrong last digit (the sum off by 1-9 within its decade: 132 -> 137), reversal in the original
-  order (or a rotation), sorting descending or shuffled, conversion by the wrong power of ten.
+  addition with the carry into the hundreds slipped (dropped: 132 -> 32, or added: 87 -> 187), reversal in the
+  original order (or a rotation), sorting descending or shuffled, conversion by the wrong power of ten.
 
-  The addition slip is one a reader spots from the prompt alone: the last digit of a + b is that of the sum of
-  the operands' last digits. A slip in a higher digit would need the whole carry chain, which the 1.3M-parameter
-  SFT model gets wrong more often than right (its held-out sums are 14% exact), so neither a reward model nor DPO
-  built on it can tell such pairs apart."""
+  The addition slip is one a reader spots from the size of the operands (a + b >= 100 or not) without the exact
+  digits: the tiny SFT model cannot add exactly (14% of its held-out sums are right; given the correct leading
+  digits it predicts the last one in 22% of cases), and with slips in the last digits (sums off by 1-20) neither
+  the reward model nor DPO built on it got past chance on those pairs."""
   if family == "addition":
-    return answer[:-1] + str((int(answer[-1]) + int(rng.integers(1, 10))) % 10)
+    total = int(answer)
+    return str(total - 100 if total >= 100 else total + 100)
   if family == "conversion":
     return answer[:-1] if answer.endswith("0") else answer + "0"
   parts = answer.split(" ")
