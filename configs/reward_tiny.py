@@ -5,14 +5,15 @@ correct answer chosen and a programmatically wrong one rejected).
 With no train.init_from it starts from the `sft_tiny` recipe's run in WORKDIR/../sft_tiny (runs/sft_tiny by
 default), made first when missing (and that one from runs/tiny). Every evaluation logs the held-out pairwise
 accuracy `eval_reward_accuracy` and margin; `python -m train.reward --workdir runs/reward_tiny --input FILE`
-scores texts with the result.
+scores texts with the result. 600 steps: at 300 the letter-reversal pairs were still being learnt (held-out
+accuracy 0.93 overall, reversal 0.68; 0.998 at 600, benchmarks/preference_eval.py).
 """
 from configs import sft_tiny
 
 
 def get_config():
   c = sft_tiny.get_config()
-  c.train.update(objective="reward", base_recipe="sft_tiny", steps=300, batch_size=16, seq_len=48, lr=1e-3,
+  c.train.update(objective="reward", base_recipe="sft_tiny", steps=600, batch_size=16, seq_len=48, lr=1e-3,
                  warmup_steps=20, min_lr_ratio=0.1, weight_decay=0.0, z_loss=0.0, eval_every=100, eval_steps=8,
                  eval_generations=0)
   c.data.update(sources="pairs=builtin:preference", chat_template="meshlm")

@@ -131,10 +131,16 @@ def is_preference_source(spec) -> bool:
 # ---- the built-in synthetic task ------------------------------------------------------------------------------
 def wrong_answer(family: str, answer: str, rng: np.random.Generator) -> str:
   """A wrong answer to an instruct item (data/instruct.py), different from `answer` by construction:
-  addition off by 1-20, reversal in the original order (or a rotation), sorting descending or shuffled,
-  conversion by the wrong power of ten."""
+  addition with the carry into the hundreds slipped (dropped: 132 -> 32, or added: 87 -> 187), reversal in the
+  original order (or a rotation), sorting descending or shuffled, conversion by the wrong power of ten.
+
+  The addition slip is one a reader spots from the size of the operands (a + b >= 100 or not) without the exact
+  digits: the tiny SFT model cannot add exactly (14% of its held-out sums are right; given the correct leading
+  digits it predicts the last one in 22% of cases), and with slips in the last digits (sums off by 1-20) neither
+  the reward model nor DPO built on it got past chance on those pairs."""
   if family == "addition":
-    return str(int(answer) + int(rng.choice([-1, 1])) * int(rng.integers(1, 21)))
+    total = int(answer)
+    return str(total - 100 if total >= 100 else total + 100)
   if family == "conversion":
     return answer[:-1] if answer.endswith("0") else answer + "0"
   parts = answer.split(" ")

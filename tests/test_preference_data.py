@@ -83,6 +83,8 @@ def test_builtin_task_prefers_the_correct_answer():
     if p["family"] == "addition":
       a, b = map(int, re.findall(r"\d+", p["prompt"]))
       assert int(p["chosen"]) == a + b != int(p["rejected"])
+      # the hundreds carry slipped: off by exactly 100, toward two digits when a + b has three and back
+      assert int(p["rejected"]) == (a + b - 100 if a + b >= 100 else a + b + 100)
     elif p["family"] == "sorting":
       digits = p["prompt"].split(": ")[1].split()
       assert p["chosen"].split() == sorted(digits) != p["rejected"].split()
