@@ -6,7 +6,8 @@ alternating the two `--repeats` times, and prints one JSON line per run and requ
 requests/s of each (every repeat listed), the speed-up, meshlm's first call (compilation included), the largest
 per-request |log-likelihood| difference and the machine's load average. `--choices K` gives each context K
 continuations, as a K-way multiple-choice task does (HellaSwag: 4, PIQA: 2); K = 1 is the worst case for meshlm,
-whose requests sharing a context share one prefill, while lm-eval's hf backend runs every request in full.
+whose requests sharing a context share one row (the context once, tree attention), while lm-eval's hf backend
+runs every request in full.
 A ~50M-parameter run to compare with, a few steps:
 `python -m train --workdir runs/m50 --config.model.vocab_size=8192 --config.model.d_model=512
  --config.model.num_layers=10 --config.model.num_heads=8 --config.model.num_kv_heads=8 --config.model.head_dim=64

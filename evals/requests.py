@@ -16,14 +16,15 @@ Inputs longer than the model are left-truncated: `(context + continuation)[-(max
 scored token is BOS itself, as lm-eval does with BOS-adding tokenizers).
 
 Batching: a request's model input is its prefix (every token before the continuation) followed by the
-continuation's first n - 1 tokens. Requests with equal prefixes (the choices of a multiple-choice question, or
-every empty-context request: prefix [BOS]) share one prefill: distinct prefixes, sorted by length (longest
-first), are cut into batches of `batch_size` rows, left-padded to a bucketed length (four sizes per octave, so
-a handful of shapes compile) and run once into a KV cache; the logits after each prefix score the first
-continuation token, and the requests of the batch, in rows of `batch_size` sorted by continuation length, feed
-their remaining tokens after a copy of their prefix's cache rows. Rows are sharded over the data axes; padding
-is masked, so scores do not depend on the batch. Only the continuation's positions are projected to the
-vocabulary.
+continuation's first n - 1 tokens (its branch). Requests with equal prefixes (the choices of a multiple-choice
+question, or every empty-context request: prefix [BOS]) share one row: the prefix once, then the branches, under
+tree attention (each branch sees the prefix and itself; positions restart after the prefix), so the prefix is
+computed once and every scored token sees what it would in a pass of its own (a group longer than `max_len`
+continues in another piece). Pieces are packed first-fit-decreasing into batches of `batch_size` rows, several
+short pieces per row as separate segments, each row at most a bucketed length (four sizes per octave, so a
+handful of shapes compile), and each batch runs in one forward pass; only the scored positions go through the
+output projection. Rows are sharded over the data axes; padding is masked, so scores do not depend on the batch. A model
+with sliding windows gives every request its own row (the window test counts row indices).
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ import numpy as np
 from flax import nnx
 
 import parallel
+from model import config as config_lib
 from model import generate as generate_lib
-from model import kv_cache
 from model import logprobs
 
 _MIN_BUCKET = 16  # shortest padded input length
@@ -123,7 +124,11 @@ class LM:
     self.batch_size = -(-batch_size // shards(0)) * shards(0)
     self._length_shards = shards(1)  # padded lengths are multiples of it (sequence parallelism)
     self._row_sharding = parallel.sharding.logical_sharding(mesh, self.rules, ("batch",))
-    self._prefill_fn, self._extend_fn = jax.jit(self._prefill), jax.jit(self._extend)
+    self._row_shards = shards(0)
+    # Tree attention's sliding-window test counts row indices, which differ from positions inside branches: a
+    # windowed model gives every request its own row.
+    self._share_prefixes = not any(config_lib.layer_windows(model.cfg))
+    self._score_fn = jax.jit(self._score)
 
   def update(self, model) -> None:
     """Scores with `model`'s current parameters from now on (same architecture: nothing recompiles)."""
@@ -217,10 +222,12 @@ class LM:
     """Scores (context ids, continuation ids) pairs: [(sum log p(continuation), greedy?)], in input order.
 
     Each request's model input (context + continuation, left-truncated, minus its last token) splits into a
-    prefix (every token before the continuation) and the continuation's first n - 1 tokens. Requests with equal
-    prefixes (the choices of one multiple-choice question) share one prefill: the prefix runs once into a KV
-    cache (model.kv_cache), whose last position scores the first continuation token; each request's remaining
-    tokens are then scored from a copy of its prefix's cache rows. Same numbers as one pass over the whole input.
+    prefix (every token before the continuation) and the continuation's first n - 1 tokens, its branch. Requests
+    with equal prefixes (the choices of one multiple-choice question) form one segment of a row: the prefix once,
+    then each request's branch, under tree attention (a branch sees the prefix and itself, model/attention.py)
+    with positions restarting after the prefix, so every token sees exactly what it would in its own pass. A
+    segment holds at most `max_len` tokens (a group that does not fit continues in another). The prefix's last
+    position scores each branch's first token; only scored positions go through the output projection.
     """
     rows = []  # (prefix, continuation)
     for i, (ctx, cont) in enumerate(pairs):
@@ -232,80 +239,107 @@ class LM:
       rows.append((tuple(whole[:-len(cont)]), list(cont)))
     groups: dict[tuple, list[int]] = {}
     for i, (prefix, _) in enumerate(rows):
-      groups.setdefault(prefix, []).append(i)
-    prefixes = sorted(groups, key=lambda p: (-len(p), groups[p][0]))
-    batches = [prefixes[s:s + self.batch_size] for s in range(0, len(prefixes), self.batch_size)]
-    if self.progress and len(batches) > 1:
-      from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-      batches = tqdm(batches, desc="scoring", unit="batch", leave=False)
+      groups.setdefault(prefix if self._share_prefixes else (i,) + prefix, []).append(i)
+    pieces = []  # (prefix, request ids, tokens): a prefix and the branches of (some of) its requests
+    for members in groups.values():
+      prefix = rows[members[0]][0]
+      row, used = [], len(prefix)
+      for i in members:
+        n = len(rows[i][1]) - 1
+        if row and used + n > self.max_len:
+          pieces.append((prefix, row, used))
+          row, used = [], len(prefix)
+        row.append(i)
+        used += n
+      pieces.append((prefix, row, used))
     results: list[Any] = [None] * len(rows)
     pending = []
-    for batch in batches:
-      P = _round_up(_bucket(len(batch[0]), self.max_len), self._length_shards)
-      tokens_BP = np.zeros((self.batch_size, P), np.int32)
-      start_B = np.full((self.batch_size,), P - 1, np.int32)  # padding rows: one (ignored) token
-      for b, prefix in enumerate(batch):
-        tokens_BP[b, P - len(prefix):], start_B[b] = prefix, P - len(prefix)
-      cache, logits_BV = self._prefill_fn(self._state, jax.device_put(tokens_BP, self._sharding),
-                                          jax.device_put(start_B, self._row_sharding))
-      members = sorted(((i, b) for b, prefix in enumerate(batch) for i in groups[prefix]),
-                       key=lambda ib: (-len(rows[ib[0]][1]), ib[0]))
-      for s in range(0, len(members), self.batch_size):
-        chunk = members[s:s + self.batch_size]
-        n = len(rows[chunk[0][0]][1])  # the longest continuation of the chunk
-        C = 0 if n == 1 else _round_up(min(_pow2(max(_MIN_CONT_BUCKET, n - 1)), self.max_len), self._length_shards)
-        row_E = np.zeros((self.batch_size,), np.int32)
-        tokens_EC = np.zeros((self.batch_size, C), np.int32)
-        targets_EX = np.zeros((self.batch_size, C + 1), np.int32)
-        mask_EX = np.zeros((self.batch_size, C + 1), np.float32)
-        for e, (i, b) in enumerate(chunk):
-          cont = rows[i][1]
-          row_E[e], tokens_EC[e, :len(cont) - 1] = b, cont[:-1]
-          targets_EX[e, :len(cont)], mask_EX[e, :len(cont)] = cont, 1.0
-        args = [jax.device_put(row_E, self._row_sharding), jax.device_put(tokens_EC, self._sharding)] + [
-            jax.device_put(a, self._row_sharding) for a in (targets_EX, mask_EX)]  # C + 1 columns: rows split
-        pending.append(([i for i, _ in chunk], self._extend_fn(self._state, cache, logits_BV, *args)))
-        if len(pending) > 2:  # dispatched; fetched a little later so the host prepares the next batch meanwhile
-          self._collect(pending.pop(0), results)
+    for batch in _pack_rows(pieces, self.batch_size, self.max_len, self._length_shards, self.progress):
+      B = min(_round_up(_bucket(len(batch), self.batch_size, 1), self._row_shards), self.batch_size)  # last batch
+      L = _round_up(_bucket(max(sum(piece[2] for piece in row) for row in batch), self.max_len), self._length_shards)
+      members = [(b, i) for b, row in enumerate(batch) for _, ids, _ in row for i in ids]
+      M = _round_up(_pow2(max(len(members), B)), self._row_shards)
+      X = _bucket(max(len(rows[i][1]) for _, i in members), self.max_len, _MIN_CONT_BUCKET)
+      tokens_BL, segment_ids_BL, positions_BL, branch_BL = (np.zeros((B, L), np.int32) for _ in range(4))
+      row_M, col_MX, targets_MX = (np.zeros((M,), np.int32), np.zeros((M, X), np.int32),
+                                   np.zeros((M, X), np.int32))
+      mask_MX = np.zeros((M, X), np.float32)
+      m = 0
+      for b, row in enumerate(batch):
+        at = 0
+        for segment, (prefix, ids, used) in enumerate(row, start=1):
+          P = len(prefix)
+          tokens_BL[b, at:at + P], positions_BL[b, at:at + P] = prefix, np.arange(P)
+          segment_ids_BL[b, at:at + used] = segment
+          trunk_end, at = at + P - 1, at + P
+          for branch, i in enumerate(ids, start=1):
+            cont = rows[i][1]
+            n = len(cont)
+            tokens_BL[b, at:at + n - 1], positions_BL[b, at:at + n - 1] = cont[:-1], np.arange(P, P + n - 1)
+            branch_BL[b, at:at + n - 1] = branch
+            row_M[m], col_MX[m, 0], col_MX[m, 1:n] = b, trunk_end, np.arange(at, at + n - 1)
+            targets_MX[m, :n], mask_MX[m, :n] = cont, 1.0
+            at += n - 1
+            m += 1
+      put = lambda a, sharding: jax.device_put(a, sharding)
+      args = [put(a, self._sharding) for a in (tokens_BL, segment_ids_BL, positions_BL, branch_BL)] + [
+          put(a, self._row_sharding) for a in (row_M, col_MX, targets_MX, mask_MX)]
+      pending.append(([i for _, i in members], self._score_fn(self._state, *args)))
+      if len(pending) > 2:  # dispatched; fetched a little later so the host prepares the next batch meanwhile
+        self._collect(pending.pop(0), results)
     for item in pending:
       self._collect(item, results)
     return results
 
   @staticmethod
   def _collect(item, results):
-    idx, (logprob_E, greedy_E) = item
-    logprob_E, greedy_E = jax.device_get((logprob_E, greedy_E))
-    for e, i in enumerate(idx):
-      results[i] = (float(logprob_E[e]), bool(greedy_E[e]))
+    idx, (logprob_M, greedy_M) = item
+    logprob_M, greedy_M = jax.device_get((logprob_M, greedy_M))
+    for m, i in enumerate(idx):
+      results[i] = (float(logprob_M[m]), bool(greedy_M[m]))
 
-  def _prefill(self, state, tokens_BP, start_B):
-    """Left-padded prefixes -> (their KV cache, the logits after each prefix [B, V] float32)."""
-    with parallel.activate(self.mesh, self.rules, inside_jit=True):
-      model = nnx.merge(self._graphdef, state)
-      x_BPD, cache = generate_lib.prefill(model, tokens_BP, start_B, 0)
-      return cache, model.logits(x_BPD[:, -1:])[:, 0]  # every prefix ends at slot P - 1
+  def _score(self, state, tokens_BL, segment_ids_BL, positions_BL, branch_BL, row_M, col_MX, targets_MX, mask_MX):
+    """(sum over masked positions of log p(target), every masked target is the argmax) per scored request.
 
-  def _extend(self, state, cache, logits_BV, row_E, tokens_EC, targets_EX, mask_EX):
-    """(sum over masked positions of log p(target), every masked target is the argmax) per row.
-
-    Row e continues prefix row_E[e] of the prefill: position 0 is scored by the prefill's last logits,
-    positions 1..C by the C tokens tokens_EC fed after a copy of that prefix's cache (X = C + 1 positions).
-    Only these positions go through the output projection: a continuation is a few tokens of a long input.
+    Request m's X scored positions are columns col_MX[m] of row row_M[m] (masked where mask_MX is 0).
     """
     with parallel.activate(self.mesh, self.rules, inside_jit=True):
       model = nnx.merge(self._graphdef, state)
-      logits_EXV = jnp.take(logits_BV, row_E, axis=0)[:, None]
-      C = tokens_EC.shape[1]
-      if C:
-        rows = kv_cache.select_rows(cache, row_E, C)
-        positions_EC = (rows.index - rows.start)[:, None] + jnp.arange(C, dtype=jnp.int32)
-        x_ECD, _ = model.features(tokens_EC, positions_BL=positions_EC, cache=rows)
-        logits_EXV = jnp.concatenate([logits_EXV, model.logits(x_ECD)], axis=1)
-    logp_EX, _ = logprobs.token_logprobs(logits_EXV, targets_EX)
-    logprob_E = jnp.sum(logp_EX * mask_EX, axis=-1)
-    greedy_E = jnp.all((jnp.argmax(logits_EXV, axis=-1) == targets_EX) | (mask_EX == 0), axis=-1)
-    return logprob_E, greedy_E
+      x_BLD = model.features(tokens_BL, segment_ids_BL, positions_BL,
+                             branch_BL=branch_BL if self._share_prefixes else None)
+      logits_MXV = model.logits(x_BLD[row_M[:, None], col_MX])
+    logp_MX, _ = logprobs.token_logprobs(logits_MXV, targets_MX)
+    logprob_M = jnp.sum(logp_MX * mask_MX, axis=-1)
+    greedy_M = jnp.all((jnp.argmax(logits_MXV, axis=-1) == targets_MX) | (mask_MX == 0), axis=-1)
+    return logprob_M, greedy_M
 
+
+def _pack_rows(pieces, batch_size: int, max_len: int, length_shards: int, progress: bool = False):
+  """Yields batches of at most `batch_size` rows, each row a list of pieces (prefix, request ids, length).
+
+  First-fit decreasing into rows of the bucketed length of the longest piece: several short pieces share a row as
+  separate segments, so little of a forward pass is padding. A piece is tried against the 64 most recently opened
+  rows only (the older ones are nearly full), which keeps packing linear in the number of requests.
+  """
+  left = sorted(pieces, key=lambda p: (-p[2], p[1][0]))
+  if not left:
+    return
+  R = _round_up(_bucket(left[0][2], max_len), length_shards)
+  rows, free = [], []
+  for piece in left:
+    for r in range(max(0, len(rows) - 64), len(rows)):
+      if piece[2] <= free[r]:
+        rows[r].append(piece)
+        free[r] -= piece[2]
+        break
+    else:
+      rows.append([piece])
+      free.append(R - piece[2])
+  batches = [rows[s:s + batch_size] for s in range(0, len(rows), batch_size)]
+  if progress and len(batches) > 1:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    batches = tqdm(batches, desc="scoring", unit="batch", leave=False)
+  yield from batches
 
 def cut_at_stops(text: str, until: Sequence[str]) -> str:
   """`text` up to (not including) the first occurrence of any stop string, as lm-eval's generate_until does

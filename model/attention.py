@@ -5,7 +5,10 @@ head h // (H // G) as in Hugging Face), segment_ids_BT (0 = padding, which atten
 window (tokens; 0 = full causal, else a token sees itself and window-1 before it; may be a traced int32) and
 `causal` (a Python bool; False = bidirectional within the segment, the encoder of model.causal=false; no window)
 and optionally prefix_BT (bool/int, 1 = the token belongs to its document's bidirectional prefix: prefix tokens of
-one segment see each other in both directions, the prefix-LM of Raffel et al. 2020 / UL2's S-denoiser).
+one segment see each other in both directions, the prefix-LM of Raffel et al. 2020 / UL2's S-denoiser), and
+optionally branch_BT (int: 0 = the shared trunk of a row's segment; a token of branch b > 0 sees the trunk and
+branch b only, so several continuations of one prompt are scored in one row without seeing each other: tree
+attention, evals/requests.py).
 They return the context o_BTHK in q's dtype; scores and softmax statistics are float32.
 
 - `xla_attention`: the reference, materialises [B, H, T, S] scores.
@@ -26,10 +29,12 @@ _NEG = -1e30  # finite "minus infinity": masked scores never produce NaN through
 
 
 def mask_fn(q_pos_T, k_pos_S, seg_q_BT, seg_k_BS, window, causal: bool = True, prefix_q_BT=None,
-            prefix_k_BS=None) -> jax.Array:
+            prefix_k_BS=None, branch_q_BT=None, branch_k_BS=None) -> jax.Array:
   """bool [B, T, S]: within the same segment and, if `causal`, causal (by index in the row) inside the window
-  or (with prefixes) both tokens in the prefix."""
+  or (with prefixes) both tokens in the prefix; with branches, the key is on the trunk (0) or the query's branch."""
   same_BTS = seg_q_BT[:, :, None] == seg_k_BS[:, None, :]
+  if branch_q_BT is not None:
+    same_BTS = same_BTS & ((branch_k_BS[:, None, :] == 0) | (branch_k_BS[:, None, :] == branch_q_BT[:, :, None]))
   if not causal:
     return same_BTS
   diff_TS = q_pos_T[:, None] - k_pos_S[None, :]
@@ -44,11 +49,12 @@ def _group(q_BTHK, num_kv_heads):
   return q_BTHK.reshape(B, T, num_kv_heads, H // num_kv_heads, K)
 
 
-def xla_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, causal: bool = True, prefix_BT=None):
+def xla_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, causal: bool = True, prefix_BT=None,
+                  branch_BT=None):
   """Reference attention with an explicit [B, G, R, T, S] score tensor (R = H // G query heads per kv head)."""
   T, S = q_BTHK.shape[1], k_BSGK.shape[1]
   mask_BTS = mask_fn(jnp.arange(T), jnp.arange(S), segment_ids_BT, segment_ids_BT, window, causal, prefix_BT,
-                     prefix_BT)
+                     prefix_BT, branch_BT, branch_BT)
   return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS)
 
 
@@ -79,11 +85,11 @@ def _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS):
 
 
 def dot_product_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, causal: bool = True,
-                          prefix_BT=None):
+                          prefix_BT=None, branch_BT=None):
   """`jax.nn.dot_product_attention` with the segment/causal/window mask; cuDNN on GPU for half precision."""
   T, S = q_BTHK.shape[1], k_BSGK.shape[1]
   mask_B1TS = mask_fn(jnp.arange(T), jnp.arange(S), segment_ids_BT, segment_ids_BT, window, causal, prefix_BT,
-                      prefix_BT)[:, None]
+                      prefix_BT, branch_BT, branch_BT)[:, None]
   call = functools.partial(jax.nn.dot_product_attention, q_BTHK, k_BSGK, v_BSGK, mask=mask_B1TS)
   if jax.default_backend() == "gpu" and q_BTHK.dtype in (jnp.bfloat16, jnp.float16):
     try:
@@ -129,7 +135,7 @@ def _block_visible(i, j, bq, bk, window, causal=True):
 
 
 def blockwise_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_size: int = 512,
-                        causal: bool = True, prefix_BT=None):
+                        causal: bool = True, prefix_BT=None, branch_BT=None):
   """Flash-style attention: O(T * block) memory in forward and backward; same values as `xla_attention`."""
   B, T, H, K = q_BTHK.shape
   blk = min(block_size, T)
@@ -140,8 +146,13 @@ def blockwise_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_
   window = jnp.asarray(window, jnp.int32)
   # With a prefix every block may hold visible pairs above the diagonal: none is skipped (causal=False does that).
   has_prefix = prefix_BT is not None and causal
-  prefix = _pad_to((prefix_BT if has_prefix else jnp.zeros_like(segment_ids_BT)).astype(jnp.int32), Tp, 1)
-  o = _flash(q, k, v, seg_BT, window, prefix, blk, causal and not has_prefix, has_prefix)
+  has_branch = branch_BT is not None
+  # One int array carries both per-token codes through the blocks: prefix bit + 2 * branch.
+  tree = (prefix_BT > 0).astype(jnp.int32) if has_prefix else jnp.zeros(segment_ids_BT.shape, jnp.int32)
+  if has_branch:
+    tree = tree + 2 * branch_BT.astype(jnp.int32)
+  tree = _pad_to(tree, Tp, 1)
+  o = _flash(q, k, v, seg_BT, window, tree, blk, causal and not has_prefix, has_prefix, has_branch)
   return o[:, :T]
 
 
@@ -161,7 +172,7 @@ def _scores(q_BQGRK, k_BSGK, scale):
   return jnp.einsum("bqgrk,bsgk->bgrqs", q_BQGRK, k_BSGK, preferred_element_type=jnp.float32) * scale
 
 
-def _flash_forward(q, k, v, seg_BT, window, prefix_BT, blk, causal, has_prefix):
+def _flash_forward(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch):
   """Returns o_BTHK (q dtype) and the row logsumexp lse_BGRT (float32)."""
   B, T, H, K = q.shape
   G = k.shape[2]
@@ -169,17 +180,17 @@ def _flash_forward(q, k, v, seg_BT, window, prefix_BT, blk, causal, has_prefix):
   scale = 1.0 / jnp.sqrt(jnp.float32(K))
   qb = _split_blocks(_group(q, G), blk)  # [n, B, blk, G, R, K]
   kb, vb, segb = _split_blocks(k, blk), _split_blocks(v, blk), _split_blocks(seg_BT, blk)
-  prefb = _split_blocks(prefix_BT, blk)
+  treeb = _split_blocks(tree_BT, blk)
   n = T // blk
 
-  def q_block(i, q_BQGRK, segq_BQ, prefq_BQ):
+  def q_block(i, q_BQGRK, segq_BQ, treeq_BQ):
     def k_step(carry, xs):
-      j, k_BSGK, v_BSGK, segk_BS, prefk_BS = xs
+      j, k_BSGK, v_BSGK, segk_BS, treek_BS = xs
 
       def compute(carry):
         m, l, acc = carry
         s = _scores(q_BQGRK, k_BSGK, scale)
-        mask = _block_mask(i, j, blk, segq_BQ, segk_BS, window, causal, has_prefix, prefq_BQ, prefk_BS)
+        mask = _block_mask(i, j, blk, segq_BQ, segk_BS, window, causal, has_prefix, has_branch, treeq_BQ, treek_BS)
         s = jnp.where(mask, s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -194,36 +205,37 @@ def _flash_forward(q, k, v, seg_BT, window, prefix_BT, blk, causal, has_prefix):
 
     init = (jnp.full((B, G, R, blk), _NEG, jnp.float32), jnp.zeros((B, G, R, blk), jnp.float32),
             jnp.zeros((B, G, R, blk, K), jnp.float32))
-    (m, l, acc), _ = jax.lax.scan(k_step, init, (jnp.arange(n), kb, vb, segb, prefb))
+    (m, l, acc), _ = jax.lax.scan(k_step, init, (jnp.arange(n), kb, vb, segb, treeb))
     o_BGRQK = acc / l[..., None]  # every real row sees at least itself, so l > 0
     return jnp.einsum("bgrqk->bqgrk", o_BGRQK).reshape(B, blk, H, K), m + jnp.log(l)
 
-  o_n, lse_n = jax.lax.map(lambda xs: q_block(*xs), (jnp.arange(n), qb, segb, prefb))
+  o_n, lse_n = jax.lax.map(lambda xs: q_block(*xs), (jnp.arange(n), qb, segb, treeb))
   o_BTHK = _merge_blocks(o_n).astype(q.dtype)
   lse_BGRT = jnp.moveaxis(lse_n, 0, 3).reshape(B, G, R, T)
   return o_BTHK, lse_BGRT
 
 
-def _block_mask(i, j, blk, segq_BQ, segk_BS, window, causal, has_prefix, prefq_BQ, prefk_BS):
-  """[B, 1, 1, blk, blk] mask of query block i against key block j."""
+def _block_mask(i, j, blk, segq_BQ, segk_BS, window, causal, has_prefix, has_branch, treeq_BQ, treek_BS):
+  """[B, 1, 1, blk, blk] mask of query block i against key block j (tree codes: prefix bit + 2 * branch)."""
   pos = jnp.arange(blk)
-  prefixes = (prefq_BQ, prefk_BS) if has_prefix else (None, None)
+  prefixes = (treeq_BQ & 1, treek_BS & 1) if has_prefix else (None, None)
+  branches = (treeq_BQ >> 1, treek_BS >> 1) if has_branch else (None, None)
   return mask_fn(i * blk + pos, j * blk + pos, segq_BQ, segk_BS, window, causal or has_prefix,
-                 *prefixes)[:, None, None]
+                 *prefixes, *branches)[:, None, None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _flash(q, k, v, seg_BT, window, prefix_BT, blk, causal, has_prefix):
-  return _flash_forward(q, k, v, seg_BT, window, prefix_BT, blk, causal, has_prefix)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _flash(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch):
+  return _flash_forward(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch)[0]
 
 
-def _flash_fwd(q, k, v, seg_BT, window, prefix_BT, blk, causal, has_prefix):
-  o, lse = _flash_forward(q, k, v, seg_BT, window, prefix_BT, blk, causal, has_prefix)
-  return o, (q, k, v, seg_BT, window, prefix_BT, o, lse)
+def _flash_fwd(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch):
+  o, lse = _flash_forward(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch)
+  return o, (q, k, v, seg_BT, window, tree_BT, o, lse)
 
 
-def _flash_bwd(blk, causal, has_prefix, res, do_BTHK):
-  q, k, v, seg_BT, window, prefix_BT, o, lse_BGRT = res
+def _flash_bwd(blk, causal, has_prefix, has_branch, res, do_BTHK):
+  q, k, v, seg_BT, window, tree_BT, o, lse_BGRT = res
   B, T, H, K = q.shape
   G = k.shape[2]
   R = H // G
@@ -236,18 +248,18 @@ def _flash_bwd(blk, causal, has_prefix, res, do_BTHK):
   lseb = jnp.moveaxis(lse_BGRT.reshape(B, G, R, n, blk), 3, 0)  # [n, B, G, R, blk]
   db = jnp.moveaxis(d_BGRT.reshape(B, G, R, n, blk), 3, 0)
   kb, vb, segb = _split_blocks(k, blk), _split_blocks(v, blk), _split_blocks(seg_BT, blk)
-  prefb = _split_blocks(prefix_BT, blk)
+  treeb = _split_blocks(tree_BT, blk)
 
   def k_block(dq_acc, xs):
-    j, k_BSGK, v_BSGK, segk_BS, prefk_BS = xs
+    j, k_BSGK, v_BSGK, segk_BS, treek_BS = xs
 
     def q_step(carry, xs):
-      i, q_BQGRK, do_BQGRK, lse_BGRQ, d_BGRQ, segq_BQ, prefq_BQ = xs
+      i, q_BQGRK, do_BQGRK, lse_BGRQ, d_BGRQ, segq_BQ, treeq_BQ = xs
 
       def compute(carry):
         dk, dv = carry
         s = _scores(q_BQGRK, k_BSGK, scale)
-        mask = _block_mask(i, j, blk, segq_BQ, segk_BS, window, causal, has_prefix, prefq_BQ, prefk_BS)
+        mask = _block_mask(i, j, blk, segq_BQ, segk_BS, window, causal, has_prefix, has_branch, treeq_BQ, treek_BS)
         p = jnp.where(mask, jnp.exp(s - lse_BGRQ[..., None]), 0.0)
         dv = dv + jnp.einsum("bgrqs,bqgrk->bsgk", p, do_BQGRK.astype(jnp.float32))
         dp = jnp.einsum("bqgrk,bsgk->bgrqs", do_BQGRK, v_BSGK, preferred_element_type=jnp.float32)
@@ -262,11 +274,11 @@ def _flash_bwd(blk, causal, has_prefix, res, do_BTHK):
       return jax.lax.cond(_block_visible(i, j, blk, blk, window, causal), compute, skip, carry)
 
     init = (jnp.zeros((B, blk, G, K), jnp.float32), jnp.zeros((B, blk, G, K), jnp.float32))
-    (dk, dv), dq_n = jax.lax.scan(q_step, init, (jnp.arange(n), qb, dob, lseb, db, segb, prefb))
+    (dk, dv), dq_n = jax.lax.scan(q_step, init, (jnp.arange(n), qb, dob, lseb, db, segb, treeb))
     return dq_acc + dq_n, (dk, dv)
 
   dq0 = jnp.zeros((n, B, blk, G, R, K), jnp.float32)
-  dq_n, (dk_n, dv_n) = jax.lax.scan(k_block, dq0, (jnp.arange(n), kb, vb, segb, prefb))
+  dq_n, (dk_n, dv_n) = jax.lax.scan(k_block, dq0, (jnp.arange(n), kb, vb, segb, treeb))
   dq = _merge_blocks(dq_n).reshape(B, T, H, K).astype(q.dtype)
   return dq, _merge_blocks(dk_n).astype(k.dtype), _merge_blocks(dv_n).astype(v.dtype), None, None, None
 
@@ -277,8 +289,9 @@ IMPLEMENTATIONS = {"xla": xla_attention, "dot_product": dot_product_attention, "
 
 
 def attend(impl: str, q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_size: int = 512,
-           causal: bool = True, prefix_BT=None):
+           causal: bool = True, prefix_BT=None, branch_BT=None):
   """Dispatches to the implementation named by `model.attention_impl`."""
   if impl == "blockwise":
-    return blockwise_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, block_size, causal, prefix_BT)
-  return IMPLEMENTATIONS[impl](q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, causal, prefix_BT)
+    return blockwise_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, block_size, causal, prefix_BT,
+                               branch_BT)
+  return IMPLEMENTATIONS[impl](q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, causal, prefix_BT, branch_BT)

@@ -55,11 +55,3 @@ def bytes_per_token(cfg) -> int:
   """Cache bytes per token per layer: 2 (K and V) x num_kv_heads x head_dim x bytes of the compute dtype."""
   return 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(DTYPES[cfg.dtype]).itemsize
 
-
-def select_rows(cache: KVCache, rows_R: jax.Array, slots: int) -> KVCache:
-  """A cache of R rows, row r a copy of `cache`'s row rows_R[r], with `slots` empty slots appended (same index):
-  several continuations scored from one prefilled prefix (evals/requests.py)."""
-  def rows(a):
-    a = jnp.take(a, rows_R, axis=1)
-    return axes.constrain(jnp.pad(a, ((0, 0), (0, 0), (0, slots), (0, 0), (0, 0))), NAMES)
-  return KVCache(rows(cache.k), rows(cache.v), cache.index, jnp.take(cache.start, rows_R))

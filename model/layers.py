@@ -69,15 +69,13 @@ class Attention(nnx.Module):
     self.quant = cfg.quant if "attn" in cfg.quant_layers else "none"
 
   def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None,
-               prefix_BL=None):
+               prefix_BL=None, branch_BL=None):
     """-> y_BLD, or (y_BLD, this layer's updated cache) when `cache` (one layer's slice) is given; `prefix_BL`
-    (1 = bidirectional prefix token, model/attention.py) applies without a cache.
+    (1 = bidirectional prefix token) and `branch_BL` (tree attention) apply without a cache (model/attention.py).
 
     With a cache the L new keys/values are stored at slots [cache.index, cache.index + L). L == 1 is a decode
-    step: the token attends to the cached slots (`cached_attention`). L > 1 into an empty cache (index 0) is a
-    prefill: the tokens attend among themselves with `model.attention_impl`, exactly as without a cache. L > 1
-    into a filled cache (index > 0) extends it: the chunk attends to the cached slots and causally to itself
-    (`cached_attention`; scoring several continuations of one cached prefix, evals/requests.py).
+    step: the token attends to the cached slots (`cached_attention`). L > 1 is a prefill into an empty cache
+    (index 0): the tokens attend among themselves with `model.attention_impl`, exactly as without a cache.
     """
     dt = self.dtype
     q_BLHK = quant_lib.einsum("bld,dhk->blhk", x_BLD, _value(self.q, dt), self.quant)
@@ -96,15 +94,11 @@ class Attention(nnx.Module):
     v_BLGK = remat.tag(axes.constrain(v_BLGK, (BATCH, KV_LENGTH, KV_HEADS, HEAD_DIM)), remat.VALUE_PROJ)
     if cache is not None:
       cache = kv_cache.write(cache, k_BLGK, v_BLGK)
-    cached = lambda: attention_lib.cached_attention(q_BLHK, cache.k, cache.v, cache.index, cache.start, window)
-    own = lambda: attention_lib.attend(self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window, self.block_size,
-                                       self.causal, prefix_BL)
-    if cache is None:
-      o_BLHK = own()
-    elif q_BLHK.shape[1] == 1:
-      o_BLHK = cached()
-    else:  # the index is traced: the branch is chosen at run time
-      o_BLHK = jax.lax.cond(cache.index == 0, own, cached)
+    if cache is not None and q_BLHK.shape[1] == 1:
+      o_BLHK = attention_lib.cached_attention(q_BLHK, cache.k, cache.v, cache.index, cache.start, window)
+    else:
+      o_BLHK = attention_lib.attend(self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window, self.block_size,
+                                    self.causal, prefix_BL, branch_BL)
     o_BLHK = remat.tag(axes.constrain(o_BLHK, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTN_CONTEXT)
     y_BLD = quant_lib.einsum("blhk,hkd->bld", o_BLHK, _value(self.o, dt), self.quant)
     if self.use_bias:
@@ -165,7 +159,7 @@ class Block(nnx.Module):
       self.mlp = Mlp(cfg, rngs=rngs)
 
   def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None,
-               prefix_BL=None):
+               prefix_BL=None, branch_BL=None):
     """-> (x_BLD, stats), or (x_BLD, updated layer cache) when `cache` is given (see Attention).
 
     stats are the MoE layer's router statistics (model.moe.router_stats), {} for a dense block; decoding with a
@@ -173,7 +167,7 @@ class Block(nnx.Module):
     """
     h_BLD = self.attn_norm(x_BLD)
     if cache is None:
-      attn_BLD = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, prefix_BL=prefix_BL)
+      attn_BLD = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, prefix_BL=prefix_BL, branch_BL=branch_BL)
     else:
       attn_BLD, cache = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache)
     stats = {}
@@ -215,12 +209,13 @@ class LayerGroup(nnx.Module):
     self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=j == n - 1) for j in range(n)])
 
   def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U, cache: kv_cache.KVCache | None = None,
-               prefix_BL=None):
+               prefix_BL=None, branch_BL=None):
     """-> (x_BLD, the MoE block's stats), or (x_BLD, updated cache) when `cache` (k/v: [moe_every, ...]) is given."""
     stats, ks, vs = {}, [], []
     for j, block in enumerate(self.blocks):
       if cache is None:
-        x_BLD, block_stats = block(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U[j], prefix_BL=prefix_BL)
+        x_BLD, block_stats = block(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U[j], prefix_BL=prefix_BL,
+                                   branch_BL=branch_BL)
         stats = block_stats or stats
       else:
         x_BLD, layer = block(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U[j],

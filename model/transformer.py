@@ -61,16 +61,18 @@ class Transformer(nnx.Module):
         self.unembed = layers.param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB), cfg)
 
   def __call__(self, tokens_BL: jax.Array, segment_ids_BL: jax.Array | None = None,
-               positions_BL: jax.Array | None = None, *, return_aux: bool = False, prefix_BL: jax.Array | None = None):
+               positions_BL: jax.Array | None = None, *, return_aux: bool = False, prefix_BL: jax.Array | None = None,
+               branch_BL: jax.Array | None = None):
     """-> logits_BLV float32; with return_aux, (logits_BLV, aux): aux holds the MoE router statistics
     (model.moe.STATS, float32 scalars and the [E] expert load, averaged over the MoE layers; {} when dense)."""
-    x_BLD, aux = self.features(tokens_BL, segment_ids_BL, positions_BL, return_aux=True, prefix_BL=prefix_BL)
+    x_BLD, aux = self.features(tokens_BL, segment_ids_BL, positions_BL, return_aux=True, prefix_BL=prefix_BL,
+                               branch_BL=branch_BL)
     logits_BLV = self.logits(x_BLD)
     return (logits_BLV, aux) if return_aux else logits_BLV
 
   def features(self, tokens_BL: jax.Array, segment_ids_BL: jax.Array | None = None,
                positions_BL: jax.Array | None = None, cache: kv_cache.KVCache | None = None, *,
-               return_aux: bool = False, prefix_BL: jax.Array | None = None):
+               return_aux: bool = False, prefix_BL: jax.Array | None = None, branch_BL: jax.Array | None = None):
     """The final-normed residual stream x_BLD; with a `cache` (model.kv_cache), (x_BLD, cache advanced by L);
     with return_aux (no cache), (x_BLD, MoE statistics as in __call__).
 
@@ -90,7 +92,8 @@ class Transformer(nnx.Module):
     def apply_block(graphdef, state, x_BLD, window, *layer_cache):
       if layer_cache:
         return nnx.merge(graphdef, state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, *layer_cache)
-      return nnx.merge(graphdef, state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, prefix_BL=prefix_BL)
+      return nnx.merge(graphdef, state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, prefix_BL=prefix_BL,
+                                        branch_BL=branch_BL)
 
     if cache is not None:
       x_BLD, cache = self._cached_layers(apply_block, x_BLD, windows, cache)
@@ -99,10 +102,10 @@ class Transformer(nnx.Module):
       unit = config_lib.layers_per_unit(self.cfg)
       windows_U = jnp.asarray(windows, jnp.int32).reshape(-1, unit) if unit > 1 else jnp.asarray(windows, jnp.int32)
       if self.pipeline is not None and axes.mesh_size(LAYERS) > 1:
-        x_BLD, stats = self._pipelined(x_BLD, windows_U, segment_ids_BL, positions_BL, prefix_BL)
+        x_BLD, stats = self._pipelined(x_BLD, windows_U, segment_ids_BL, positions_BL, prefix_BL, branch_BL)
       else:
         x_BLD, stats = self._stack(nnx.split(self.layers), windows_U, x_BLD, segment_ids_BL, cos_BLF, sin_BLF,
-                                   prefix_BL)
+                                   prefix_BL, branch_BL)
     else:
       stats = []
       for block, window in zip(self.layers, windows):
@@ -116,27 +119,29 @@ class Transformer(nnx.Module):
     x_BLD = self.final_norm(x_BLD)
     return (x_BLD, aux) if return_aux else x_BLD
 
-  def _stack(self, split_layers, windows_U, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, prefix_BL=None):
+  def _stack(self, split_layers, windows_U, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, prefix_BL=None, branch_BL=None):
     """The scanned stack (or a stage's slice of it): -> (x_BLD, stats with a leading [units] dimension)."""
     graphdef, state = split_layers
     def body(x_BLD, xs):
       layer_state, window = xs
-      return nnx.merge(graphdef, layer_state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, prefix_BL=prefix_BL)
+      return nnx.merge(graphdef, layer_state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, prefix_BL=prefix_BL,
+                                              branch_BL=branch_BL)
     body = remat_lib.wrap(body, self.remat, prevent_cse=False)
     return jax.lax.scan(body, x_BLD, (state, windows_U), unroll=self.cfg.scan_unroll)
 
-  def _pipelined(self, x_BLD, windows_U, segment_ids_BL, positions_BL, prefix_BL=None):
+  def _pipelined(self, x_BLD, windows_U, segment_ids_BL, positions_BL, prefix_BL=None, branch_BL=None):
     """The stack split over the `stage` mesh axis (parallel.pipeline); stats averaged like the plain scan's."""
     graphdef, state = nnx.split(self.layers)
     inv_freq = rope.inv_frequencies(self.cfg)
     def stage(weights, x_bLD, side):
-      (state_U, windows_u), (segment_ids_bL, positions_bL, *prefix_bL) = weights, side
+      (state_U, windows_u), (segment_ids_bL, positions_bL, masks) = weights, side
       cos_bLF, sin_bLF = rope.cos_sin(positions_bL, inv_freq)
       x_bLD, stats = self._stack((graphdef, state_U), windows_u, x_bLD, segment_ids_bL, cos_bLF, sin_bLF,
-                                 *prefix_bL)
+                                 masks.get("prefix"), masks.get("branch"))
       return x_bLD, jax.tree.map(lambda v: jnp.mean(v, axis=0), stats)
     s = self.pipeline
-    side = (segment_ids_BL, positions_BL) + ((prefix_BL,) if prefix_BL is not None else ())  # prefix-LM rows
+    masks = {k: v for k, v in (("prefix", prefix_BL), ("branch", branch_BL)) if v is not None}  # optional rows
+    side = (segment_ids_BL, positions_BL, masks)
     x_BLD, stats = pipeline_lib.run(stage, (state, windows_U), x_BLD, side, s)
     visits = s.stages * s.repeats * s.microbatches
     return x_BLD, jax.tree.map(lambda v: v[None] / visits, stats)  # [1] per statistic: the mean below keeps it

@@ -105,28 +105,41 @@ def test_scores_equal_a_numpy_log_softmax_of_the_logits(single, tok):
     assert abs(got[0] - want) < 1e-4 and got[1] == greedy
 
 
-def test_shared_prefixes_score_as_one_full_forward_per_request(single, tok):
-  """Choices sharing a context (one prefill, continuations from copies of its KV cache rows), one-token
-  continuations (scored by the prefill alone) and empty contexts (shared prefix [BOS]) equal log_softmax of one
-  unpadded forward pass per request (batch size 1 vs 16, shared prefixes included: the test above)."""
+@pytest.mark.parametrize("window", [0, 5])
+def test_shared_prefixes_score_as_one_full_forward_per_request(single, config, tok, window):
+  """Choices sharing a context (one trunk, each choice a branch under tree attention), one-token continuations
+  (scored from the trunk alone), a group longer than the model (split over two rows), empty contexts (shared
+  prefix [BOS]) and short requests packed into one row equal log_softmax of one unpadded forward pass per
+  request. With a sliding window (5 tokens) every request gets its own row."""
+  model = single.model
+  if window:
+    cfg = config.model.to_dict() if hasattr(config.model, "to_dict") else dict(config.model)
+    with parallel.activate(single.mesh, single.rules):
+      model = Transformer({**cfg, "sliding_window": window}, rngs=nnx.Rngs(0))
+  lm = LM(model, tok, single.mesh, single.rules, batch_size=16)
   forward = nnx.jit(lambda model, tokens: model(tokens))
   question = "Question: which one is a container?\nAnswer:"
-  reqs = [(question, c) for c in (" a list", " a dog that barks loudly", " the", " a set of values")] + [
-      ("", "import os"), ("", "print(1)"), ("The value ", "is None"), (question, " is")]
-  pairs = [single.encode_pair(c, x) for c, x in reqs]
-  assert len({tuple(c) for c, _ in pairs}) == 3 and min(len(x) for _, x in pairs) == 1
+  choices = (" a list", " a dog that barks loudly at night", " the", " a set of values", " a tuple of two ints",
+             " a dict mapping keys to values")
+  reqs = [(question, c) for c in choices] + [
+      ("", "import os"), ("", "print(1)"), ("The value ", "is None"), (question, " is"), ("x", " y")]
+  pairs = [lm.encode_pair(c, x) for c, x in reqs]
+  assert len({tuple(c) for c, _ in pairs}) == 4 and min(len(x) for _, x in pairs) == 1
+  group = [len(x) - 1 for c, x in pairs if c == pairs[0][0]]
+  assert len(pairs[0][0]) + sum(group) > lm.max_len  # the question's choices need two rows
   want = []
   for ctx, cont in pairs:
-    whole = (ctx + cont)[-(single.max_len + 1):]
-    with parallel.activate(single.mesh, single.rules):
-      logits = np.asarray(forward(single.model, np.asarray([whole[:-1]], np.int32))[0], np.float64)
+    whole = (ctx + cont)[-(lm.max_len + 1):]
+    with parallel.activate(lm.mesh, lm.rules):
+      logits = np.asarray(forward(model, np.asarray([whole[:-1]], np.int32))[0], np.float64)
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
     rows = range(len(whole) - 1 - len(cont), len(whole) - 1)
     want.append((sum(logp[r, whole[r + 1]] for r in rows), all(np.argmax(logits[r]) == whole[r + 1] for r in rows)))
-  got = single.loglikelihood(reqs)
+  got = lm.loglikelihood(reqs)
   np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], atol=1e-5, rtol=0)
   assert [g[1] for g in got] == [w[1] for w in want]
+  assert lm._share_prefixes == (window == 0)
 
 
 def test_encode_pair_follows_lm_eval(single, tok):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from model import attention
+from attention_testing import brute_force_attention
 
 B, T, H, G, K = 2, 21, 4, 2, 8  # T not a multiple of the block size: exercises padding
 
@@ -115,3 +116,33 @@ def test_blockwise_memory_is_linear_in_length():
   assert large < 6 * small, (small, large)  # 4x the length: ~4x the memory, not 16x
   # The reference materialises [T, T] scores: far more at 4096 tokens.
   assert temp_bytes(attention.xla_attention, 4096) > 8 * large
+
+
+def _tree_mask(seg, branch):
+  """Loops: query t sees key s <= t of its segment when s is on the trunk (branch 0) or on t's own branch."""
+  Bn, Tn = seg.shape
+  mask = np.zeros((Bn, Tn, Tn), bool)
+  for b in range(Bn):
+    for t in range(Tn):
+      for s in range(t + 1):
+        mask[b, t, s] = seg[b, s] == seg[b, t] and branch[b, s] in (0, branch[b, t])
+  return mask
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_tree_attention_branches_see_trunk_and_themselves(impl, inputs):
+  q, k, v, seg = inputs
+  # Row 0: a trunk of 5 then branches 1, 2, 3; row 1: two segments, each a trunk and two branches, padding.
+  branch = np.array([[0] * 5 + [1] * 4 + [2] * 7 + [3] * 5,
+                     [0] * 3 + [1] * 2 + [2] * 1 + [0] * 4 + [1] * 3 + [2] * 5 + [0] * 3], np.int32)
+  mask = _tree_mask(seg, branch)
+  want = brute_force_attention(q, k, v, mask)
+  fn = jax.jit(lambda q, k, v, seg, w, br: IMPLS[impl](q, k, v, seg, w, branch_BT=br))
+  got = fn(q, k, v, seg, jnp.int32(0), branch)
+  np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+  if impl == "blockwise":  # the custom VJP carries the branch codes too
+    w = jnp.asarray(np.random.default_rng(2).normal(size=(B, T, H, K)), jnp.float32)
+    grads = [jax.jit(jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v, seg, 0, branch_BT=branch) * w),
+                              argnums=(0, 1, 2)))(q, k, v) for f in (attention.xla_attention, IMPLS[impl])]
+    for g, r in zip(grads[1], grads[0]):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-5)
