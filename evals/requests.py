@@ -42,7 +42,7 @@ from model import generate as generate_lib
 from model import logprobs
 
 _MIN_BUCKET = 16  # shortest padded input length
-_MIN_CONT_BUCKET = 4  # fewest scored positions per row
+_MIN_SCORED = 64  # fewest scored positions per batch
 
 
 class TokenizerLike(Protocol):
@@ -128,7 +128,7 @@ class LM:
     # Tree attention's sliding-window test counts row indices, which differ from positions inside branches: a
     # windowed model gives every request its own row.
     self._share_prefixes = not any(config_lib.layer_windows(model.cfg))
-    self._score_fn = jax.jit(self._score)
+    self._score_fn = jax.jit(self._score, static_argnames="num_requests")
 
   def update(self, model) -> None:
     """Scores with `model`'s current parameters from now on (same architecture: nothing recompiles)."""
@@ -259,12 +259,13 @@ class LM:
       L = _round_up(_bucket(max(sum(piece[2] for piece in row) for row in batch), self.max_len), self._length_shards)
       members = [(b, i) for b, row in enumerate(batch) for _, ids, _ in row for i in ids]
       M = _round_up(_pow2(max(len(members), B)), self._row_shards)
-      X = _bucket(max(len(rows[i][1]) for _, i in members), self.max_len, _MIN_CONT_BUCKET)
+      # Scored positions, flat: each request's n positions, so the output projection sees no padding per request.
+      N = _round_up(_bucket(sum(len(rows[i][1]) for _, i in members), 1 << 30, _MIN_SCORED), self._row_shards)
       tokens_BL, segment_ids_BL, positions_BL, branch_BL = (np.zeros((B, L), np.int32) for _ in range(4))
-      row_M, col_MX, targets_MX = (np.zeros((M,), np.int32), np.zeros((M, X), np.int32),
-                                   np.zeros((M, X), np.int32))
-      mask_MX = np.zeros((M, X), np.float32)
-      m = 0
+      row_N, col_N, targets_N = (np.zeros((N,), np.int32) for _ in range(3))
+      member_N = np.full((N,), M - 1, np.int32)  # padding positions count for the last request slot, masked
+      mask_N = np.zeros((N,), np.float32)
+      m = k = 0
       for b, row in enumerate(batch):
         at = 0
         for segment, (prefix, ids, used) in enumerate(row, start=1):
@@ -277,14 +278,15 @@ class LM:
             n = len(cont)
             tokens_BL[b, at:at + n - 1], positions_BL[b, at:at + n - 1] = cont[:-1], np.arange(P, P + n - 1)
             branch_BL[b, at:at + n - 1] = branch
-            row_M[m], col_MX[m, 0], col_MX[m, 1:n] = b, trunk_end, np.arange(at, at + n - 1)
-            targets_MX[m, :n], mask_MX[m, :n] = cont, 1.0
+            row_N[k:k + n], col_N[k], col_N[k + 1:k + n] = b, trunk_end, np.arange(at, at + n - 1)
+            targets_N[k:k + n], member_N[k:k + n], mask_N[k:k + n] = cont, m, 1.0
             at += n - 1
+            k += n
             m += 1
       put = lambda a, sharding: jax.device_put(a, sharding)
       args = [put(a, self._sharding) for a in (tokens_BL, segment_ids_BL, positions_BL, branch_BL)] + [
-          put(a, self._row_sharding) for a in (row_M, col_MX, targets_MX, mask_MX)]
-      pending.append(([i for _, i in members], self._score_fn(self._state, *args)))
+          put(a, self._row_sharding) for a in (row_N, col_N, targets_N, member_N, mask_N)]
+      pending.append(([i for _, i in members], self._score_fn(self._state, *args, num_requests=M)))
       if len(pending) > 2:  # dispatched; fetched a little later so the host prepares the next batch meanwhile
         self._collect(pending.pop(0), results)
     for item in pending:
@@ -298,19 +300,22 @@ class LM:
     for m, i in enumerate(idx):
       results[i] = (float(logprob_M[m]), bool(greedy_M[m]))
 
-  def _score(self, state, tokens_BL, segment_ids_BL, positions_BL, branch_BL, row_M, col_MX, targets_MX, mask_MX):
-    """(sum over masked positions of log p(target), every masked target is the argmax) per scored request.
+  def _score(self, state, tokens_BL, segment_ids_BL, positions_BL, branch_BL, row_N, col_N, targets_N, member_N,
+             mask_N, *, num_requests: int):
+    """(sum over its positions of log p(target), every target is the argmax) per request slot [num_requests].
 
-    Request m's X scored positions are columns col_MX[m] of row row_M[m] (masked where mask_MX is 0).
+    Scored position p is column col_N[p] of row row_N[p], predicting targets_N[p] for request member_N[p]
+    (mask_N[p] = 0: padding).
     """
     with parallel.activate(self.mesh, self.rules, inside_jit=True):
       model = nnx.merge(self._graphdef, state)
       x_BLD = model.features(tokens_BL, segment_ids_BL, positions_BL,
                              branch_BL=branch_BL if self._share_prefixes else None)
-      logits_MXV = model.logits(x_BLD[row_M[:, None], col_MX])
-    logp_MX, _ = logprobs.token_logprobs(logits_MXV, targets_MX)
-    logprob_M = jnp.sum(logp_MX * mask_MX, axis=-1)
-    greedy_M = jnp.all((jnp.argmax(logits_MXV, axis=-1) == targets_MX) | (mask_MX == 0), axis=-1)
+      logits_N1V = model.logits(x_BLD[row_N, col_N][:, None])
+    logp_N1, _ = logprobs.token_logprobs(logits_N1V, targets_N[:, None])
+    logprob_M = jax.ops.segment_sum(logp_N1[:, 0] * mask_N, member_N, num_segments=num_requests)
+    wrong_N = (jnp.argmax(logits_N1V[:, 0], axis=-1) != targets_N) & (mask_N > 0)
+    greedy_M = jax.ops.segment_sum(wrong_N.astype(jnp.int32), member_N, num_segments=num_requests) == 0
     return logprob_M, greedy_M
 
 
