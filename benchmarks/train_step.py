@@ -169,7 +169,7 @@ def torch_step(config, remat: bool, threads: int):
 
 
 def maxtext_run(venv: str, config, remat: str, steps: int, workdir: str) -> dict:
-  """MaxText 0.2.5 on synthetic data, same model; -> its fastest and median logged step (the first excluded)."""
+  """MaxText 0.2.5 on synthetic data, same model; -> its fastest and median logged step (the first two excluded)."""
   import subprocess  # pylint: disable=g-import-not-at-top
   m, t = config.model, config.train
   out = os.path.join(workdir, f"maxtext_{remat}")
@@ -189,7 +189,9 @@ def maxtext_run(venv: str, config, remat: str, steps: int, workdir: str) -> dict
     return {"error": proc.stderr[-2000:]}
   with open(f"{out}/metrics.jsonl") as f:
     rows = [json.loads(line) for line in f if line.strip()]
-  times = [r["perf/step_time_seconds"] for r in rows if r.get("step", 0) >= 1]
+  # Step 0 compiles; MaxText times step 1 before its asynchronously dispatched work has finished (0.04-0.11 s
+  # logged, an MFU above 1 at d256), and step 2 absorbs the rest: steps >= 2 are the steady ones.
+  times = [r["perf/step_time_seconds"] for r in rows if r.get("step", 0) >= 2]
   return {"step_time_s": min(times), "step_time_median_s": statistics.median(times),
           "tokens_per_sec": t.batch_size * t.seq_len / min(times)}
 
