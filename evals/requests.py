@@ -24,7 +24,9 @@ continues in another piece). Pieces are packed first-fit-decreasing into batches
 short pieces per row as separate segments, each row at most a bucketed length (four sizes per octave, so a
 handful of shapes compile), and each batch runs in one forward pass; only the scored positions go through the
 output projection. Rows are sharded over the data axes; padding is masked, so scores do not depend on the batch. A model
-with sliding windows gives every request its own row (the window test counts row indices).
+with sliding windows gives every request its own segment (the window test counts row indices), and an MoE with
+a capacity limit every request its own row (expert capacity is counted per row; over the padded row length, so
+its scores still depend on the batch's padded length, as in any padded batch).
 """
 from __future__ import annotations
 
@@ -126,8 +128,14 @@ class LM:
     self._row_sharding = parallel.sharding.logical_sharding(mesh, self.rules, ("batch",))
     self._row_shards = shards(0)
     # Tree attention's sliding-window test counts row indices, which differ from positions inside branches: a
-    # windowed model gives every request its own row.
-    self._share_prefixes = not any(config_lib.layer_windows(model.cfg))
+    # windowed model gives every request its own segment. An MoE with a capacity limit counts expert capacity
+    # per row, so a request's score would depend on its row-mates: every request gets a row of its own.
+    self._own_rows = model.cfg.get("capacity_factor", 0) > 0 and model.cfg.get("num_experts", 0) > 0
+    self._share_prefixes = not any(config_lib.layer_windows(model.cfg)) and not self._own_rows
+    # A pipelined stack splits the rows into microbatches, each a multiple of the row shards.
+    pipeline = getattr(model, "pipeline", None)
+    self._row_multiple = shards(0) * (pipeline.microbatches if pipeline is not None else 1)
+    self.batch_size = _round_up(self.batch_size, self._row_multiple)
     self._score_fn = jax.jit(self._score, static_argnames="num_requests")
 
   def update(self, model) -> None:
@@ -254,8 +262,9 @@ class LM:
       pieces.append((prefix, row, used))
     results: list[Any] = [None] * len(rows)
     pending = []
-    for batch in _pack_rows(pieces, self.batch_size, self.max_len, self._length_shards, self.progress):
-      B = min(_round_up(_bucket(len(batch), self.batch_size, 1), self._row_shards), self.batch_size)  # last batch
+    for batch in _pack_rows(pieces, self.batch_size, self.max_len, self._length_shards, self.progress,
+                            one_per_row=self._own_rows):
+      B = min(_round_up(_bucket(len(batch), self.batch_size, 1), self._row_multiple), self.batch_size)  # last batch
       L = _round_up(_bucket(max(sum(piece[2] for piece in row) for row in batch), self.max_len), self._length_shards)
       members = [(b, i) for b, row in enumerate(batch) for _, ids, _ in row for i in ids]
       M = _round_up(_pow2(max(len(members), B)), self._row_shards)
@@ -319,7 +328,8 @@ class LM:
     return logprob_M, greedy_M
 
 
-def _pack_rows(pieces, batch_size: int, max_len: int, length_shards: int, progress: bool = False):
+def _pack_rows(pieces, batch_size: int, max_len: int, length_shards: int, progress: bool = False,
+               one_per_row: bool = False):
   """Yields batches of at most `batch_size` rows, each row a list of pieces (prefix, request ids, length).
 
   First-fit decreasing into rows of the bucketed length of the longest piece: several short pieces share a row as
@@ -332,7 +342,7 @@ def _pack_rows(pieces, batch_size: int, max_len: int, length_shards: int, progre
   R = _round_up(_bucket(left[0][2], max_len), length_shards)
   rows, free = [], []
   for piece in left:
-    for r in range(max(0, len(rows) - 64), len(rows)):
+    for r in range(len(rows) if one_per_row else max(0, len(rows) - 64), len(rows)):
       if piece[2] <= free[r]:
         rows[r].append(piece)
         free[r] -= piece[2]

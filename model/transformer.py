@@ -74,7 +74,8 @@ class Transformer(nnx.Module):
                positions_BL: jax.Array | None = None, cache: kv_cache.KVCache | None = None, *,
                return_aux: bool = False, prefix_BL: jax.Array | None = None, branch_BL: jax.Array | None = None):
     """The final-normed residual stream x_BLD; with a `cache` (model.kv_cache), (x_BLD, cache advanced by L);
-    with return_aux (no cache), (x_BLD, MoE statistics as in __call__).
+    with return_aux (no cache), (x_BLD, MoE statistics as in __call__). With a cache, L > 1 must be a prefill
+    into an empty cache (index 0) and L == 1 a decode step.
 
     `logits(features(...))` is `__call__`; decoding projects only the positions it samples from.
     """

@@ -15,6 +15,7 @@ import evals
 import parallel
 from data import tokenizer as tokenizer_lib
 from evals import bias, metrics, tasks as tasks_lib, toxicity
+from evals import requests as requests_lib
 from evals.requests import LM, cut_at_stops, rolling_windows
 from model import Transformer
 from parallel import mesh as mesh_lib
@@ -105,17 +106,17 @@ def test_scores_equal_a_numpy_log_softmax_of_the_logits(single, tok):
     assert abs(got[0] - want) < 1e-4 and got[1] == greedy
 
 
-@pytest.mark.parametrize("window", [0, 5])
-def test_shared_prefixes_score_as_one_full_forward_per_request(single, config, tok, window):
+@pytest.mark.parametrize("variant", ["dense", "window"])
+def test_shared_prefixes_score_as_one_full_forward_per_request(single, config, tok, variant):
   """Choices sharing a context (one trunk, each choice a branch under tree attention), one-token continuations
   (scored from the trunk alone), a group longer than the model (split over two rows), empty contexts (shared
   prefix [BOS]) and short requests packed into one row equal log_softmax of one unpadded forward pass per
-  request. With a sliding window (5 tokens) every request gets its own row."""
+  request. With a sliding window (5 tokens) every request gets its own segment."""
   model = single.model
-  if window:
+  if variant == "window":
     cfg = config.model.to_dict() if hasattr(config.model, "to_dict") else dict(config.model)
     with parallel.activate(single.mesh, single.rules):
-      model = Transformer({**cfg, "sliding_window": window}, rngs=nnx.Rngs(0))
+      model = Transformer({**cfg, "sliding_window": 5}, rngs=nnx.Rngs(0))
   lm = LM(model, tok, single.mesh, single.rules, batch_size=16)
   forward = nnx.jit(lambda model, tokens: model(tokens))
   question = "Question: which one is a container?\nAnswer:"
@@ -139,7 +140,25 @@ def test_shared_prefixes_score_as_one_full_forward_per_request(single, config, t
   got = lm.loglikelihood(reqs)
   np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], atol=1e-5, rtol=0)
   assert [g[1] for g in got] == [w[1] for w in want]
-  assert lm._share_prefixes == (window == 0)
+  assert lm._share_prefixes == (variant == "dense")
+
+
+@pytest.mark.parametrize("one_per_row", [False, True])
+def test_row_packing_places_every_piece_once_within_the_row_length(one_per_row):
+  """First-fit decreasing: each piece lands in exactly one row, no row exceeds the bucketed length of the longest
+  piece, batches hold at most batch_size rows; one_per_row (capacity-limited MoE) never shares a row."""
+  rng = np.random.default_rng(0)
+  pieces = [((), [i], int(n)) for i, n in enumerate(rng.integers(3, 60, 200))]
+  batches = list(requests_lib._pack_rows(pieces, 16, 64, 1, one_per_row=one_per_row))
+  rows = [row for batch in batches for row in batch]
+  assert all(len(batch) <= 16 for batch in batches)
+  assert sorted(p[1][0] for row in rows for p in row) == list(range(200))
+  longest = max(p[2] for p in pieces)
+  assert all(sum(p[2] for p in row) <= requests_lib._bucket(longest, 64) for row in rows)
+  if one_per_row:
+    assert all(len(row) == 1 for row in rows)
+  else:  # packing: fewer rows than pieces, and within 10% of the lower bound sum / row length
+    assert len(rows) <= 1.1 * sum(p[2] for p in pieces) / requests_lib._bucket(longest, 64) + 1
 
 
 def test_encode_pair_follows_lm_eval(single, tok):

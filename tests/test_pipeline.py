@@ -171,3 +171,22 @@ def test_tpu_compile_reports_the_pipeline_with_async_collectives():
   ops = collective_ops(compiled.as_text(), 8)
   # Without the overlap options libtpu issues every all-gather synchronously (measured: 0 of 19 async).
   assert any(op["async"] for op in ops if op["kind"] == "all-gather")
+
+
+def test_evaluation_scores_through_the_pipeline():
+  """evals.LM on a pipelined model (what train.eval_tasks scores during training) equals the unstaged model on
+  one device: rows rounded to whole microbatches of whole row shards, every batch size."""
+  from evals.requests import LM  # pylint: disable=g-import-not-at-top
+  trainer = _layout_trainer("stage4xdata2")  # 4 microbatches over 2 row shards
+  params = trainer.init()["params"]
+  flat = _trainer(_config(), jax.devices()[:1])
+  rng = np.random.default_rng(0)
+  context = list(rng.integers(1, 256, 9))
+  pairs = [(context, [5, 6]), (context, [7]), ([1], [9, 8, 7]), (list(rng.integers(1, 256, 40)), [3, 4])] + [
+      (list(rng.integers(1, 256, n)), list(rng.integers(1, 256, 3))) for n in (20, 22, 24, 26)]  # 6 rows
+  want = LM(flat.model({"params": jax.device_get(params)}), None, flat.mesh, flat.rules).loglikelihood_tokens(pairs)
+  staged = LM(trainer.model({"params": params}), None, trainer.mesh, trainer.rules, batch_size=3)
+  assert staged.batch_size == 8  # 4 microbatches x 2 row shards (with 4 rows, a 2-row last batch would not split)
+  got = staged.loglikelihood_tokens(pairs)
+  np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], rtol=1e-5, atol=1e-5)
+  assert [g[1] for g in got] == [w[1] for w in want]
