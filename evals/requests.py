@@ -99,7 +99,8 @@ class LM:
     model: a `model.Transformer` whose parameters live on `mesh` (sharded by `rules`).
     tokenizer: encode (no BOS) / decode / bos_id / eos_id (data.tokenizer.Tokenizer or data.hf_tokenizer).
     mesh, rules: the device mesh and logical-axis rules the model was placed with.
-    batch_size: rows per forward pass (rounded up to a multiple of the batch-sharding size).
+    batch_size: rows per forward pass (rounded up to a multiple of the batch-sharding size, times the pipeline's
+      microbatches for a pipelined model).
     max_len: the model length lm-eval would use; default `model.cfg.max_seq_len`.
     progress: show a progress bar over batches.
     specials: literal strings encoded as one id each wherever they occur in a text (e.g. the chat markers
@@ -123,19 +124,18 @@ class LM:
       axes = spec[dim] if len(spec) > dim else None
       axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
       return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-    self.batch_size = -(-batch_size // shards(0)) * shards(0)
     self._length_shards = shards(1)  # padded lengths are multiples of it (sequence parallelism)
     self._row_sharding = parallel.sharding.logical_sharding(mesh, self.rules, ("batch",))
     self._row_shards = shards(0)
     # Tree attention's sliding-window test counts row indices, which differ from positions inside branches: a
     # windowed model gives every request its own segment. An MoE with a capacity limit counts expert capacity
     # per row, so a request's score would depend on its row-mates: every request gets a row of its own.
-    self._own_rows = model.cfg.get("capacity_factor", 0) > 0 and model.cfg.get("num_experts", 0) > 0
+    self._own_rows = model.cfg.num_experts > 0 and model.cfg.capacity_factor > 0
     self._share_prefixes = not any(config_lib.layer_windows(model.cfg)) and not self._own_rows
-    # A pipelined stack splits the rows into microbatches, each a multiple of the row shards.
+    # Rows split over the batch shards, and a pipelined stack splits them into microbatches of whole shards.
     pipeline = getattr(model, "pipeline", None)
     self._row_multiple = shards(0) * (pipeline.microbatches if pipeline is not None else 1)
-    self.batch_size = _round_up(self.batch_size, self._row_multiple)
+    self.batch_size = _round_up(batch_size, self._row_multiple)
     self._score_fn = jax.jit(self._score, static_argnames="num_requests")
 
   def update(self, model) -> None:
@@ -340,9 +340,10 @@ def _pack_rows(pieces, batch_size: int, max_len: int, length_shards: int, progre
   if not left:
     return
   R = _round_up(_bucket(left[0][2], max_len), length_shards)
+  recent = 0 if one_per_row else 64  # open rows a piece may join
   rows, free = [], []
   for piece in left:
-    for r in range(len(rows) if one_per_row else max(0, len(rows) - 64), len(rows)):
+    for r in range(max(0, len(rows) - recent), len(rows)):
       if piece[2] <= free[r]:
         rows[r].append(piece)
         free[r] -= piece[2]
