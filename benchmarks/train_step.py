@@ -1,7 +1,8 @@
 """Training-step throughput and MFU of meshlm vs PyTorch + transformers, a hand-written JAX step and MaxText, 1 CPU.
 
   JAX_PLATFORMS=cpu python benchmarks/train_step.py [--configs tiny,d256,50m] [--remat none,full] [--steps 4]
-      [--peers torch,hand_written] [--maxtext_venv VENV] [--threads=1]  (on a shared machine: taskset -c 0 ... --threads=1)
+      [--peers torch,hand_written] [--maxtext_venv VENV] [--variant KEY=VALUE,...] [--threads=1]
+  (on a shared machine: taskset -c 0 ... --threads=1)
 
 Prints one JSON object. For each config and remat (none / full): tokens/s and MFU (`mfu`: causal attention FLOPs
 halved; `mfu_full_attention`: not halved; both against a float32 matmul peak measured in the same run) of
@@ -9,6 +10,7 @@ halved; `mfu_full_attention`: not halved; both against a float32 matmul peak mea
 - torch: transformers' LlamaForCausalLM (sdpa attention) with torch.optim.AdamW and clip_grad_norm_, as many
   threads as jax uses; full remat = `gradient_checkpointing_enable()`;
 - hand_written: the minimal jitted JAX step below (no framework);
+- meshlm_variant (--variant): meshlm with some config keys changed, e.g. `model.scan_layers=false`;
 - maxtext: MaxText 0.2.5 in its own venv (--maxtext_venv; `bash ../shared/peers/maxtext/install.sh VENV` style
   installs, never a project dependency), run as a subprocess on synthetic data between two meshlm blocks; its
   fastest logged step is compared.
@@ -32,6 +34,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--threads=1" in sys.argv:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from train.__main__ import keep_freed_host_memory  # noqa: E402
+
+# As every meshlm command does on the CPU (MESHLM_SYSTEM_MALLOC=1 turns it off); the in-process peers share it.
+keep_freed_host_memory()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -214,7 +220,7 @@ def _figures(times, config, peak) -> dict:
 
 
 def bench(name: str, overrides: dict, remat: str, steps: int, peak: float, peers: list[str],
-          maxtext_venv: str, workdir: str, threads: int) -> dict:
+          maxtext_venv: str, workdir: str, threads: int, variant: dict | None = None) -> dict:
   config = configs.load("tiny", **overrides, **{"mesh.data": 1, "train.remat": remat})
   t = config.train
   mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
@@ -232,6 +238,17 @@ def bench(name: str, overrides: dict, remat: str, steps: int, peak: float, peers
     return float(m["loss"])
 
   steppers["meshlm"] = meshlm
+  if variant:  # meshlm again with some keys changed (--variant), measured in the same alternation
+    v_config = configs.load("tiny", **overrides, **{"mesh.data": 1, "train.remat": remat}, **variant)
+    v_trainer = step_lib.Trainer(v_config, mesh)
+    v_state = [v_trainer.init()]
+
+    def meshlm_variant():
+      v_state[0], m = v_trainer.step_fn(v_state[0], batches[len(times["meshlm_variant"]) % len(batches)])
+      return float(m["loss"])
+
+    steppers["meshlm_variant"] = meshlm_variant
+    out["variant"] = variant
   if "hand_written" in peers:
     hand = hand_written_step(config, remat == "full")
     hand_state = [(jax.tree.map(jnp.copy, state["params"]), jax.tree.map(jnp.zeros_like, state["params"]),
@@ -271,9 +288,10 @@ def bench(name: str, overrides: dict, remat: str, steps: int, peak: float, peers
     out["maxtext"].update({f"{k}_vs_measured_peak": v for k, v in mfu_lib.utilisation(
         out["maxtext"]["tokens_per_sec"], config.model, t.seq_len, 1, peak).items()})
   for who in [w for w in out if w in ("torch", "hand_written", "maxtext") and "tokens_per_sec" in out[w]]:
-    out[f"ratio_meshlm_over_{who}"] = out["meshlm"]["tokens_per_sec"] / out[who]["tokens_per_sec"]
-    if "tokens_per_cpu_sec" in out[who]:
-      out[f"cpu_ratio_meshlm_over_{who}"] = out["meshlm"]["tokens_per_cpu_sec"] / out[who]["tokens_per_cpu_sec"]
+    for me in [m for m in ("meshlm", "meshlm_variant") if m in out]:
+      out[f"ratio_{me}_over_{who}"] = out[me]["tokens_per_sec"] / out[who]["tokens_per_sec"]
+      if "tokens_per_cpu_sec" in out[who]:
+        out[f"cpu_ratio_{me}_over_{who}"] = out[me]["tokens_per_cpu_sec"] / out[who]["tokens_per_cpu_sec"]
   out["load_average_after"] = os.getloadavg()
   return out
 
@@ -288,7 +306,11 @@ def main() -> None:
   parser.add_argument("--workdir", default="/tmp/meshlm_train_step", help="MaxText's output directory")
   parser.add_argument("--threads", type=int, default=os.cpu_count(),
                       help="torch threads; 1 also makes XLA single-threaded (the fair setting on a loaded machine)")
+  parser.add_argument("--variant", default="", help="also measure meshlm with these config keys changed, e.g. "
+                      "model.scan_layers=false (comma-separated KEY=VALUE; reported as meshlm_variant)")
   args = parser.parse_args()
+  variant = dict(kv.split("=", 1) for kv in args.variant.split(",") if kv)
+  variant = {k: {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v) for k, v in variant.items()}
   peak = matmul_peak_flops()
   peers = [p for p in args.peers.split(",") if p]
   result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "matmul_peak_gflops": peak / 1e9,
@@ -296,7 +318,7 @@ def main() -> None:
   for name in args.configs.split(","):
     for remat in args.remat.split(","):
       result["configs"][f"{name}/{remat}"] = bench(name, CONFIGS[name], remat, args.steps, peak, peers,
-                                                   args.maxtext_venv, args.workdir, args.threads)
+                                                   args.maxtext_venv, args.workdir, args.threads, variant)
       print(json.dumps({f"{name}/{remat}": result["configs"][f"{name}/{remat}"]}), file=sys.stderr, flush=True)
   result["matmul_peak_gflops_after"] = matmul_peak_flops() / 1e9
   print(json.dumps(result, indent=1))

@@ -72,7 +72,8 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.mup_base_width = 256  # mup: the d_model at which muP's init and learning rates equal SP's
   c.quant = "none"  # none | int8 (per-channel, int32 sums) | fp8 (e4m3 fwd, e5m2 grads, current scaling); model/quant.py
   c.quant_layers = ("attn", "mlp")  # layer types whose projections `quant` applies to: attn (q k v o), mlp (gate up down)
-  c.scan_unroll = 1  # with scan_layers: layers per scan iteration (num_layers = fully unrolled: faster steps, longer compile)
+  c.scan_unroll = 1  # with scan_layers: layers per scan iteration; >= num_layers: a loop over the stack's slices
+  # (faster steps, longer compile; docs/throughput.md)
   return c
 
 

@@ -28,7 +28,9 @@ def _config(stage=1, data=1, fsdp=1, tensor=1, microbatches=0, repeats=1, sequen
   c.model.update(vocab_size=256, d_model=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
                  max_seq_len=32, sliding_window=8, global_every=2)
   c.model.update(**model)
-  c.train.update(batch_size=8, seq_len=32, lr=1e-2, warmup_steps=1, z_loss=1e-3, clip_norm=0.5,
+  # Adam's eps 1e-6 (not 1e-8): an embedding row first used at step 2 with a gradient element near 1e-8 would
+  # otherwise turn float noise in that gradient into a 5% difference of a step's update.
+  c.train.update(batch_size=8, seq_len=32, lr=1e-2, warmup_steps=1, z_loss=1e-3, clip_norm=0.5, eps=1e-6,
                  pipeline_microbatches=microbatches, pipeline_repeats=repeats)
   c.mesh.update(data=data, fsdp=fsdp, tensor=tensor, stage=stage, sequence=sequence)
   return c

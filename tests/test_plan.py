@@ -133,9 +133,10 @@ def test_activation_estimate_matches_compiled_step(overrides, remat):
 
 
 def test_table_columns_stay_apart(capsys):
-  # Llama-2-7B on 16 chips without remat needs > 1000 GiB of activations: wide numbers must not run together.
+  # Llama-2-7B on 16 chips without remat, 4x the batch, needs > 1000 GiB of activations: wide numbers must not
+  # run together.
   argv = ["--config=llama2_7b", "--chip=tpu_v4", "--chips=16", "--config.mesh.data=2", "--config.mesh.fsdp=8",
-          "--config.model.dtype=bfloat16"]
+          "--config.model.dtype=bfloat16", "--config.train.batch_size=1024"]
   r = _run(argv + ["--json"], capsys)
   assert plan.main(argv) == 0
   table = capsys.readouterr().out.splitlines()

@@ -156,7 +156,12 @@ def test_preference_objectives_are_mesh_invariant(setup, reference, objective, s
   for key in ("loss", "reward_accuracy", "grad_norm", "param_norm") + (("kl",) if objective == "dpo" else ()):
     # Later steps carry the earlier updates' reduction-order rounding, which Adam's g / sqrt(v) amplifies in
     # small-gradient coordinates (2.1e-5 relative in the reward model's step-3 gradient norm on a 2x2x2 mesh).
-    np.testing.assert_allclose([m[key] for m in metrics], [m[key] for m in reference[objective]["metrics"]],
+    # DPO's first rewards are exactly 0 in exact arithmetic (policy = reference); on a sharded mesh the policy's
+    # differentiated forward and the reference's plain one may round apart by ~1e-7, and the fraction of pairs
+    # with chosen > rejected is then the sign of that rounding: compared from the first update on.
+    first = 1 if objective == "dpo" and key == "reward_accuracy" else 0
+    np.testing.assert_allclose([m[key] for m in metrics][first:],
+                               [m[key] for m in reference[objective]["metrics"]][first:],
                                rtol=1e-4 if key == "grad_norm" else 1e-5, atol=1e-6, err_msg=key)
   # Rewards are O(1) and their batch means mix signs (cancellation): compared absolutely, 3e-5 on the first step,
   # 1e-4 after updates (3.3e-5 seen at step 3, as above).

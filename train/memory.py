@@ -113,8 +113,8 @@ def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int, expert:
   Counted from the residuals jax saves without remat (`jax.ad_checkpoint.saved_residuals` of a layer):
   six D-wide tensors (layer input, the float32 normalisation intermediates and normalised inputs of both norms,
   the residual after attention), q (grouped), k, v and the attention context, and six F-wide MLP tensors
-  (gate, up, the activation's intermediates, their product). The reference attention keeps three float32
-  [H, S] score tensors per query (masked scores, exponentials, probabilities) and the boolean mask.
+  (gate, up, the activation's intermediates, their product). The reference attention keeps one float32 [H, S]
+  tensor per query, the probabilities (its softmax's backward needs nothing else), and the boolean mask.
   """
   c = BYTES[m.dtype]
   h, g, k, f, d = m.num_heads / tensor, m.num_kv_heads / tensor, m.head_dim, m.mlp_dim / tensor, m.d_model
@@ -129,7 +129,7 @@ def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int, expert:
   if m.attention_impl == "blockwise":
     scores = 2 * h * 4  # flash-style custom VJP: only float32 running max and sum per query head are kept
   else:
-    scores = h * kv_len * (3 * 4 + 1)
+    scores = h * kv_len * (4 + 1)
   return {
       "input": d * c,  # the layer input (the scan carry), kept by every policy
       "norms": 5 * d * c,
@@ -183,7 +183,7 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
 
   kept = set(SAVED_BY_POLICY[remat])
   saved = nbytes(kept)
-  score_grad = per_token["scores"] * 4 / 13 if m.attention_impl != "blockwise" else 0.0
+  score_grad = per_token["scores"] * 4 / 5 if m.attention_impl != "blockwise" else 0.0  # float32, mask-free
   attention = nbytes(set(_ATTENTION) - kept) + score_grad * tokens
   mlp = nbytes(set(_MLP) - kept)
   logits = 2 * 4 * m.vocab_size / sizes["tensor"] * tokens
