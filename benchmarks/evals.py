@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from train.__main__ import keep_freed_host_memory  # noqa: E402
+from train.hostmem import keep_freed_host_memory  # noqa: E402
 
 keep_freed_host_memory()  # as `python -m train.evaluate` does on the CPU; lm-eval in this process shares it
 os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")

@@ -34,7 +34,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--threads=1" in sys.argv:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train.__main__ import keep_freed_host_memory  # noqa: E402
+from train.hostmem import keep_freed_host_memory  # noqa: E402
 
 # As every meshlm command does on the CPU (MESHLM_SYSTEM_MALLOC=1 turns it off); the in-process peers share it.
 keep_freed_host_memory()

@@ -12,6 +12,8 @@ import os
 import sys
 from typing import Sequence
 
+from train import hostmem
+
 
 def _accelerator_present() -> bool:
   """Whether this host looks like it has a TPU or GPU, judged without initialising JAX."""
@@ -27,36 +29,7 @@ def _default_platform() -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   if os.environ["JAX_PLATFORMS"].split(",")[0] == "cpu":
-    keep_freed_host_memory()
-
-
-def keep_freed_host_memory() -> bool:
-  """Makes glibc's malloc keep freed memory mapped (one arena, no mmap, no trimming); returns whether it did.
-
-  Why: XLA:CPU allocates each executable's temporaries as one buffer per call (207 MB for the tiny config's
-  training step) from its worker threads. glibc serves a buffer that large with mmap (a thread's own arena cannot
-  hold more than 64 MB) and unmaps it when freed, so every step page-faults ~50,000 kernel-zeroed pages back in:
-  15-25% of a CPU training step (docs/throughput.md). With one arena that never returns memory, the pages stay
-  mapped and are reused by the next step, as tcmalloc (which TPU hosts preload) does. Run it before JAX starts
-  its CPU backend: a thread chooses its arena at its first allocation. The process's resident memory then stays
-  at its peak. A no-op without glibc, or with MESHLM_SYSTEM_MALLOC=1 (to compare, or to use an LD_PRELOADed
-  allocator's settings).
-  """
-  if os.environ.get("MESHLM_SYSTEM_MALLOC", "") not in ("", "0") or not sys.platform.startswith("linux"):
-    return False
-  import ctypes  # pylint: disable=g-import-not-at-top
-  import platform  # pylint: disable=g-import-not-at-top
-  if platform.libc_ver()[0] != "glibc":
-    return False
-  try:
-    mallopt = ctypes.CDLL("libc.so.6").mallopt
-  except (OSError, AttributeError):
-    return False
-  m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8  # <malloc.h>
-  # Trim threshold -1 is SIZE_MAX as glibc reads it: never trim. Without mmap, glibc still falls back to it when
-  # the heap cannot grow.
-  return all(mallopt(option, value) == 1 for option, value in
-             ((m_arena_max, 1), (m_mmap_max, 0), (m_trim_threshold, -1)))
+    hostmem.keep_freed_host_memory()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

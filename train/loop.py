@@ -25,6 +25,7 @@ import ml_collections
 import numpy as np
 
 from train import checkpoint as ckpt_lib
+from train import hostmem
 from train import logger as logger_lib
 
 TOKENIZER_KEY = "tokenizer"
@@ -443,6 +444,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
       if save_now:
         save(step)
       summary["step"] = step
+      hostmem.release_freed_host_memory()  # CPU: holes the steps' buffers no longer fit go back to the system
       window_start, window_wait, window_steps = time.perf_counter(), 0.0, 0
       if stopping:
         summary["stopped"] = stop.reason()
