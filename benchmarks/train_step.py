@@ -309,8 +309,7 @@ def main() -> None:
   parser.add_argument("--variant", default="", help="also measure meshlm with these config keys changed, e.g. "
                       "model.scan_layers=false (comma-separated KEY=VALUE; reported as meshlm_variant)")
   args = parser.parse_args()
-  variant = dict(kv.split("=", 1) for kv in args.variant.split(",") if kv)
-  variant = {k: {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v) for k, v in variant.items()}
+  variant = dict(kv.split("=", 1) for kv in args.variant.split(",") if kv)  # text, read as --config.KEY=VALUE
   peak = matmul_peak_flops()
   peers = [p for p in args.peers.split(",") if p]
   result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "matmul_peak_gflops": peak / 1e9,
