@@ -55,7 +55,7 @@ def softmax(s_BGRTS: jax.Array) -> jax.Array:
 
 
 def _softmax_fwd(s):
-  p = softmax(s)
+  p = jax.nn.softmax(s, axis=-1)
   return p, p
 
 
