@@ -321,9 +321,10 @@ class LM:
       x_BLD = model.features(tokens_BL, segment_ids_BL, positions_BL,
                              branch_BL=branch_BL if self._share_prefixes else None)
       logits_N1V = model.logits(x_BLD[row_N, col_N][:, None])
-    logp_N1, _ = logprobs.token_logprobs(logits_N1V, targets_N[:, None])
-    logprob_M = jax.ops.segment_sum(logp_N1[:, 0] * mask_N, member_N, num_segments=num_requests)
-    wrong_N = (jnp.argmax(logits_N1V[:, 0], axis=-1) != targets_N) & (mask_N > 0)
+    target_N1, logz_N1 = logprobs.target_logits(logits_N1V, targets_N[:, None])
+    logprob_M = jax.ops.segment_sum((target_N1 - logz_N1)[:, 0] * mask_N, member_N, num_segments=num_requests)
+    greedy_N = logprobs.is_argmax(logits_N1V[:, 0].astype(jnp.float32), targets_N, target_N1[:, 0])
+    wrong_N = ~greedy_N & (mask_N > 0)
     greedy_M = jax.ops.segment_sum(wrong_N.astype(jnp.int32), member_N, num_segments=num_requests) == 0
     return logprob_M, greedy_M
 

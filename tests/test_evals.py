@@ -106,6 +106,18 @@ def test_scores_equal_a_numpy_log_softmax_of_the_logits(single, tok):
     assert abs(got[0] - want) < 1e-4 and got[1] == greedy
 
 
+def test_is_argmax_is_numpys_first_maximal_index_with_ties():
+  """The greedy flag without argmax: equal to np.argmax (first maximal index) == target, ties included."""
+  from model import logprobs
+  rng = np.random.default_rng(0)
+  logits = rng.integers(-3, 4, size=(400, 11)).astype(np.float32)  # small integers: many tied maxima
+  targets = rng.integers(0, 11, size=400).astype(np.int32)
+  want = np.argmax(logits, axis=-1) == targets
+  got = np.asarray(jax.jit(logprobs.is_argmax)(logits, targets))
+  assert want.any() and (~want).any() and ((logits == logits.max(-1, keepdims=True)).sum(-1) > 1).any()
+  np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("variant", ["dense", "window"])
 def test_shared_prefixes_score_as_one_full_forward_per_request(single, config, tok, variant):
   """Choices sharing a context (one trunk, each choice a branch under tree attention), one-token continuations
