@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from data import tokenizer as tokenizer_lib
-from model import logprobs
 from train import loss as loss_lib
 from train.objectives import lm
 
@@ -62,7 +61,7 @@ class MaskedLanguageModel(lm.LanguageModel):
     del extras, frozen
     logits_BLV, moe_sums = self.forward(model, batch)
     sums = loss_lib.loss_sums(logits_BLV, batch["targets"], batch["loss_mask"], self.config.train.z_loss)
-    hit_BL = logprobs.is_argmax(logits_BLV, batch["targets"]).astype(jnp.float32)
+    hit_BL = (jnp.argmax(logits_BLV, axis=-1) == batch["targets"]).astype(jnp.float32)
     return {**sums, "correct": jnp.sum(hit_BL * batch["loss_mask"]), **moe_sums}
 
   def metrics(self, sums, normalizer):
