@@ -8,6 +8,10 @@ per-request |log-likelihood| difference and the machine's load average. `--choic
 continuations, as a K-way multiple-choice task does (HellaSwag: 4, PIQA: 2); K = 1 is the worst case for meshlm,
 whose requests sharing a context share one row (the context once, tree attention), while lm-eval's hf backend
 runs every request in full.
+`--tasks NAME:PATH[,...]` scores a real task's requests instead (its first `--requests` requests, whole documents,
+prompts as `python -m train.evaluate` builds them, zero-shot), e.g. the official files of ../shared/evaldata:
+`E=../shared/evaldata; python benchmarks/evals.py --workdir runs/tiny --tasks piqa:$E/piqa,bbq:$E/bbq,`
+`crows_pairs:$E/crows_pairs/crows_pairs_anonymized.csv,winogender:$E/winogender/all_sentences.tsv` (one line).
 A ~50M-parameter run to compare with, a few steps:
 `python -m train --workdir runs/m50 --config.model.vocab_size=8192 --config.model.d_model=512
  --config.model.num_layers=10 --config.model.num_heads=8 --config.model.num_kv_heads=8 --config.model.head_dim=64
@@ -45,6 +49,23 @@ def requests(n, choices=1):
   return out[:n]
 
 
+def task_requests(name, path, n):
+  """The (context, continuation) requests of task `name` read from `path`, whole documents, at least n of them
+  (all if the task has fewer); -> (requests, documents, choices per document on average)."""
+  from evals import tasks as tasks_lib
+  task = tasks_lib.load_task(name, path)
+  if task.kind not in (tasks_lib.MULTIPLE_CHOICE, tasks_lib.LOGLIKELIHOOD):
+    raise SystemExit(f"--tasks {name}: only loglikelihood tasks (multiple choice or one continuation) are timed")
+  every = tasks_lib.requests_of(task, tasks_lib.prompts(task))
+  out, docs = 0, 0
+  for d in task.docs:  # requests_of gives each document's requests in turn: one per choice, or one
+    if out >= n:
+      break
+    out += len(d.choices) if task.kind == tasks_lib.MULTIPLE_CHOICE else 1
+    docs += 1
+  return every[:out], docs, out / docs
+
+
 def _timed(fn):
   t0 = time.perf_counter()
   out = fn()
@@ -63,6 +84,8 @@ def bench(workdir, reqs, choices, batch_size, repeats):
   run = restore.load_run(workdir)
   lm = evals.LM(run.model, tokenizer_lib.Tokenizer.load(run.tokenizer_path), run.mesh, run.rules,
                 batch_size=batch_size)
+  n_given = len(reqs)  # lm-eval asserts on a continuation longer than the model; meshlm would score its end
+  reqs = [r for r in reqs if len(lm.encode_pair(*r)[1]) <= lm.max_len]
   _, first_s = _timed(lambda: lm.loglikelihood(reqs))  # every shape compiles here
   out_dir = export.export(workdir, tempfile.mkdtemp(prefix="meshlm-bench-"))
   hf = HFLM(pretrained=out_dir, dtype="float32", batch_size=batch_size, device="cpu")
@@ -77,7 +100,8 @@ def bench(workdir, reqs, choices, batch_size, repeats):
   n = len(reqs)
   return {
       "workdir": workdir, "params": sum(x.size for x in jax.tree.leaves(flax.nnx.state(run.model))),
-      "max_seq_len": lm.max_len, "requests": n, "choices": choices, "batch_size": lm.batch_size, "repeats": repeats,
+      "max_seq_len": lm.max_len, "requests": n, "dropped_too_long": n_given - n, "choices": choices,
+      "batch_size": lm.batch_size, "repeats": repeats,
       "meshlm_requests_per_s": n / statistics.median(ours_s),
       "lm_eval_hf_requests_per_s": n / statistics.median(ref_s),
       "speedup": statistics.median(ref_s) / statistics.median(ours_s),
@@ -94,8 +118,16 @@ def main():
   p.add_argument("--choices", default="1,4", help="continuations per context, one value or several, comma-separated")
   p.add_argument("--batch_size", type=int, default=32)
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--tasks", default="", help="NAME:PATH[,...]: time these tasks' requests instead of --choices")
   args = p.parse_args()
+  from evals import tasks as tasks_lib
   for workdir in args.workdir.split(","):
+    if args.tasks:
+      for name, path in tasks_lib.parse_specs(args.tasks):
+        reqs, docs, choices = task_requests(name, path, args.requests)
+        out = bench(workdir, reqs, round(choices, 2), args.batch_size, args.repeats)
+        print(json.dumps({"task": name, "documents": docs, **out}), flush=True)
+      continue
     for choices in (int(k) for k in args.choices.split(",")):
       print(json.dumps(bench(workdir, requests(args.requests, choices), choices, args.batch_size, args.repeats)),
             flush=True)

@@ -15,18 +15,19 @@ Inputs longer than the model are left-truncated: `(context + continuation)[-(max
 `lm_eval.utils.get_rolling_token_windows` (prefix BOS, context length 1) on `tok_encode(text)` (so the first
 scored token is BOS itself, as lm-eval does with BOS-adding tokenizers).
 
-Batching: a request's model input is its prefix (every token before the continuation) followed by the
-continuation's first n - 1 tokens (its branch). Requests with equal prefixes (the choices of a multiple-choice
-question, or every empty-context request: prefix [BOS]) share one row: the prefix once, then the branches, under
-tree attention (each branch sees the prefix and itself; positions restart after the prefix), so the prefix is
-computed once and every scored token sees what it would in a pass of its own (a group longer than `max_len`
-continues in another piece). Pieces are packed first-fit-decreasing into batches of `batch_size` rows, several
-short pieces per row as separate segments, each row at most a bucketed length (four sizes per octave, so a
-handful of shapes compile), and each batch runs in one forward pass; only the scored positions go through the
-output projection. Rows are sharded over the data axes; padding is masked, so scores do not depend on the batch. A model
-with sliding windows gives every request its own segment (the window test counts row indices), and an MoE with
-a capacity limit every request its own row (expert capacity is counted per row; over the padded row length, so
-its scores still depend on the batch's padded length, as in any padded batch).
+Batching: requests whose model inputs begin with the same tokens share them. A group of requests is one segment
+of a row: the tokens all its inputs begin with (the trunk) once, then each input's remaining tokens (its
+branch), under tree attention (a branch sees the trunk and itself; positions continue the trunk's), so shared
+tokens are computed once and every scored token sees what it would in a pass of its own. The choices of a
+multiple-choice question share their context (and the words they begin with); sentences one word apart share
+every token before it; equal inputs share all. The groups are the runs of the sorted inputs with the fewest
+tokens in all, each at most `max_len` (`_share_groups`). Groups are packed first-fit-decreasing into batches of
+`batch_size` rows, several short groups per row as separate segments, each row at most a bucketed length (four
+sizes per octave, so a handful of shapes compile), and each batch runs in one forward pass; only the scored
+positions go through the output projection. Rows are sharded over the data axes; padding is masked, so scores do
+not depend on the batch. A model with sliding windows gives every input its own segment (the window test counts
+row indices), and an MoE with a capacity limit every input its own row (expert capacity is counted per row; over
+the padded row length, so its scores still depend on the batch's padded length, as in any padded batch).
 """
 from __future__ import annotations
 
@@ -229,47 +230,44 @@ class LM:
   def loglikelihood_tokens(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[float, bool]]:
     """Scores (context ids, continuation ids) pairs: [(sum log p(continuation), greedy?)], in input order.
 
-    Each request's model input (context + continuation, left-truncated, minus its last token) splits into a
-    prefix (every token before the continuation) and the continuation's first n - 1 tokens, its branch. Requests
-    with equal prefixes (the choices of one multiple-choice question) form one segment of a row: the prefix once,
-    then each request's branch, under tree attention (a branch sees the prefix and itself, model/attention.py)
-    with positions restarting after the prefix, so every token sees exactly what it would in its own pass. A
-    segment holds at most `max_len` tokens (a group that does not fit continues in another). The prefix's last
-    position scores each branch's first token; only scored positions go through the output projection.
+    Each request's model input x (context + continuation, left-truncated, minus its last token) is scored at its
+    last n = len(continuation) positions. Requests whose inputs begin with the same tokens share them: a segment of
+    a row holds the common prefix (the trunk) once, then each request's remaining tokens (its branch) under tree
+    attention (a branch sees the trunk and itself, model/attention.py) with positions continuing the trunk's, so
+    every token sees exactly what it would in its own pass. The trunk is any common token prefix, not only a
+    shared context: the choices of a multiple-choice question share their context and the words they begin
+    with, and two sentences that differ in one word (CrowS-Pairs, WinoGender) share every token before it.
+    Requests with equal inputs share one branch; the groups are the runs of the sorted inputs that add up to the
+    fewest tokens (`_share_groups`), a segment holding at most `max_len`. Only scored positions (in the trunk or a
+    branch) go through the output projection.
     """
-    rows = []  # (prefix, continuation)
+    inputs, conts = [], []  # x_i, continuation_i
     for i, (ctx, cont) in enumerate(pairs):
       if not ctx or not cont:
         raise ValueError(f"request {i}: context and continuation must both hold tokens")
       if len(cont) > self.max_len:  # lm-eval asserts here; meshlm scores the last max_len tokens instead
         ctx, cont = list(ctx) + list(cont[:-self.max_len]), cont[-self.max_len:]
       whole = (list(ctx) + list(cont))[-(self.max_len + 1):]
-      rows.append((tuple(whole[:-len(cont)]), list(cont)))
-    groups: dict[tuple, list[int]] = {}
-    for i, (prefix, _) in enumerate(rows):
-      groups.setdefault(prefix if self._share_prefixes else (i,) + prefix, []).append(i)
-    pieces = []  # (prefix, request ids, tokens): a prefix and the branches of (some of) its requests
-    for members in groups.values():
-      prefix = rows[members[0]][0]
-      row, used = [], len(prefix)
-      for i in members:
-        n = len(rows[i][1]) - 1
-        if row and used + n > self.max_len:
-          pieces.append((prefix, row, used))
-          row, used = [], len(prefix)
-        row.append(i)
-        used += n
-      pieces.append((prefix, row, used))
-    results: list[Any] = [None] * len(rows)
+      inputs.append(tuple(whole[:-1]))
+      conts.append(list(cont))
+    owners: dict[tuple, list[int]] = {}  # requests with equal inputs (one-token choices) share every token
+    for i, x in enumerate(inputs):
+      owners.setdefault(x, []).append(i)
+    unique = list(owners)
+    if self._share_prefixes:
+      pieces = _share_groups(unique, self.max_len)
+    else:  # every input a segment of its own: all of it is the trunk
+      pieces = [(len(x), [u], len(x)) for u, x in enumerate(unique)]
+    results: list[Any] = [None] * len(inputs)
     pending = []
     for batch in _pack_rows(pieces, self.batch_size, self.max_len, self._length_shards, self.progress,
                             one_per_row=self._own_rows):
       B = min(_round_up(_bucket(len(batch), self.batch_size, 1), self._row_multiple), self.batch_size)  # last batch
       L = _round_up(_bucket(max(sum(piece[2] for piece in row) for row in batch), self.max_len), self._length_shards)
-      members = [(b, i) for b, row in enumerate(batch) for _, ids, _ in row for i in ids]
+      members = [(b, i) for b, row in enumerate(batch) for _, us, _ in row for u in us for i in owners[unique[u]]]
       M = _round_up(_pow2(max(len(members), B)), self._row_shards)
       # Scored positions, flat: each request's n positions, so the output projection sees no padding per request.
-      N = _round_up(_bucket(sum(len(rows[i][1]) for _, i in members), 1 << 30, _MIN_SCORED), self._row_shards)
+      N = _round_up(_bucket(sum(len(conts[i]) for _, i in members), 1 << 30, _MIN_SCORED), self._row_shards)
       tokens_BL, segment_ids_BL, positions_BL, branch_BL = (np.zeros((B, L), np.int32) for _ in range(4))
       row_N, col_N, targets_N = (np.zeros((N,), np.int32) for _ in range(3))
       member_N = np.full((N,), M - 1, np.int32)  # padding positions count for the last request slot, masked
@@ -277,21 +275,24 @@ class LM:
       m = k = 0
       for b, row in enumerate(batch):
         at = 0
-        for segment, (prefix, ids, used) in enumerate(row, start=1):
-          P = len(prefix)
-          tokens_BL[b, at:at + P], positions_BL[b, at:at + P] = prefix, np.arange(P)
+        for segment, (t, us, used) in enumerate(row, start=1):
+          tokens_BL[b, at:at + t], positions_BL[b, at:at + t] = unique[us[0]][:t], np.arange(t)
           segment_ids_BL[b, at:at + used] = segment
-          trunk_end, at = at + P - 1, at + P
-          for branch, i in enumerate(ids, start=1):
-            cont = rows[i][1]
-            n = len(cont)
-            tokens_BL[b, at:at + n - 1], positions_BL[b, at:at + n - 1] = cont[:-1], np.arange(P, P + n - 1)
-            branch_BL[b, at:at + n - 1] = branch
-            row_N[k:k + n], col_N[k], col_N[k + 1:k + n] = b, trunk_end, np.arange(at, at + n - 1)
-            targets_N[k:k + n], member_N[k:k + n], mask_N[k:k + n] = cont, m, 1.0
-            at += n - 1
-            k += n
-            m += 1
+          branch_at = at + t
+          for branch, u in enumerate(us, start=1):
+            x = unique[u]
+            tokens_BL[b, branch_at:branch_at + len(x) - t] = x[t:]
+            positions_BL[b, branch_at:branch_at + len(x) - t] = np.arange(t, len(x))
+            branch_BL[b, branch_at:branch_at + len(x) - t] = branch
+            for i in owners[x]:
+              n = len(conts[i])
+              j = np.arange(len(x) - n, len(x))  # input positions predicting the continuation
+              row_N[k:k + n], col_N[k:k + n] = b, np.where(j < t, at + j, branch_at + j - t)
+              targets_N[k:k + n], member_N[k:k + n], mask_N[k:k + n] = conts[i], m, 1.0
+              k += n
+              m += 1
+            branch_at += len(x) - t
+          at += used
       put = lambda a, sharding: jax.device_put(a, sharding)
       args = [put(a, self._sharding) for a in (tokens_BL, segment_ids_BL, positions_BL, branch_BL)] + [
           put(a, self._row_sharding) for a in (row_N, col_N, targets_N, member_N, mask_N)]
@@ -327,6 +328,49 @@ class LM:
     wrong_N = ~greedy_N & (mask_N > 0)
     greedy_M = jax.ops.segment_sum(wrong_N.astype(jnp.int32), member_N, num_segments=num_requests) == 0
     return logprob_M, greedy_M
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+  n = min(len(a), len(b))
+  for i in range(n):
+    if a[i] != b[i]:
+      return i
+  return n
+
+
+_MAX_GROUP = 32  # most distinct inputs per group the grouping considers (multiple choice: 2-12)
+
+
+def _share_groups(inputs: Sequence[tuple[int, ...]], max_len: int) -> list[tuple[int, list[int], int]]:
+  """Groups distinct inputs by common token prefixes: [(trunk length t, input ids, segment length)].
+
+  A group's trunk is the longest prefix all its inputs share; its segment holds the trunk once and each input's
+  remaining tokens: t + sum_i (len(x_i) - t) tokens. In sorted order inputs sharing a prefix are neighbours, so
+  groups are runs of the sorted inputs; the runs minimising the total length (each at most `max_len`, at most
+  `_MAX_GROUP` inputs) are found by dynamic programming: O(R log R + R * _MAX_GROUP + total tokens).
+  """
+  order = sorted(range(len(inputs)), key=inputs.__getitem__)
+  xs = [inputs[i] for i in order]
+  lcp = [0] + [_common_prefix(xs[k - 1], xs[k]) for k in range(1, len(xs))]
+  best, start = [0] * (len(xs) + 1), [0] * (len(xs) + 1)  # best[i]: fewest tokens for xs[:i]; its last run's start
+  for i in range(1, len(xs) + 1):
+    t = total = len(xs[i - 1])
+    best[i], start[i] = best[i - 1] + t, i - 1  # xs[i - 1] alone
+    for j in range(i - 2, max(-1, i - 1 - _MAX_GROUP), -1):  # the run xs[j:i]
+      t = min(t, lcp[j + 1])
+      if t == 0:
+        break  # nothing shared with any longer run
+      total += len(xs[j])
+      used = total - (i - j - 1) * t
+      if used <= max_len and best[j] + used < best[i]:
+        best[i], start[i] = best[j] + used, j
+  groups, i = [], len(xs)
+  while i > 0:
+    j = start[i]
+    t = min([len(xs[j])] + lcp[j + 1:i])
+    groups.append((t, order[j:i], sum(len(x) for x in xs[j:i]) - (i - j - 1) * t))
+    i = j
+  return groups[::-1]
 
 
 def _pack_rows(pieces, batch_size: int, max_len: int, length_shards: int, progress: bool = False,

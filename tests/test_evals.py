@@ -1,6 +1,7 @@
 """evals/: metric functions against hand-computed values and lm-eval's own functions, request batching and
 sharding invariance, rolling windows and BBQ answer processing against lm-eval's code, task readers' prompts
 against lm-eval's templates, generate_until post-processing, and bad-input messages."""
+import itertools
 import json
 import math
 import re
@@ -122,7 +123,8 @@ def test_is_argmax_is_numpys_first_maximal_index_with_ties():
 def test_shared_prefixes_score_as_one_full_forward_per_request(single, config, tok, variant):
   """Choices sharing a context (one trunk, each choice a branch under tree attention), one-token continuations
   (scored from the trunk alone), a group longer than the model (split over two rows), empty contexts (shared
-  prefix [BOS]) and short requests packed into one row equal log_softmax of one unpadded forward pass per
+  prefix [BOS]), sentences one word apart (trunk positions scored for both), an input that is a prefix of
+  another's, and short requests packed into one row equal log_softmax of one unpadded forward pass per
   request. With a sliding window (5 tokens) every request gets its own segment."""
   model = single.model
   if variant == "window":
@@ -135,9 +137,13 @@ def test_shared_prefixes_score_as_one_full_forward_per_request(single, config, t
   choices = (" a list", " a dog that barks loudly at night", " the", " a set of values", " a tuple of two ints",
              " a dict mapping keys to values")
   reqs = [(question, c) for c in choices] + [
-      ("", "import os"), ("", "print(1)"), ("The value ", "is None"), (question, " is"), ("x", " y")]
+      ("", "import os"), ("", "print(1)"), ("The value ", "is None"), (question, " is"), ("x", " y"),
+      # One word apart (CrowS-Pairs): the tokens before it form the trunk, scored once for both; and an input
+      # that is all trunk (a prefix of another request's input).
+      ("", "Lists hold values of any type in order."), ("", "Lists hold values of one type in order."),
+      ("Lists hold", " values")]
   pairs = [lm.encode_pair(c, x) for c, x in reqs]
-  assert len({tuple(c) for c, _ in pairs}) == 4 and min(len(x) for _, x in pairs) == 1
+  assert len({tuple(c) for c, _ in pairs}) == 5 and min(len(x) for _, x in pairs) == 1
   group = [len(x) - 1 for c, x in pairs if c == pairs[0][0]]
   assert len(pairs[0][0]) + sum(group) > lm.max_len  # the question's choices need two rows
   want = []
@@ -150,9 +156,32 @@ def test_shared_prefixes_score_as_one_full_forward_per_request(single, config, t
     rows = range(len(whole) - 1 - len(cont), len(whole) - 1)
     want.append((sum(logp[r, whole[r + 1]] for r in rows), all(np.argmax(logits[r]) == whole[r + 1] for r in rows)))
   got = lm.loglikelihood(reqs)
-  np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], atol=1e-5, rtol=0)
+  np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], atol=1e-5, rtol=1e-6)  # float32 sums
   assert [g[1] for g in got] == [w[1] for w in want]
   assert lm._share_prefixes == (variant == "dense")
+
+
+def test_prefix_groups_are_the_cheapest_runs_of_the_sorted_inputs():
+  """Grouping against brute force: over every split of the sorted inputs into runs (each run one segment: the
+  run's longest common prefix once, then each input's remaining tokens, at most max_len), the grouping returns
+  one of least total length, with each group's trunk and length as counted here."""
+  def common(xs):
+    return next((k for k in range(min(map(len, xs))) if len({x[k] for x in xs}) > 1), min(map(len, xs)))
+  def length(xs):
+    return common(xs) + sum(len(x) - common(xs) for x in xs)
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    inputs = list({tuple(rng.integers(1, 3, rng.integers(1, 7))) for _ in range(rng.integers(1, 9))})
+    max_len = int(rng.choice([6, 8, 12, 100]))
+    xs = sorted(inputs)
+    best = min(sum(length(xs[a:b]) for a, b in zip((0,) + cuts, cuts + (len(xs),)))
+               for k in range(len(xs)) for cuts in itertools.combinations(range(1, len(xs)), k)
+               if all(length(xs[a:b]) <= max_len for a, b in zip((0,) + cuts, cuts + (len(xs),))))
+    groups = requests_lib._share_groups(inputs, max_len)
+    assert sorted(i for _, ids, _ in groups for i in ids) == list(range(len(inputs)))
+    for t, ids, used in groups:
+      assert t == common([inputs[i] for i in ids]) and used == length([inputs[i] for i in ids]) <= max_len
+    assert sum(used for _, _, used in groups) == best
 
 
 @pytest.mark.parametrize("one_per_row", [False, True])
