@@ -352,10 +352,11 @@ def _share_groups(inputs: Sequence[tuple[int, ...]], max_len: int) -> list[tuple
   order = sorted(range(len(inputs)), key=inputs.__getitem__)
   xs = [inputs[i] for i in order]
   lcp = [0] + [_common_prefix(xs[k - 1], xs[k]) for k in range(1, len(xs))]
-  best, start = [0] * (len(xs) + 1), [0] * (len(xs) + 1)  # best[i]: fewest tokens for xs[:i]; its last run's start
+  best = [0] * (len(xs) + 1)  # best[i]: fewest tokens for xs[:i]
+  last = [(0, 0, 0)] * (len(xs) + 1)  # last[i]: (start j, trunk, length) of the last run of that best
   for i in range(1, len(xs) + 1):
     t = total = len(xs[i - 1])
-    best[i], start[i] = best[i - 1] + t, i - 1  # xs[i - 1] alone
+    best[i], last[i] = best[i - 1] + t, (i - 1, t, t)  # xs[i - 1] alone
     for j in range(i - 2, max(-1, i - 1 - _MAX_GROUP), -1):  # the run xs[j:i]
       t = min(t, lcp[j + 1])
       if t == 0:
@@ -363,19 +364,18 @@ def _share_groups(inputs: Sequence[tuple[int, ...]], max_len: int) -> list[tuple
       total += len(xs[j])
       used = total - (i - j - 1) * t
       if used <= max_len and best[j] + used < best[i]:
-        best[i], start[i] = best[j] + used, j
+        best[i], last[i] = best[j] + used, (j, t, used)
   groups, i = [], len(xs)
   while i > 0:
-    j = start[i]
-    t = min([len(xs[j])] + lcp[j + 1:i])
-    groups.append((t, order[j:i], sum(len(x) for x in xs[j:i]) - (i - j - 1) * t))
+    j, t, used = last[i]
+    groups.append((t, order[j:i], used))
     i = j
   return groups[::-1]
 
 
 def _pack_rows(pieces, batch_size: int, max_len: int, length_shards: int, progress: bool = False,
                one_per_row: bool = False):
-  """Yields batches of at most `batch_size` rows, each row a list of pieces (prefix, request ids, length).
+  """Yields batches of at most `batch_size` rows, each row a list of pieces (trunk length, input ids, length).
 
   First-fit decreasing into rows of the bucketed length of the longest piece: several short pieces share a row as
   separate segments, so little of a forward pass is padding. A piece is tried against the 64 most recently opened
