@@ -231,15 +231,8 @@ class LM:
     """Scores (context ids, continuation ids) pairs: [(sum log p(continuation), greedy?)], in input order.
 
     Each request's model input x (context + continuation, left-truncated, minus its last token) is scored at its
-    last n = len(continuation) positions. Requests whose inputs begin with the same tokens share them: a segment of
-    a row holds the common prefix (the trunk) once, then each request's remaining tokens (its branch) under tree
-    attention (a branch sees the trunk and itself, model/attention.py) with positions continuing the trunk's, so
-    every token sees exactly what it would in its own pass. The trunk is any common token prefix, not only a
-    shared context: the choices of a multiple-choice question share their context and the words they begin
-    with, and two sentences that differ in one word (CrowS-Pairs, WinoGender) share every token before it.
-    Requests with equal inputs share one branch; the groups are the runs of the sorted inputs that add up to the
-    fewest tokens (`_share_groups`), a segment holding at most `max_len`. Only scored positions (in the trunk or a
-    branch) go through the output projection.
+    last n = len(continuation) positions, which lie in its group's trunk, its own branch or both (batching and
+    prefix sharing: the module docstring).
     """
     inputs, conts = [], []  # x_i, continuation_i
     for i, (ctx, cont) in enumerate(pairs):

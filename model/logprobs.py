@@ -29,18 +29,16 @@ def token_logprobs(logits_BLV: jax.Array, targets_BL: jax.Array) -> tuple[jax.Ar
   return target_logit_BL - logz_BL, logz_BL
 
 
-def is_argmax(logits_NV: jax.Array, targets_N: jax.Array, target_logit_N: jax.Array | None = None) -> jax.Array:
+def is_argmax(logits_NV: jax.Array, targets_N: jax.Array, target_logit_N: jax.Array) -> jax.Array:
   """bool [N]: targets_N == argmax(logits_NV, -1), argmax being the first maximal index (as jnp.argmax and
   torch.argmax return): the target's logit is the maximum and no lower index attains it. Any leading shape
   ([B, L, V] logits with [B, L] targets) works the same.
 
   Equal to `jnp.argmax(logits_NV, -1) == targets_N` without argmax's (value, index) reduction, which XLA:CPU runs
   as a scalar loop (6x slower at [896, 2048]); the two reductions here vectorise. target_logit_N: the targets'
-  logits if already at hand (`target_logits`), else taken here.
+  logits, float32, as `target_logits` returns them.
   """
   vocab_V = jnp.arange(logits_NV.shape[-1], dtype=targets_N.dtype)
-  if target_logit_N is None:
-    target_logit_N = jnp.sum(jnp.where(vocab_V == targets_N[..., None], logits_NV, 0.0), axis=-1)
   max_N = jnp.max(logits_NV, axis=-1)
   tie_below_N = jnp.any((logits_NV == max_N[..., None]) & (vocab_V < targets_N[..., None]), axis=-1)
   return (target_logit_N == max_N) & ~tie_below_N
