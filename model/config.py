@@ -56,6 +56,8 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.scan_layers = True  # stack layer parameters and lax.scan over them (compile time independent of depth)
   c.attention_impl = "xla"  # xla (reference) | dot_product (jax.nn.dot_product_attention, cuDNN on GPU) | blockwise
   c.attention_block_size = 512  # query/key block length of the blockwise (flash-style) attention
+  c.attention_query_block = 128  # xla attention, causal, T > this: query blocks of about this length, each against
+  # the keys up to its end only (the masked score blocks above the diagonal are skipped); 0 = the whole square
   c.dtype = "float32"  # computation dtype (bfloat16 on accelerators); logits and softmax statistics stay float32
   c.param_dtype = "float32"  # parameter (master weight) dtype
   c.init_std = 0.02  # standard deviation of the normal initialiser for weights
@@ -109,6 +111,10 @@ def validate(cfg: Mapping[str, Any]) -> ml_collections.ConfigDict:
   if not isinstance(c.sliding_window, int) or c.sliding_window < 0:
     raise ValueError(f"model.sliding_window={c.sliding_window!r} must be >= 1 tokens, or 0 for full causal "
                      "attention (a window smaller than 1 would let a token see nothing)")
+  if not isinstance(c.attention_query_block, int) or isinstance(c.attention_query_block, bool) or (
+      c.attention_query_block < 0):
+    raise ValueError(f"model.attention_query_block={c.attention_query_block!r} must be >= 1 tokens, or 0 to "
+                     "compute the whole score square")
   if not isinstance(c.global_every, int) or c.global_every < 0:
     raise ValueError(f"model.global_every={c.global_every!r} must be >= 0 (0 = every layer windowed)")
   if c.rope_scaling == "llama3" and c.rope_high_freq_factor <= c.rope_low_freq_factor:

@@ -55,6 +55,7 @@ class Attention(nnx.Module):
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     D, H, G, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.impl, self.block_size, self.dtype = cfg.attention_impl, cfg.attention_block_size, DTYPES[cfg.dtype]
+    self.query_block = cfg.attention_query_block
     self.q = param(rngs, (D, H, K), (EMBED, HEADS, HEAD_DIM), cfg)
     self.k = param(rngs, (D, G, K), (EMBED, KV_HEADS, HEAD_DIM), cfg)
     self.v = param(rngs, (D, G, K), (EMBED, KV_HEADS, HEAD_DIM), cfg)
@@ -98,7 +99,7 @@ class Attention(nnx.Module):
       o_BLHK = attention_lib.cached_attention(q_BLHK, cache.k, cache.v, cache.index, cache.start, window)
     else:
       o_BLHK = attention_lib.attend(self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window, self.block_size,
-                                    self.causal, prefix_BL, branch_BL)
+                                    self.causal, prefix_BL, branch_BL, self.query_block)
     o_BLHK = remat.tag(axes.constrain(o_BLHK, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTN_CONTEXT)
     y_BLD = quant_lib.einsum("blhk,hkd->bld", o_BLHK, _value(self.o, dt), self.quant)
     if self.use_bias:

@@ -45,6 +45,8 @@ IMPLS = {
     "xla": attention.xla_attention,
     "dot_product": attention.dot_product_attention,
     "blockwise": functools.partial(attention.blockwise_attention, block_size=8),
+    # Query blocks of 6, 5, 5, 5 rows (T = 21), each against the keys up to its end only.
+    "xla_query_blocks": functools.partial(attention.xla_attention, query_block=6),
 }
 
 
@@ -70,7 +72,7 @@ def _grad_fn(impl, w):
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-@pytest.mark.parametrize("impl", ["dot_product", "blockwise"])
+@pytest.mark.parametrize("impl", ["dot_product", "blockwise", "xla_query_blocks"])
 def test_gradients_match_reference(impl, inputs):
   w = jnp.asarray(np.random.default_rng(1).normal(size=(B, T, H, K)), jnp.float32)
   # Reference gradients: autodiff through the plain XLA attention (itself checked against finite differences).
@@ -146,3 +148,19 @@ def test_tree_attention_branches_see_trunk_and_themselves(impl, inputs):
                               argnums=(0, 1, 2)))(q, k, v) for f in (attention.xla_attention, IMPLS[impl])]
     for g, r in zip(grads[1], grads[0]):
       np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-5)
+
+
+def test_query_blocks_stay_whole_when_the_mesh_splits_the_length(inputs, expected):
+  """Under sequence parallelism the queries' length is split over devices: slicing it into blocks would move
+  queries between them, so the square is computed whole (one pair of products instead of one per block)."""
+  import parallel
+  from model import axes
+  dots = lambda: sum(e.primitive.name == "dot_general" for e in jax.make_jaxpr(IMPLS["xla_query_blocks"])(
+      *inputs, 0).eqns)
+  assert dots() == 2 * 4  # T = 21 in blocks of at most 6 rows: 4 blocks
+  mesh = jax.make_mesh((2, 4), ("sequence", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  rules = tuple((name, "sequence" if name == axes.LENGTH else None) for name in axes.LOGICAL_NAMES)
+  with parallel.activate(mesh, rules):
+    assert dots() == 2
+    got = jax.jit(IMPLS["xla_query_blocks"])(*inputs, jnp.int32(0))
+  np.testing.assert_allclose(np.asarray(got), expected["causal"], atol=2e-5)

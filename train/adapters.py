@@ -90,6 +90,7 @@ def main(argv=None) -> int:
   import configs  # pylint: disable=g-import-not-at-top
   from parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from train import runconfig  # pylint: disable=g-import-not-at-top
   from train import step as step_lib  # pylint: disable=g-import-not-at-top
   try:
     directory, _ = ckpt_lib.find_checkpoint_dir(args.workdir)
@@ -98,12 +99,11 @@ def main(argv=None) -> int:
   except ckpt_lib.CheckpointError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  config = configs.load("tiny")
-  for section, values in meta["config"].items():
-    if section in config:
-      for key, value in values.items():
-        if key in config[section]:
-          config[section][key] = tuple(value) if isinstance(value, list) else value
+  try:
+    config = runconfig.from_saved(meta["config"])
+  except configs.ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   config.mesh.update(data=1, fsdp=1, tensor=1, sequence=1, dcn_data=1, dcn_fsdp=1)
   trainer = step_lib.Trainer(config, mesh_lib.make_mesh(config.mesh, jax.devices()[:1]))
   try:

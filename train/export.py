@@ -32,7 +32,6 @@ def export(workdir: str, output: str, step: int | None = None, dtype: str | None
   dtype: stored dtype (default: the run's param_dtype); max_shard_size: bytes per weight file (int or "5GB").
   """
   import jax  # pylint: disable=g-import-not-at-top
-  import ml_collections  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from data import chat  # pylint: disable=g-import-not-at-top
@@ -41,8 +40,9 @@ def export(workdir: str, output: str, step: int | None = None, dtype: str | None
   from model import hf  # pylint: disable=g-import-not-at-top
   from train import loop  # pylint: disable=g-import-not-at-top
   from train import restore  # pylint: disable=g-import-not-at-top
+  from train import runconfig  # pylint: disable=g-import-not-at-top
   checkpointer, step, meta = restore.open_checkpoint(workdir, step)
-  config = ml_collections.ConfigDict(meta["config"])
+  config = runconfig.from_saved(meta["config"])
   model = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))  # shapes only
   shapes = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   device = jax.local_devices()[0]

@@ -72,26 +72,12 @@ def _check_args(args) -> None:
     raise GenerateError(f"--seed={args.seed} must be in [0, 2^31)")
 
 
-def config_from_dict(saved: dict[str, Any]):
-  """The base config with the values of a run's saved (JSON) config; keys it does not know are refused."""
-  config = configs.load_config_file("base")
-  for section, values in saved.items():
-    if section not in config:
-      raise GenerateError(f"the run's config has a section {section!r} this meshlm does not know")
-    for key, value in values.items():
-      if key not in config[section]:
-        raise GenerateError(f"the run's config key {section}.{key} is unknown to this meshlm version")
-      old = config[section][key]
-      config[section][key] = tuple(tuple(v) if isinstance(v, list) else v for v in value) \
-          if isinstance(old, tuple) else value
-  return config
-
-
 def _run_source(workdir: str, step: int | None):
   """(config, tokenizer, restore(abstract_params) -> params) of a meshlm run's checkpoint."""
   from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   from train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
   from train import loop  # pylint: disable=g-import-not-at-top
+  from train import runconfig  # pylint: disable=g-import-not-at-top
   if not os.path.isdir(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)):
     raise GenerateError(f"--workdir {workdir}: no meshlm run there (expected {workdir}/checkpoints/); train one with "
                         f"python -m train --workdir {workdir}")
@@ -106,7 +92,10 @@ def _run_source(workdir: str, step: int | None):
   if "config" not in meta or loop.TOKENIZER_KEY not in meta:
     raise GenerateError(f"checkpoint {workdir}/checkpoints/{step} lacks the config or tokenizer in its metadata "
                         "(not written by python -m train)")
-  config = config_from_dict(meta["config"])
+  try:
+    config = runconfig.from_saved(meta["config"])
+  except configs.ConfigError as e:
+    raise GenerateError(str(e)) from None
   tokenizer = tokenizer_lib.Tokenizer(base64.b64decode(meta[loop.TOKENIZER_KEY]["base64"]))
 
   def restore(abstract_params):

@@ -42,7 +42,11 @@ class Run:
 
 
 def _inference_config(config_dict: Mapping[str, Any], mesh_overrides: Mapping[str, int] | None):
-  config = ml_collections.ConfigDict(dict(config_dict))
+  from train import runconfig  # pylint: disable=g-import-not-at-top
+  try:
+    config = runconfig.from_saved(dict(config_dict))
+  except ValueError as e:
+    raise RunError(str(e)) from None
   if mesh_overrides:
     for key, value in mesh_overrides.items():
       if key not in config.mesh:

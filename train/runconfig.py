@@ -19,11 +19,12 @@ from configs import ConfigError
 from train import checkpoint as ckpt_lib
 
 # Model keys that say how the function is computed, not which function: a run may set them freely over a
-# checkpoint's (layer scan and its unrolling, attention kernel and block, compute and parameter dtypes, the unused init scale).
-FUNCTION_PRESERVING = ("scan_layers", "attention_impl", "attention_block_size", "dtype", "param_dtype", "init_std",
-                       "scan_unroll")
+# checkpoint's (layer scan and its unrolling, attention kernel and blocks, compute and parameter dtypes, the unused init
+# scale).
+FUNCTION_PRESERVING = ("scan_layers", "attention_impl", "attention_block_size", "attention_query_block", "dtype",
+                       "param_dtype", "init_std", "scan_unroll")
 # Of those, the ones a resumed run may change: the others change the saved state's layout or dtype.
-RESUME_FREE = ("attention_impl", "attention_block_size", "dtype", "scan_unroll")
+RESUME_FREE = ("attention_impl", "attention_block_size", "attention_query_block", "dtype", "scan_unroll")
 
 
 def is_hf_dir(path: str) -> bool:
@@ -45,6 +46,26 @@ def saved_run_config(checkpoint_dir: str, step: int | None = None) -> tuple[int,
     return step, dict(checkpointer.metadata(step).get("config") or {})
   finally:
     checkpointer.close()
+
+
+def from_saved(saved: dict[str, Any]) -> ml_collections.ConfigDict:
+  """The config a checkpoint's saved (JSON) config describes: configs/base.py with the saved values (lists back to
+  tuples where the default is a tuple). Keys the checkpoint predates keep base's defaults, which compute what the
+  code of its time did (a new key's default is the old behaviour, or a function-preserving setting such as
+  model.attention_query_block), so older runs still load. Keys or sections this version does not know raise
+  ConfigError naming them."""
+  import configs  # pylint: disable=g-import-not-at-top
+  config = configs.load_config_file("base")
+  for section, values in saved.items():
+    if section not in config:
+      raise ConfigError(f"the run's config has a section {section!r} this meshlm does not know")
+    for key, value in values.items():
+      if key not in config[section]:
+        raise ConfigError(f"the run's config key {section}.{key} is unknown to this meshlm version")
+      old = config[section][key]
+      config[section][key] = tuple(tuple(v) if isinstance(v, list) else v for v in value) \
+          if isinstance(old, tuple) else value
+  return config
 
 
 def _as_json(value: Any) -> Any:
