@@ -86,10 +86,17 @@ def xla_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, causal: bool
   T, S = q_BTHK.shape[1], k_BSGK.shape[1]
   mask_BTS = mask_fn(jnp.arange(T), jnp.arange(S), segment_ids_BT, segment_ids_BT, window, causal, prefix_BT,
                      prefix_BT, branch_BT, branch_BT)
-  if 0 < query_block < T and causal and prefix_BT is None and T == S and axes.mesh_size(axes.LENGTH) == 1:
-    n = -(-T // query_block)
-    return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, [T * i // n for i in range(n + 1)])
-  return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS)
+  whole = not causal or prefix_BT is not None or T != S or axes.mesh_size(axes.LENGTH) > 1
+  return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, None if whole else query_blocks(T, query_block))
+
+
+def query_blocks(T: int, query_block: int) -> list[int] | None:
+  """Edges 0 = b_0 < ... < b_n = T of `xla_attention`'s n = ceil(T / query_block) causal query blocks, as even as
+  integers allow; None (one square) when 0 = query_block or T <= query_block."""
+  if not 0 < query_block < T:
+    return None
+  n = -(-T // query_block)
+  return [T * i // n for i in range(n + 1)]
 
 
 def cached_attention(q_BTHK, k_BSGK, v_BSGK, index, start_B, window=0):

@@ -10,6 +10,7 @@ import math
 
 import ml_collections
 
+from model import attention
 from model import remat
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -106,7 +107,8 @@ def mesh_sizes(config: ml_collections.ConfigDict, num_devices: int | None = None
   return {a: ici[a] * dcn_sizes[a] for a in mesh_lib.AXES}
 
 
-def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int, expert: int = 1) -> dict[str, float]:
+def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int, expert: int = 1,
+                 sequence: int = 1) -> dict[str, float]:
   """Bytes per token of what one layer (model/layers.py) keeps for its backward pass, as one device holds it
   (head and mlp widths divided by `tensor`), grouped by what the remat policies can choose to save.
 
@@ -114,7 +116,8 @@ def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int, expert:
   six D-wide tensors (layer input, the float32 normalisation intermediates and normalised inputs of both norms,
   the residual after attention), q (grouped), k, v and the attention context, and six F-wide MLP tensors
   (gate, up, the activation's intermediates, their product). The reference attention keeps one float32 [H, S]
-  tensor per query, the probabilities (its softmax's backward needs nothing else), and the boolean mask.
+  tensor per query, the probabilities (its softmax's backward needs nothing else), and the boolean mask, over the
+  keys it computes (`model.attention_query_block`; the whole square under sequence parallelism, `sequence` > 1).
   """
   c = BYTES[m.dtype]
   h, g, k, f, d = m.num_heads / tensor, m.num_kv_heads / tensor, m.head_dim, m.mlp_dim / tensor, m.d_model
@@ -129,7 +132,12 @@ def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int, expert:
   if m.attention_impl == "blockwise":
     scores = 2 * h * 4  # flash-style custom VJP: only float32 running max and sum per query head are kept
   else:
-    scores = h * kv_len * (4 + 1)
+    keys = kv_len  # per query; causal query blocks (xla, length not split) only those up to their block's end
+    edges = attention.query_blocks(kv_len, m.attention_query_block) if (
+        m.attention_impl == "xla" and m.causal and sequence == 1) else None
+    if edges:
+      keys = sum((e - a) * e for a, e in zip(edges[:-1], edges[1:])) / kv_len
+    scores = h * keys * (4 + 1)
   return {
       "input": d * c,  # the layer input (the scan carry), kept by every policy
       "norms": 5 * d * c,
@@ -176,7 +184,7 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
     raise ValueError(f"remat={remat!r}: no activation model for it; known: {', '.join(SAVED_BY_POLICY)}")
   sizes = sizes or mesh_sizes(config)
   tokens = micro_batch * t.seq_len / (batch_shards(sizes) * sizes["sequence"])
-  per_token = _layer_bytes(m, t.seq_len, sizes["tensor"], sizes.get("expert", 1))
+  per_token = _layer_bytes(m, t.seq_len, sizes["tensor"], sizes.get("expert", 1), sizes["sequence"])
 
   def nbytes(names):
     return sum(per_token[n] for n in names) * tokens
