@@ -123,10 +123,10 @@ def _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, bounds=None):
   # ("btgrk,bsgk->bgrts"), whose operands it transposes inside every product and its gradients.
   q_BGRTK = _group(q_BTHK, G).transpose(0, 2, 3, 1, 4)
   k_BGSK, v_BGSK = k_BSGK.transpose(0, 2, 1, 3), v_BSGK.transpose(0, 2, 1, 3)
-  bounds = (0, T) if bounds is None else bounds
+  edges = (0, T) if bounds is None else bounds
   o_blocks = []
-  for a, e in zip(bounds[:-1], bounds[1:]):
-    t, s = e - a, S if len(bounds) == 2 else e
+  for a, e in zip(edges[:-1], edges[1:]):
+    t, s = e - a, S if bounds is None else e  # queries, keys of this block
     q_BGMK = q_BGRTK[:, :, :, a:e].reshape(B, G, R * t, K)
     s_BGMS = jnp.einsum("bgmk,bgsk->bgms", q_BGMK, k_BGSK[:, :, :s], preferred_element_type=jnp.float32) / jnp.sqrt(
         jnp.float32(K))
