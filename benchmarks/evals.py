@@ -4,7 +4,9 @@
 [--repeats 3]` exports each run (train.export), scores the same (context, continuation) requests with both,
 alternating the two `--repeats` times, and prints one JSON line per run and request shape: the median
 requests/s of each (every repeat listed), the speed-up, meshlm's first call (compilation included), the largest
-per-request |log-likelihood| difference and the machine's load average. `--choices K` gives each context K
+per-request |log-likelihood| difference and the machine's load average, and the floor: meshlm's matrix products
+alone (`meshlm_products_only_s`, benchmarks/products.py) with lm-eval's time over it (`ceiling_speedup`, the most
+any meshlm pass over the same rows could reach). `--choices K` gives each context K
 continuations, as a K-way multiple-choice task does (HellaSwag: 4, PIQA: 2); K = 1 is the worst case for meshlm,
 whose requests sharing a context share one row (the context once, tree attention), while lm-eval's hf backend
 runs every request in full.
@@ -66,6 +68,29 @@ def task_requests(name, path, n):
   return every[:out], docs, out / docs
 
 
+def products_floor(lm, reqs) -> float:
+  """Seconds that the matrix products of meshlm's scoring passes over `reqs` take alone (benchmarks/products.py,
+  each batch shape's compiled pass once, times the number of its calls): the floor under meshlm's time."""
+  from products import products_only
+  calls, score = [], lm._score_fn
+
+  def record(state, *args, num_requests):
+    calls.append((args, num_requests))
+    return score(state, *args, num_requests=num_requests)
+
+  lm._score_fn = record
+  try:
+    lm.loglikelihood(reqs)
+  finally:
+    lm._score_fn = score
+  seconds = {}
+  for args, n in calls:
+    key = (tuple(a.shape for a in args), n)
+    if key not in seconds:
+      seconds[key] = products_only(score.lower(lm._state, *args, num_requests=n).compile().as_text())["seconds"]
+  return sum(seconds[(tuple(a.shape for a in args), n)] for args, n in calls)
+
+
 def _timed(fn):
   t0 = time.perf_counter()
   out = fn()
@@ -97,6 +122,7 @@ def bench(workdir, reqs, choices, batch_size, repeats):
     ours_s.append(s)
     ref, s = _timed(lambda: hf.loglikelihood(inst, disable_tqdm=True))
     ref_s.append(s)
+  floor_s = products_floor(lm, reqs)
   n = len(reqs)
   return {
       "workdir": workdir, "params": sum(x.size for x in jax.tree.leaves(flax.nnx.state(run.model))),
@@ -105,6 +131,8 @@ def bench(workdir, reqs, choices, batch_size, repeats):
       "meshlm_requests_per_s": n / statistics.median(ours_s),
       "lm_eval_hf_requests_per_s": n / statistics.median(ref_s),
       "speedup": statistics.median(ref_s) / statistics.median(ours_s),
+      # meshlm's products alone, and lm-eval's time over them: the speed-up a pass of nothing but products would give
+      "meshlm_products_only_s": floor_s, "ceiling_speedup": statistics.median(ref_s) / floor_s,
       "meshlm_each_s": [round(s, 3) for s in ours_s], "lm_eval_hf_each_s": [round(s, 3) for s in ref_s],
       "meshlm_first_call_s": first_s, "max_abs_ll_diff": max(abs(a[0] - b[0]) for a, b in zip(ours, ref)),
       "greedy_equal": all(a[1] == b[1] for a, b in zip(ours, ref)),

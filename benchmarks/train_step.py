@@ -16,6 +16,10 @@ halved; `mfu_full_attention`: not halved; both against a float32 matmul peak mea
   fastest logged step is compared.
 Steps of meshlm and the in-process peers alternate one by one so machine load affects them alike; tokens/s use
 the fastest step (on a shared machine load only adds time), medians are reported too, with the load average.
+`mfu_needed_for_1_2x_torch` is the MFU meshlm would need for 1.2x PyTorch's tokens/s in that run (1.2 times
+PyTorch's MFU against the same measured peak). `products_only` times the step's matrix products alone (every
+`dot` of the compiled step, unrolled, in one jitted function), the floor under any meshlm step on this machine;
+`ceiling_ratio_over_torch` = PyTorch's step time / that floor, the ratio a step of nothing but products would reach.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ from parallel import mesh as mesh_lib  # noqa: E402
 import configs  # noqa: E402
 from train import mfu as mfu_lib  # noqa: E402
 from train import step as step_lib  # noqa: E402
+from products import products_only  # noqa: E402  (benchmarks/products.py)
 
 CONFIGS = {
     "tiny": {},  # configs/tiny.py as it is: d 128, 4 layers, seq 128, batch 16 (1.3M parameters)
@@ -292,6 +297,13 @@ def bench(name: str, overrides: dict, remat: str, steps: int, peak: float, peers
       out[f"ratio_{me}_over_{who}"] = out[me]["tokens_per_sec"] / out[who]["tokens_per_sec"]
       if "tokens_per_cpu_sec" in out[who]:
         out[f"cpu_ratio_{me}_over_{who}"] = out[me]["tokens_per_cpu_sec"] / out[who]["tokens_per_cpu_sec"]
+  out["products_only"] = products_only(trainer.compiled().as_text())
+  out["products_only"]["tokens_per_sec"] = t.batch_size * t.seq_len / out["products_only"]["seconds"]
+  if "torch" in out and "tokens_per_sec" in out["torch"]:
+    # What 1.2x PyTorch's tokens/s asks of meshlm in this run: an MFU 1.2 times PyTorch's, against the same peak.
+    out["mfu_needed_for_1_2x_torch"] = 1.2 * out["torch"]["mfu_vs_measured_peak"]
+    # The most any meshlm step could reach in this run: PyTorch's step time over the products' alone.
+    out["ceiling_ratio_over_torch"] = out["torch"]["step_time_s"] / out["products_only"]["seconds"]
   out["load_average_after"] = os.getloadavg()
   return out
 

@@ -150,3 +150,22 @@ def test_freed_host_memory_stays_mapped_between_steps():
   assert steady_off > 0.5 * pages  # glibc's defaults: the buffer is unmapped at free and faulted in again
   assert steady_on < 0.01 * pages
   assert after_release > 0.5 * pages  # released: the next call faults its buffer in once more
+
+
+def test_products_floor_counts_every_product_once_per_loop_iteration():
+  # benchmarks/products.py times a program's matmuls alone; its count must equal the closed form: 3 scanned
+  # [8, 16] x [16, 32] products, a batched [4 x (8, 16) . (16, 8)] one and, in the gradient, two per scanned one.
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  from products import products_only
+
+  def f(x, ws, a):
+    y, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)  # [8, 16] @ [16, 16], 3 times
+    return jnp.sum(y) + jnp.sum(jnp.einsum("bik,bjk->bij", a, a))
+
+  x, ws, a = jnp.ones((8, 16)), jnp.ones((3, 16, 16)) * 0.01, jnp.ones((4, 8, 16))
+  forward = products_only(jax.jit(f).lower(x, ws, a).compile().as_text(), reps=1)
+  assert forward["count"] == 4
+  assert forward["gflop"] * 1e9 == 3 * 2 * 8 * 16 * 16 + 2 * 4 * 8 * 8 * 16
+  backward = products_only(jax.jit(jax.grad(f, argnums=(0, 1))).lower(x, ws, a).compile().as_text(), reps=1)
+  assert backward["gflop"] * 1e9 == 3 * 3 * 2 * 8 * 16 * 16  # per step: forward, input and weight gradients
+  assert backward["seconds"] > 0
