@@ -83,12 +83,13 @@ def products_floor(lm, reqs) -> float:
     lm.loglikelihood(reqs)
   finally:
     lm._score_fn = score
-  seconds = {}
+  seconds, total = {}, 0.0
   for args, n in calls:
     key = (tuple(a.shape for a in args), n)
     if key not in seconds:
       seconds[key] = products_only(score.lower(lm._state, *args, num_requests=n).compile().as_text())["seconds"]
-  return sum(seconds[(tuple(a.shape for a in args), n)] for args, n in calls)
+    total += seconds[key]
+  return total
 
 
 def _timed(fn):

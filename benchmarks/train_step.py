@@ -18,7 +18,8 @@ Steps of meshlm and the in-process peers alternate one by one so machine load af
 the fastest step (on a shared machine load only adds time), medians are reported too, with the load average.
 `mfu_needed_for_1_2x_torch` is the MFU meshlm would need for 1.2x PyTorch's tokens/s in that run (1.2 times
 PyTorch's MFU against the same measured peak). `products_only` times the step's matrix products alone (every
-`dot` of the compiled step, unrolled, in one jitted function), the floor under any meshlm step on this machine;
+`dot` of the compiled step, a scanned layer's once per layer, in one jitted function: benchmarks/products.py),
+the floor under any meshlm step on this machine;
 `ceiling_ratio_over_torch` = PyTorch's step time / that floor, the ratio a step of nothing but products would reach.
 """
 from __future__ import annotations

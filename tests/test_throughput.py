@@ -152,10 +152,10 @@ def test_freed_host_memory_stays_mapped_between_steps():
   assert after_release > 0.5 * pages  # released: the next call faults its buffer in once more
 
 
-def test_products_floor_counts_every_product_once_per_loop_iteration():
+def test_products_floor_counts_every_product_once_per_loop_iteration(monkeypatch):
   # benchmarks/products.py times a program's matmuls alone; its count must equal the closed form: 3 scanned
-  # [8, 16] x [16, 32] products, a batched [4 x (8, 16) . (16, 8)] one and, in the gradient, two per scanned one.
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  # [8, 16] x [16, 16] products, a batched [4 x (8, 16) . (16, 8)] one and, in the gradient, two per scanned one.
+  monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
   from products import products_only
 
   def f(x, ws, a):
