@@ -1,7 +1,7 @@
 """The matrix products of a compiled XLA program, timed alone: the floor under any program that computes them.
 
-`products_only(compiled.as_text())` reads every float32 `dot` of an optimised HLO module (fused or not; a while
-loop's body once per iteration of XLA's known trip count) and runs the same products (operand shapes, dimension
+`products_only(compiled.as_text())` takes every float32 `dot` the optimised HLO module executes (`train.hlo`:
+fused or not; a while loop's body once per iteration) and runs the same products (operand shapes, dimension
 numbers) on random operands in one jitted function. benchmarks/train_step.py and benchmarks/evals.py compare it
 with the peers' whole step or request times: PyTorch's step time over this floor is the most any meshlm step
 could reach against it on the machine, however little time everything besides the products took.
@@ -16,54 +16,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_DOT = re.compile(r"%[\w.\-]+ = f32\[([\d,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)((?:, \w+=\{[\d,]*\})*)")
-_COMPUTATION = re.compile(r"^(ENTRY )?(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}$", re.M | re.S)
+from train import hlo
 
 
-def _executions(hlo_text: str) -> dict[str, int]:
-  """How many times each computation of an optimised HLO module runs per call: a while loop's body (and what it
-  calls) as many times as XLA's known trip count, everything else (each branch of a conditional too) once per
-  caller."""
-  bodies = {m.group(2): m.group(3) for m in _COMPUTATION.finditer(hlo_text)}
-  entry = next(m.group(2) for m in _COMPUTATION.finditer(hlo_text) if m.group(1))
-  runs = {name: 0 for name in bodies}
-
-  def visit(name, times):
-    runs[name] += times
-    for line in bodies[name].split("\n"):
-      trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-      for key, callees in re.findall(r"(calls|to_apply|body|condition|branch_computations|true_computation|"
-                                     r"false_computation)=(\{[^}]*\}|%[\w.\-]+)", line):
-        for callee in re.findall(r"%[\w.\-]+", callees):
-          if callee in bodies:
-            visit(callee, times * (int(trips.group(1)) if trips and key == "body" else 1))
-
-  visit(entry, 1)
-  return runs
+def _dims(shape: str) -> list[int]:
+  return [int(d) for d in re.match(r"\w+\[([\d,]*)\]", shape).group(1).split(",") if d]
 
 
 def products_only(hlo_text: str, reps: int = 10) -> dict:
-  """The matrix products of a compiled step, alone: every float32 `dot` of its optimised HLO (fused or not, a
-  loop body's once per iteration) with the same operand shapes and dimension numbers, on random operands, in one
-  jitted function; fastest of `reps`.
+  """The matrix products of a compiled step, alone: every float32 `dot` it executes (fused or not, a loop body's
+  once per iteration, `train.hlo.executed`) with the same operand shapes and dimension numbers, on random
+  operands, in one jitted function; fastest of `reps`.
 
   -> {"seconds", "gflop", "count"}: no step of that model can run faster on this machine than its products do
   here, unless the products themselves get faster.
   """
-  shapes = {m.group(1): [int(x) for x in m.group(2).split(",") if x]
-            for m in re.finditer(r"%([\w.\-]+) = f32\[([\d,]*)\]", hlo_text)}
-  runs = _executions(hlo_text)
+  program = hlo.parse(hlo_text)
+  shapes = {i.name: i.shape for instrs in program.computations.values() for i in instrs}
   dots, flops = [], 0
-  for computation in _COMPUTATION.finditer(hlo_text):
-    for m in _DOT.finditer(computation.group(3)):
-      out, lhs, rhs, dims = m.groups()
-      d = {k: tuple(int(x) for x in v.split(",") if x) for k, v in re.findall(r"(\w+)=\{([\d,]*)\}", dims)}
-      numbers = ((d.get("lhs_contracting_dims", ()), d.get("rhs_contracting_dims", ())),
-                 (d.get("lhs_batch_dims", ()), d.get("rhs_batch_dims", ())))
-      contracted = math.prod(shapes[lhs][i] for i in numbers[0][0])
-      for _ in range(runs[computation.group(2)]):
-        dots.append((shapes[lhs], shapes[rhs], numbers))
-        flops += 2 * math.prod(int(x) for x in out.split(",") if x) * contracted
+  for _, instr, runs in hlo.executed(program, into_fusions=True):
+    if instr.opcode != "dot" or not instr.shape.startswith("f32"):
+      continue
+    lhs, rhs = (_dims(shapes[o.split()[-1].lstrip("%")]) for o in hlo.operands(instr.rest)[:2])
+    d = {k: tuple(int(x) for x in v.split(",") if x) for k, v in re.findall(r"(\w+_dims)=\{([\d,]*)\}", instr.rest)}
+    numbers = ((d.get("lhs_contracting_dims", ()), d.get("rhs_contracting_dims", ())),
+               (d.get("lhs_batch_dims", ()), d.get("rhs_batch_dims", ())))
+    for _ in range(round(runs)):  # a conditional's branches count as their mean
+      dots.append((lhs, rhs, numbers))
+      flops += 2 * math.prod(_dims(instr.shape)) * math.prod(lhs[i] for i in numbers[0][0])
   rng = np.random.default_rng(0)
   operands = [(jnp.asarray(rng.normal(size=a), jnp.float32), jnp.asarray(rng.normal(size=b), jnp.float32))
               for a, b, _ in dots]

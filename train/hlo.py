@@ -114,8 +114,10 @@ def group_size(rest: str, num_devices: int) -> int:
 def executed(program: Program, *, into_fusions: bool = False) -> Iterator[tuple[str, Instruction, float]]:
   """(computation, instruction, executions per step) for every instruction the program runs.
 
-  While bodies count their trip count; each branch of a conditional counts 1 / branches (the predicate is unknown
-  at compile time: the mean branch); calls and async wrappers count once. Fused computations are entered only
+  While bodies count their trip count (XLA's `known_trip_count` annotation, else read from a `counter < constant`
+  condition; XLA:CPU wraps that compare in a fusion, which `trip_count` does not read); each branch of a
+  conditional counts 1 / branches (the predicate is unknown at compile time: the mean branch); calls and async
+  wrappers count once. Fused computations are entered only
   with `into_fusions` (their instructions run inside the fusion, not as separate kernels).
   """
   comps = program.computations
@@ -129,7 +131,8 @@ def executed(program: Program, *, into_fusions: bool = False) -> Iterator[tuple[
       if op == "while":
         body = re.search(r"body=%([\w.\-]+)", rest)
         cond = re.search(r"condition=%([\w.\-]+)", rest)
-        trips = trip_count(comps.get(cond.group(1), [])) if cond else 1
+        known = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)  # XLA's own count, where it found one
+        trips = int(known.group(1)) if known else trip_count(comps.get(cond.group(1), [])) if cond else 1
         if body:
           yield from visit(body.group(1), mult * trips, depth + 1)
       elif op == "conditional":
@@ -223,7 +226,7 @@ def _dtype(shape: str) -> str:
   return m.group(1) if m else shape
 
 
-def _operands(rest: str) -> list[str]:
+def operands(rest: str) -> list[str]:
   """The operand segment of an instruction's `rest`, split at top-level commas (layouts hold parentheses)."""
   depth, cur, out = 0, "", []
   for ch in rest:
@@ -253,7 +256,7 @@ def matmuls(hlo_text: str) -> list[dict]:
       if i.opcode not in ("dot", "convolution"):
         continue
       types = []
-      for operand in _operands(i.rest)[:2]:
+      for operand in operands(i.rest)[:2]:
         # Operands print as "%name" or, in some dumps, "f32[8,4]{1,0} %name".
         name = operand.split()[-1].lstrip("%")
         types.append(_dtype(operand) if _ARRAY.search(operand) else _dtype(shapes.get(name, "?")))
