@@ -4,7 +4,7 @@
 
 Times tokenize + pack + batch in this process with no prefetch thread and no workers (so one core does all the
 work; the rate per CPU-second is the per-core figure), for both packers, then the tiny model's training step
-(`train.step.Trainer` on the tiny config). Prints one JSON object; target: supply >= 10x what the model consumes.
+(`train.core.step.Trainer` on the tiny config). Prints one JSON object; target: supply >= 10x what the model consumes.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def pipeline_rate(config, tok, batches: int) -> dict:
 def model_rate(config, steps: int) -> float:
   """The tiny model's training tokens/s on this machine (median step after compilation)."""
   from parallel import mesh as mesh_lib
-  from train import step as step_lib
+  from train.core import step as step_lib
   trainer = step_lib.Trainer(config, mesh_lib.make_mesh(config.mesh))
   lines = step_lib.run_synthetic(trainer, steps + 1)[1:]  # the first step compiles
   return sorted(line["tokens_per_sec"] for line in lines)[len(lines) // 2]

@@ -8,7 +8,7 @@ Prints one JSON object:
                 the completion tokens), `dpo` on the P pairs (policy forward + backward over the same 2P sequences
                 plus a reference forward), and `reward` (trunk forward + backward, scalar head).
   dpo_over_sft: dpo / sft step time (target <= 2.2: the extra reference forward costs about a third of a step).
-  memory:       per-device compiled bytes of each step (train.step.Trainer.memory_analysis: total, arguments,
+  memory:       per-device compiled bytes of each step (train.core.step.Trainer.memory_analysis: total, arguments,
                 temporaries); DPO's arguments add the frozen reference's weights.
 The model is the d256 / 4-layer / vocab-2048 decoder of STACK-NOTES; pairs come from builtin:preference, padded to
 seq_len 256 so the sequences are those of the SFT benchmark.
@@ -32,7 +32,7 @@ import configs  # noqa: E402
 from data import pipeline  # noqa: E402
 from data import tokenizer as tokenizer_lib  # noqa: E402
 from parallel import mesh as mesh_lib  # noqa: E402
-from train import step as step_lib  # noqa: E402
+from train.core import step as step_lib  # noqa: E402
 
 MODEL = {"model.vocab_size": 2048, "model.d_model": 256, "model.num_layers": 4, "model.num_heads": 4,
          "model.num_kv_heads": 4, "model.head_dim": 64, "model.mlp_dim": 1024, "model.max_seq_len": 256,

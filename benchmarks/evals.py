@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from train.hostmem import keep_freed_host_memory  # noqa: E402
+from train.core.hostmem import keep_freed_host_memory  # noqa: E402
 
 keep_freed_host_memory()  # as `python -m train.evaluate` does on the CPU; lm-eval in this process shares it
 os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -105,7 +105,8 @@ def bench(workdir, reqs, choices, batch_size, repeats):
   from data import tokenizer as tokenizer_lib
   from lm_eval.api.instance import Instance
   from lm_eval.models.huggingface import HFLM
-  from train import export, restore
+  from train.rundir import export
+  from train.rundir import restore
   load_before = os.getloadavg()[0]
   run = restore.load_run(workdir)
   lm = evals.LM(run.model, tokenizer_lib.Tokenizer.load(run.tokenizer_path), run.mesh, run.rules,

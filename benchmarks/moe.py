@@ -3,7 +3,7 @@
   JAX_PLATFORMS=cpu python benchmarks/moe.py [--steps 3] [--devices 1,8]
 
 Prints one JSON object. For each device count (1: one CPU device; 8: eight simulated CPU devices as mesh
-data=2 x expert=4): step time and tokens/s of `train.step.Trainer.step_fn` for a dense model (MLP 1024 wide) and a
+data=2 x expert=4): step time and tokens/s of `train.core.step.Trainer.step_fn` for a dense model (MLP 1024 wide) and a
 top-2-of-8 MoE (experts 512 wide, so 1024 active hidden units per token: the same active parameters up to the
 router) with `moe_impl` ragged and tiled, and the MoE / dense step-time ratio (target <= 1.5). On one device it
 also times one MoE feed-forward layer, forward + backward: the two grouped-matmul paths against a per-expert loop
@@ -54,7 +54,7 @@ def bench_steps(devices: int, steps: int) -> dict:
   import configs
   import model
   from parallel import mesh as mesh_lib
-  from train import step as step_lib
+  from train.core import step as step_lib
   mesh_over = {"mesh.data": 1} if devices == 1 else {"mesh.data": 2, "mesh.expert": 4}
   out = {}
   for name, over in VARIANTS.items():

@@ -7,7 +7,7 @@ embedding output, every block's output and the logits on one held batch. Prints 
 layer the values per width and the ratio largest/smallest over widths (muP: flat, within 2x; SP: grows with
 width); writes a PNG (one panel per parametrization) to --out.
 
-`--data synthetic` trains on uniformly random tokens instead (train.step.synthetic_batch). Their targets carry no
+`--data synthetic` trains on uniformly random tokens instead (train.core.step.synthetic_batch). Their targets carry no
 signal, so every gradient is noise and the check then measures the O(1/sqrt(width)) fluctuation of Adam's
 sign-like updates, which muP lets vanish with width: the blocks' coordinates fall with width (block 1 by ~3x
 from 64 to 1024) although the parametrization is unchanged. Tensor Programs V's coordinate checks train on text.
@@ -32,7 +32,7 @@ from data import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-posi
 from model import config as config_lib  # pylint: disable=wrong-import-position
 from model import rope  # pylint: disable=wrong-import-position
 from parallel import mesh as mesh_lib  # pylint: disable=wrong-import-position
-from train import step as step_lib  # pylint: disable=wrong-import-position
+from train.core import step as step_lib  # pylint: disable=wrong-import-position
 
 
 def _config(width, parametrization, lr, steps):

@@ -22,7 +22,7 @@ import configs  # pylint: disable=wrong-import-position
 from data import pipeline  # pylint: disable=wrong-import-position
 from data import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
 from parallel import mesh as mesh_lib  # pylint: disable=wrong-import-position
-from train import step as step_lib  # pylint: disable=wrong-import-position
+from train.core import step as step_lib  # pylint: disable=wrong-import-position
 
 
 def _config(width, parametrization, lr, seed):

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 import configs  # noqa: E402
 from parallel import mesh as mesh_lib  # noqa: E402
-from train import step as step_lib  # noqa: E402
+from train.core import step as step_lib  # noqa: E402
 
 MODEL = {"model.vocab_size": 512, "model.d_model": 128, "model.num_layers": 8, "model.num_heads": 4,
          "model.num_kv_heads": 4, "model.head_dim": 32, "model.mlp_dim": 512, "model.max_seq_len": 128,

@@ -12,8 +12,9 @@ import json
 import sys
 
 import configs
-from train import compile as aot
-from train import hardware, predict
+from train.planning import compile as aot
+from train.planning import hardware
+from train.planning import predict
 
 TERMS = ("step_seconds", "compute_seconds", "memory_bound_seconds", "collective_seconds",
          "exposed_collective_seconds")

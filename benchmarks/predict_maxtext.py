@@ -1,4 +1,4 @@
-"""Calibration of the performance model (train/predict.py) against MaxText's published TPU v5e-256 MFUs.
+"""Calibration of the performance model (train/planning/predict.py) against MaxText's published TPU v5e-256 MFUs.
 
   python benchmarks/predict_maxtext.py [--rows 16b,32b,64b,128b] [--hlo_dir DIR] [--fit] [--layers A,B]
 
@@ -9,7 +9,7 @@ global_parameter_scale model, per-device batch and remat of MaxText/configs/v5e/
 (libtpu, no TPU needed) and predicts its step time. `--hlo_dir` keeps each compiled program's HLO text there and
 reuses it on the next run (a 16B-64B compile takes minutes on a small CPU machine). With `--fit`, the matmul
 efficiency is fitted on the 16B row (bisection on the predicted MFU in MaxText's convention, capped at 1.0) and
-then used unchanged on every row; otherwise train.predict.MATMUL_EFFICIENCY is used. With `--layers A,B` each
+then used unchanged on every row; otherwise train.planning.predict.MATMUL_EFFICIENCY is used. With `--layers A,B` each
 row is compiled at depths A and B instead of its own and every step-time term is extrapolated linearly in depth to
 the preset's (each term is the layer scan's per-iteration cost times its trip count plus a depth-independent rest;
 the compile time of these models grows with depth); rows say which way they were obtained.
@@ -32,8 +32,14 @@ import time
 
 import configs
 import model
-from train import compile as aot
-from train import hardware, mfu, predict
+from train.planning import compile as aot
+from train.planning import hardware
+
+# MaxText/configs/v5e/README.md, one v5e-256 slice (MFU) and the recipes' layouts (MaxText/configs/v5e/*.sh).
+from train.planning import mfu
+
+# MaxText/configs/v5e/README.md, one v5e-256 slice (MFU) and the recipes' layouts (MaxText/configs/v5e/*.sh).
+from train.planning import predict
 
 # MaxText/configs/v5e/README.md, one v5e-256 slice (MFU) and the recipes' layouts (MaxText/configs/v5e/*.sh).
 ROWS = {

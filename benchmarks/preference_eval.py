@@ -6,7 +6,7 @@
 Scores the first `--pairs` held-out pairs of `builtin:preference` (data/preference.py, the instruct task's
 prompt-hash split, about 100 per family) and prints one JSON object:
   reward: pairwise accuracy of the reward run (fraction of pairs with r_chosen > r_rejected, scored with
-          train.reward.load_scorer on the pair rendered as a chat record, as in training), overall and per family;
+          train.rundir.reward.load_scorer on the pair rendered as a chat record, as in training), overall and per family;
   dpo:    TRL's implicit-reward accuracy of the DPO run against the reference run (the fraction of pairs with
           [log pi(c) - log pi_ref(c)] - [log pi(r) - log pi_ref(r)] > 0, completion tokens only), overall and per
           family, and `kl`: KL(pi || pi_ref) summed over each sequence's completion tokens, averaged over the
@@ -33,9 +33,9 @@ import parallel  # noqa: E402
 from data import preference  # noqa: E402
 from data import tokenizer as tokenizer_lib  # noqa: E402
 from model import logprobs  # noqa: E402
-from train import chat as chat_run  # noqa: E402
-from train import reward as reward_api  # noqa: E402
-from train import restore  # noqa: E402
+from train.rundir import chat as chat_run  # noqa: E402
+from train.rundir import reward as reward_api  # noqa: E402
+from train.rundir import restore  # noqa: E402
 from train.objectives import dpo as dpo_objective  # noqa: E402
 
 

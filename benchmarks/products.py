@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import hlo
+from train.planning import hlo
 
 
 def _dims(shape: str) -> list[int]:
@@ -25,7 +25,7 @@ def _dims(shape: str) -> list[int]:
 
 def products_only(hlo_text: str, reps: int = 10) -> dict:
   """The matrix products of a compiled step, alone: every float32 `dot` it executes (fused or not, a loop body's
-  once per iteration, `train.hlo.executed`) with the same operand shapes and dimension numbers, on random
+  once per iteration, `train.planning.hlo.executed`) with the same operand shapes and dimension numbers, on random
   operands, in one jitted function; fastest of `reps`.
 
   -> {"seconds", "gflop", "count"}: no step of that model can run faster on this machine than its products do

@@ -2,7 +2,7 @@
 
   JAX_PLATFORMS=cpu python benchmarks/rl.py [--config=ppo_tiny] [--iterations 6] [--workdir DIR]
 
-Runs `python -m train.rl`'s loop (train/rl.py) for --iterations iterations of the recipe (from its base recipe's
+Runs `python -m train.rl`'s loop (train/rl/loop.py) for --iterations iterations of the recipe (from its base recipe's
 run, made in WORKDIR/../<base> when missing; the timings below exclude it) and prints one JSON object with the
 medians over the iterations after the first (which compiles the sampler and the step):
   generate_fraction        share of an iteration's rollout + update time spent sampling (rest: scoring + epochs)
@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 import configs  # noqa: E402
-from train import logger as logger_lib  # noqa: E402
-from train import rl  # noqa: E402
+from train.core import logger as logger_lib  # noqa: E402
+from train.rl import loop as rl  # noqa: E402
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ Prints one JSON object:
             (target <= 5%). Steps of the two alternate so machine load affects both alike; the fastest step
             counts (on a shared machine load only adds time).
   pipeline: tokens/s of the data pipeline (render + mask + pack + batch) for the chat source vs plain text.
-  lora:     per-device compiled bytes (total and arguments, train.step.Trainer.memory_analysis) and tokens/s of
+  lora:     per-device compiled bytes (total and arguments, train.core.step.Trainer.memory_analysis) and tokens/s of
             full fine-tuning vs LoRA (rank --lora_rank on q,k,v,o and on every projection), plus the parameters
             the optimizer holds state for.
 The model is the d256 / 4-layer / vocab-2048 decoder of STACK-NOTES (batch 8 x 256).
@@ -32,7 +32,7 @@ import configs  # noqa: E402
 from data import pipeline  # noqa: E402
 from data import tokenizer as tokenizer_lib  # noqa: E402
 from parallel import mesh as mesh_lib  # noqa: E402
-from train import step as step_lib  # noqa: E402
+from train.core import step as step_lib  # noqa: E402
 
 MODEL = {"model.vocab_size": 2048, "model.d_model": 256, "model.num_layers": 4, "model.num_heads": 4,
          "model.num_kv_heads": 4, "model.head_dim": 64, "model.mlp_dim": 1024, "model.max_seq_len": 256,

@@ -6,7 +6,7 @@
 
 Prints one JSON object. For each config and remat (none / full): tokens/s and MFU (`mfu`: causal attention FLOPs
 halved; `mfu_full_attention`: not halved; both against a float32 matmul peak measured in the same run) of
-`train.step.Trainer.step_fn` and of each peer on the same model (same dimensions, batch, AdamW with clipping):
+`train.core.step.Trainer.step_fn` and of each peer on the same model (same dimensions, batch, AdamW with clipping):
 - torch: transformers' LlamaForCausalLM (sdpa attention) with torch.optim.AdamW and clip_grad_norm_, as many
   threads as jax uses; full remat = `gradient_checkpointing_enable()`;
 - hand_written: the minimal jitted JAX step below (no framework);
@@ -39,7 +39,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--threads=1" in sys.argv:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train.hostmem import keep_freed_host_memory  # noqa: E402
+from train.core.hostmem import keep_freed_host_memory  # noqa: E402
 
 # As every meshlm command does on the CPU (MESHLM_SYSTEM_MALLOC=1 turns it off); the in-process peers share it.
 keep_freed_host_memory()
@@ -51,8 +51,8 @@ import numpy as np  # noqa: E402
 from model import rope  # noqa: E402
 from parallel import mesh as mesh_lib  # noqa: E402
 import configs  # noqa: E402
-from train import mfu as mfu_lib  # noqa: E402
-from train import step as step_lib  # noqa: E402
+from train.planning import mfu as mfu_lib  # noqa: E402
+from train.core import step as step_lib  # noqa: E402
 from products import products_only  # noqa: E402  (benchmarks/products.py)
 
 CONFIGS = {

@@ -74,7 +74,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.pipeline_microbatches = 0  # with mesh.stage > 1: microbatches streamed through the stages (>= stage); 0 = mesh.stage
   t.pipeline_repeats = 1  # with mesh.stage > 1: circular schedule, each microbatch visits every stage this many times
   t.pipeline_remat = False  # with mesh.stage > 1: recompute each stage visit in the backward pass (keep stage inputs only)
-  t.xla_overlap = False  # TPU/GPU: XLA options overlapping collectives with compute (train.step.OVERLAP_OPTIONS)
+  t.xla_overlap = False  # TPU/GPU: XLA options overlapping collectives with compute (train.core.step.OVERLAP_OPTIONS)
   t.loss_scale = "auto"  # dynamic loss scaling: auto (on when model.dtype is float16) | dynamic | none
   t.loss_scale_init = 32768.0  # initial loss scale (2^15); halves on overflow, doubles after loss_scale_period finite steps
   t.loss_scale_period = 2000  # consecutive finite steps before the loss scale doubles

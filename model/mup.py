@@ -12,7 +12,7 @@ assumed to grow together), relative to the standard parametrization (SP) with th
   attention scores                                  q.k / head_dim (instead of / sqrt(head_dim))
 
 At m = 1 muP differs from SP only by the attention scale. The learning-rate multipliers reach optax through
-train/optimizer.py `make` (they scale the Adam direction, not the decoupled weight decay, whose per-step factor
+train/core/optimizer.py `make` (they scale the Adam direction, not the decoupled weight decay, whose per-step factor
 lr * weight_decay stays width-independent as in the `mup` package's MuAdamW); the initialisation and the two
 multipliers live in the model.
 """

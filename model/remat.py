@@ -21,7 +21,7 @@ MLP_HIDDEN = "mlp_hidden"  # activation(gate) * up       [B, L, F]
 MLP_OUT = "mlp_out"  # after the down projection         [B, L, D]
 NAMES = (QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTN_CONTEXT, ATTN_OUT, MLP_IN, MLP_HIDDEN, MLP_OUT)
 
-# What one layer can keep for its backward pass, in groups (train/memory.py sizes each group per token):
+# What one layer can keep for its backward pass, in groups (train/planning/memory.py sizes each group per token):
 #   input      the layer input (the scan carry)             norms      normalisation intermediates and outputs
 #   qkv        q, k, v after projection and RoPE            context    attention output before its projection
 #   scores     the [H, S] attention scores per query        attn_out   the attention block's output projection

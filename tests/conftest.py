@@ -27,8 +27,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # As every meshlm command does on the CPU: each compiled call's temporaries stay mapped between calls instead of
-# being page-faulted in again (train/hostmem.py).
-from train.hostmem import keep_freed_host_memory  # noqa: E402
+# being page-faulted in again (train/core/hostmem.py).
+from train.core.hostmem import keep_freed_host_memory  # noqa: E402
 
 keep_freed_host_memory()
 

@@ -7,8 +7,8 @@ from flax import nnx
 
 import model
 import configs
-from train import hardware
-from train import compile as aot
+from train.planning import hardware
+from train.planning import compile as aot
 
 # A small Llama-style model whose dimensions divide every mesh below; compile time does not depend on depth.
 SMALL = {"model.num_layers": 3, "train.seq_len": 64, "model.max_seq_len": 64, "train.batch_size": 16,
@@ -161,7 +161,7 @@ def test_missing_tpu_compiler_is_a_clear_error_not_a_traceback(monkeypatch, caps
 
 
 def test_fit_search_keeps_every_remat_policy(monkeypatch):
-  # A policy without an activation estimate in train/memory.py is still searched (before `full`), with a warning.
+  # A policy without an activation estimate in train/planning/memory.py is still searched (before `full`), with a warning.
   from model import remat
   monkeypatch.setitem(remat.POLICIES, "save_everything_but_scores", remat.POLICIES["save_dots"])
   config = configs.load("tiny", **SMALL)

@@ -37,13 +37,13 @@ def test_unwritable_workdir_fails_with_the_path_and_the_fix(tmp_path):
 
 
 def test_workdir_check_refuses_a_read_only_directory(tmp_path, monkeypatch):
-  from train import loop
+  from train.core import loop
   monkeypatch.setattr(os, "access", lambda path, mode: False)  # what a read-only directory reports
   with pytest.raises(loop.WorkdirError, match=f"workdir {tmp_path} is not writable; choose another --workdir"):
     loop.check_workdir(str(tmp_path))
 
 
 def test_workdir_check_refuses_urls():
-  from train import loop
+  from train.core import loop
   with pytest.raises(loop.WorkdirError, match="URLs are not supported.*gcsfuse"):
     loop.check_workdir("gs://bucket/run")

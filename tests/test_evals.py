@@ -21,7 +21,7 @@ from evals.requests import LM, cut_at_stops, rolling_windows
 from model import Transformer
 from parallel import mesh as mesh_lib
 from parallel import rules as rules_lib
-from train import restore
+from train.rundir import restore
 
 LM_EVAL_TASKS = None
 
@@ -506,7 +506,7 @@ def test_bad_specs_and_cli_exit_2(tmp_path, capsys):
     tasks_lib.parse_specs("pika:/x")
   with pytest.raises(tasks_lib.TaskError, match=r"/nonexistent\.jsonl: no such file"):
     tasks_lib.load_task("mc", "/nonexistent.jsonl")
-  from train import evaluate
+  from train.rundir import evaluate
   path = _write(tmp_path / "mc.jsonl", [{"context": "q", "choices": ["a", "b"], "label": 5}])
   assert evaluate.main(["--workdir", str(tmp_path), "--tasks", f"mc:{path}"]) == 2
   assert "mc.jsonl:1: label 5 is out of range" in capsys.readouterr().err

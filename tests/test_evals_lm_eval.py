@@ -68,7 +68,7 @@ def setup(tmp_path_factory):
            "--config.log.progress=false", "--config.data.tokenizer_max_sentences=1500",
            f"--config.train.eval_tasks=mc:{tmp}/mc.jsonl"]  # benchmark tasks during training too
   subprocess.run(train, check=True, env=env, cwd=REPO, capture_output=True)
-  from train import export as export_lib  # the CLI in this process: no second interpreter and JAX start-up
+  from train.rundir import export as export_lib  # the CLI in this process: no second interpreter and JAX start-up
   assert export_lib.main([f"--workdir={run}", f"--output={export}"]) == 0
   return tmp, run, export
 
@@ -95,7 +95,7 @@ def reference(setup):
 @pytest.fixture(scope="module")
 def ours(setup):
   tmp, run, _ = setup
-  from train import evaluate
+  from train.rundir import evaluate
   output = tmp / "ours.json"
   code = evaluate.main(["--workdir", str(run), "--tasks", f"mc:{tmp}/mc.jsonl,ppl:{tmp}/ppl.jsonl",
                         "--output", str(output), "--log_samples", "--batch_size", "4", "--no_progress"])

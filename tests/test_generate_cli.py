@@ -13,8 +13,8 @@ import model
 from data import tokenizer as tokenizer_lib
 from model import generate as gen
 from model import hf
-from train import checkpoint as ckpt_lib
-from train import generate as cli
+from train.core import checkpoint as ckpt_lib
+from train.rundir import generate as cli
 
 SMALL = {"model.vocab_size": 512, "model.d_model": 32, "model.num_layers": 2, "model.num_heads": 4,
          "model.num_kv_heads": 2, "model.head_dim": 8, "model.mlp_dim": 64, "model.max_seq_len": 64,

@@ -17,10 +17,10 @@ from model import hf
 from model import safetensors_io
 from parallel import mesh as mesh_lib
 from test_hf import _hf_logits, _random_hf_model  # tests/ is on sys.path under pytest
-from train import export as export_lib
-from train import loop
-from train import restore
-from train import step as step_lib
+from train.rundir import export as export_lib
+from train.core import loop
+from train.rundir import restore
+from train.core import step as step_lib
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Reading collectives from compiled HLO (train/hlo.py): programs compiled for TPU v4 by libtpu on this CPU."""
+"""Reading collectives from compiled HLO (train/planning/hlo.py): programs compiled for TPU v4 by libtpu on this CPU."""
 import re
 
 import jax
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from train import compile as aot
-from train import hardware, hlo
+from train.planning import compile as aot
+from train.planning import hardware
+from train.planning import hlo
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import pytest
 import configs
 from model import lora as lora_lib
 from parallel import mesh as mesh_lib
-from train import adapters
-from train import step as step_lib
+from train.rundir import adapters
+from train.core import step as step_lib
 
 SMALL = {"model.vocab_size": 256, "model.d_model": 32, "model.num_layers": 2, "model.num_heads": 4,
          "model.num_kv_heads": 2, "model.head_dim": 8, "model.mlp_dim": 64, "model.max_seq_len": 32,
@@ -112,10 +112,10 @@ def test_lora_config_errors():
 
 
 def test_a_lora_checkpoint_restores_as_merged_weights(lora_run, tmp_path):
-  """init_from / generation read a LoRA run's checkpoint as W + alpha/r * A @ B (train.loop.restore_model_params)."""
+  """init_from / generation read a LoRA run's checkpoint as W + alpha/r * A @ B (train.core.loop.restore_model_params)."""
   import json
-  from train import checkpoint as ckpt_lib
-  from train import loop
+  from train.core import checkpoint as ckpt_lib
+  from train.core import loop
   trainer, state = lora_run["trainer"], lora_run["state"]
   ck = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), None)
   ck.save(4, state, None, {"config": json.loads(trainer.config.to_json_best_effort())})

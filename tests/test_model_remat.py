@@ -1,8 +1,8 @@
 """One remat policy table (model/remat.py) serves both the model's jax.checkpoint policies and the planner's
-activation-memory model (train/memory.py)."""
+activation-memory model (train/planning/memory.py)."""
 import configs
 from model import remat
-from train import memory
+from train.planning import memory
 
 
 def test_one_remat_table_drives_the_model_and_the_memory_model():

@@ -2,8 +2,8 @@
 no TPU attached): expert weights split over `expert`, tokens gathered over it, per-chip state and model FLOPs."""
 import configs
 import model
-from train import compile as aot
-from train import hardware
+from train.planning import compile as aot
+from train.planning import hardware
 
 V4_16 = hardware.tpu_slice("v4-16")  # 8 chips
 D, F, E, K, LAYERS, V = 128, 64, 8, 2, 2, 512

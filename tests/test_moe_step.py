@@ -6,7 +6,7 @@ import pytest
 
 import configs
 from parallel import mesh as mesh_lib
-from train import step as step_lib
+from train.core import step as step_lib
 
 pytestmark = pytest.mark.slow  # five trainers compiled on the 8-device mesh
 

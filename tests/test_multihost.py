@@ -10,7 +10,7 @@ import pytest
 
 from parallel import mesh as mesh_lib
 import configs
-from train import step as step_lib
+from train.core import step as step_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = {

@@ -9,7 +9,7 @@ from flax import nnx
 import configs
 import model as model_lib
 from parallel import mesh as mesh_lib
-from train import step as step_lib
+from train.core import step as step_lib
 
 HIDDEN = ("layers/attn/q", "layers/attn/k", "layers/attn/v", "layers/attn/o", "layers/mlp/gate", "layers/mlp/up",
           "layers/mlp/down")
@@ -87,7 +87,7 @@ def test_mup_refuses_tied_embeddings():
 def test_lr_multipliers_scale_the_adam_direction_and_not_the_weight_decay():
   """First AdamW step with muP multipliers m: delta = -lr (m g / |g| + wd p), so the decay factor lr x wd is the
   same for every width (the `mup` package's MuAdamW); with_frozen's frozen parameters still do not move."""
-  from train import optimizer as optimizer_lib
+  from train.core import optimizer as optimizer_lib
   t = _config(64).train
   t.update(weight_decay=0.5, decay_exclude=())
   params = {"hidden": jnp.full((3, 2), 2.0), "vector": jnp.full((2,), -1.0), "frozen": jnp.ones((2,))}

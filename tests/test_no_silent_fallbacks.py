@@ -11,7 +11,7 @@ import pytest
 import configs
 from model import attention
 from parallel import mesh as mesh_lib
-from train import logger as logger_lib
+from train.core import logger as logger_lib
 from train import plot as plot_lib
 
 

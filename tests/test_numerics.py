@@ -5,9 +5,9 @@ import pytest
 
 from parallel import mesh as mesh_lib
 import configs
-from train import checkpoint as ckpt_lib
-from train import optimizer as optimizer_lib
-from train import step as step_lib
+from train.core import checkpoint as ckpt_lib
+from train.core import optimizer as optimizer_lib
+from train.core import step as step_lib
 
 
 def _config(dtype, loss_scale="auto", period=2000):

@@ -9,7 +9,7 @@ import pytest
 import configs
 from parallel import mesh as mesh_lib
 from train import objectives
-from train import step as step_lib
+from train.core import step as step_lib
 from train.objectives import lm
 
 

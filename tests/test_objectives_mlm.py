@@ -13,7 +13,7 @@ import model as model_lib
 from data import tokenizer as tokenizer_lib
 from model import generate as generate_lib
 from parallel import mesh as mesh_lib
-from train import step as step_lib
+from train.core import step as step_lib
 from train.objectives import mlm
 
 from attention_testing import brute_force_attention

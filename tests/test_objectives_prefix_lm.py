@@ -11,7 +11,7 @@ from flax import nnx
 import configs
 import model as model_lib
 from model import attention
-from train import step as step_lib
+from train.core import step as step_lib
 from train.objectives import prefix_lm
 
 from attention_testing import brute_force_attention

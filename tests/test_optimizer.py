@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import configs
-from train import loss as loss_lib
-from train import optimizer as opt_lib
+from train.core import loss as loss_lib
+from train.core import optimizer as opt_lib
 
 
 def _train_cfg(**kw):

@@ -10,7 +10,7 @@ from parallel import distributed
 from parallel import mesh as mesh_lib
 from parallel import rules as rules_lib
 import configs
-from train import step as step_lib
+from train.core import step as step_lib
 
 
 def _config(data=-1, fsdp=1, tensor=1, sequence=1, **model_overrides):

@@ -9,8 +9,8 @@ import configs
 import parallel
 from parallel import mesh as mesh_lib
 from parallel import pipeline as pipeline_lib
-from train import checkpoint as ckpt_lib
-from train import step as step_lib
+from train.core import checkpoint as ckpt_lib
+from train.core import step as step_lib
 
 STEPS = 3
 # (stage, data, fsdp, tensor, microbatches, repeats): the issue's three layouts.
@@ -155,9 +155,9 @@ def test_checkpoint_moves_between_stage_counts_exactly(tmp_path):
 def test_tpu_compile_reports_the_pipeline_with_async_collectives():
   """train.compile for a TPU v4 slice: the bubble, the stage-to-stage collective-permutes once per schedule
   iteration, and (train.xla_overlap) asynchronous permutes and all-gathers in the compiled HLO."""
-  from train import compile as aot
-  from train import hardware
-  from train.hlo import collective_ops
+  from train.planning import compile as aot
+  from train.planning import hardware
+  from train.planning.hlo import collective_ops
   tpu = hardware.tpu_slice("v4-16")  # 8 chips: stage 2 x fsdp 2 x tensor 2
   config = configs.load("tiny", **{
       "model.num_layers": 4, "model.vocab_size": 512, "model.d_model": 128, "model.mlp_dim": 256,

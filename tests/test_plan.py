@@ -9,7 +9,13 @@ import pytest
 import model
 from parallel import mesh as mesh_lib
 import configs
-from train import memory, plan, step
+from train.planning import memory
+
+# Hoffmann et al. 2022, Table 3 (approach 1): parameters -> (FLOPs, tokens).
+from train.planning import plan
+
+# Hoffmann et al. 2022, Table 3 (approach 1): parameters -> (FLOPs, tokens).
+from train.core import step
 
 # Hoffmann et al. 2022, Table 3 (approach 1): parameters -> (FLOPs, tokens).
 TABLE3 = [(400e6, 1.92e19, 8.0e9), (1e9, 1.21e20, 20.2e9), (10e9, 1.23e22, 205.1e9), (67e9, 5.76e23, 1.5e12),
@@ -173,7 +179,7 @@ def test_json_numbers_are_exact(capsys):
 
 
 def test_scale_reports_the_fastest_compiled_layout_per_size(capsys):
-  # One compile per size: choosing the quickest of several compiled layouts is train.compile.fastest's, tested in
+  # One compile per size: choosing the quickest of several compiled layouts is train.planning.compile.fastest's, tested in
   # tests/test_compile.py; here each size's row must come from its own search, topology and token count.
   r = _run(["--config=tiny", "--config.model.dtype=bfloat16", "--chip=tpu_v5e", "--scale", "4,8",
             "--max_compiles=1", "--json"], capsys)

@@ -1,4 +1,4 @@
-"""The performance model (train/predict.py) against closed forms: a matmul's roofline, ring collectives, and
+"""The performance model (train/planning/predict.py) against closed forms: a matmul's roofline, ring collectives, and
 the cost of recomputation; programs compiled for TPU v4 by libtpu on this CPU machine."""
 import jax
 import jax.numpy as jnp
@@ -7,8 +7,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import configs
-from train import compile as aot
-from train import hardware, hlo, predict
+from train.planning import compile as aot
+from train.planning import hardware
+from train.planning import hlo
+from train.planning import predict
 
 V4_16 = hardware.tpu_slice("v4-16")  # 8 chips, torus 2x2x2
 V4 = hardware.CHIPS["tpu_v4"]

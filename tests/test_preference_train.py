@@ -17,9 +17,9 @@ from data import tokenizer as tokenizer_lib
 from model import hf
 from parallel import mesh as mesh_lib
 import parallel
-from train import loop
-from train import reward as reward_api
-from train import step as step_lib
+from train.core import loop
+from train.rundir import reward as reward_api
+from train.core import step as step_lib
 from train.objectives import reward as reward_objective
 
 PAIRS = [{"prompt": "What is 12 + 30?", "chosen": "42", "rejected": "43"},
@@ -235,7 +235,7 @@ def test_run_resumes_bit_exactly_and_the_scorer_equals_pytorch(setup, objective,
 
   # Scoring: a chat record rendered with the run's template and a plain text, vs transformers on the export.
   import torch
-  from train import restore
+  from train.rundir import restore
   hf.save(restore.load_run(workdir).model, str(root / "hf"))  # the trunk as train.export writes it
   model = _torch_model(str(root / "hf"))
   head = got[("params", reward_objective.HEAD)]
@@ -254,7 +254,7 @@ def test_run_resumes_bit_exactly_and_the_scorer_equals_pytorch(setup, objective,
     want_rewards.append(hidden @ head)
   np.testing.assert_allclose(reward_api.score(workdir, texts), want_rewards, rtol=1e-4, atol=1e-5)
   # An RL run with rl.reward=rm:RUN scores its rollouts (conversation + sampled completion) the same way.
-  from train import rl
+  from train.rl import loop as rl
   conversation = [{"role": "user", "content": PAIRS[0]["prompt"]}]
   rm_reward = rl.Reward(f"rm:{workdir}")
   got_rl = rm_reward([PAIRS[0]["prompt"]], [PAIRS[0]["chosen"]], [rl.reward_text(conversation, PAIRS[0]["chosen"])])

@@ -5,8 +5,11 @@ import collections
 import pytest
 
 import configs
-from train import compile as aot
-from train import hardware, hlo
+from train.planning import compile as aot
+from train.planning import hardware
+
+# One layer: q, k, v (k and v share a spec under GQA), o; MLP gate and up (same spec), down.
+from train.planning import hlo
 
 # One layer: q, k, v (k and v share a spec under GQA), o; MLP gate and up (same spec), down.
 PROJECTIONS = collections.Counter({"bld,dhk->blhk": 1, "bld,dgk->blgk": 2, "blhk,hkd->bld": 1, "bld,df->blf": 2,

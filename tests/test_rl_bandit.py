@@ -1,7 +1,7 @@
 """PPO and GRPO on a one-step bandit with a known optimum, using the objectives' own loss functions.
 
 K answers with rewards r_k; the policy is a softmax over K logits, sampled in batches. PPO with the per-token
-KL penalty in the reward (train/rl.py's shaping) must reach the KL-regularised optimum
+KL penalty in the reward (train/rl/loop.py's shaping) must reach the KL-regularised optimum
 pi*(k) = pi_ref(k) exp(r_k / beta) / Z; GRPO without KL must put its mass on the best answer. Total variation
 <= 0.05 in both cases.
 """

@@ -15,8 +15,8 @@ import configs
 import rl_testing
 from chat_testing import TEXT
 from data import tokenizer as tokenizer_lib
-from train import loop
-from train import rl
+from train.core import loop
+from train.rl import loop as rl
 
 BASE = """from configs import tiny
 def get_config():

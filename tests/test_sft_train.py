@@ -16,8 +16,8 @@ from data import pipeline
 from data import tokenizer as tokenizer_lib
 from model import hf
 from parallel import mesh as mesh_lib
-from train import loop
-from train import step as step_lib
+from train.core import loop
+from train.core import step as step_lib
 
 SMALL = {"model.vocab_size": 320, "model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4,
          "model.num_kv_heads": 2, "model.head_dim": 16, "model.mlp_dim": 128, "model.max_seq_len": 128,
@@ -158,7 +158,7 @@ def test_sft_run_from_its_base_recipe_resumes_bit_exactly(setup, capsys, monkeyp
 
   # The chat command line answers each stdin line, with the run's template from its checkpoint.
   import io
-  from train import generate
+  from train.rundir import generate
   monkeypatch.setattr("sys.stdin", io.StringIO("What is 12 + 30?\nReverse: a b c\n"))
   assert generate.main(["--workdir", workdir, "--chat", "--max_new_tokens", "4"]) == 0
   assert capsys.readouterr().out.count("\n") >= 2  # one printed answer per turn (answers may hold newlines)
@@ -187,7 +187,7 @@ def test_chat_answers_each_turn_with_the_whole_conversation(setup, reference):
   """`converse` equals greedy decoding, written out by hand, of the meshlm-rendered conversation so far."""
   import jax.numpy as jnp
   from flax import nnx
-  from train import chat as chat_lib
+  from train.rundir import chat as chat_lib
   tok = setup["tok"]
   model = reference["trainer"].model(reference["trainer"].init())
   template = chat_lib.template_for_run(setup["config"], tok, chat.MESHLM_JINJA)

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from parallel import mesh as mesh_lib
 import configs
-from train import step as step_lib
+from train.core import step as step_lib
 
 STEPS = 3
 MESHES = [(8, 1, 1, 1), (1, 8, 1, 1), (2, 2, 2, 1), (1, 2, 2, 2), (1, 1, 2, 4)]

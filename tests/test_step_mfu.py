@@ -1,4 +1,4 @@
-"""MFU arithmetic (train/mfu.py): model FLOPs per second over the hardware peak, omitted where the peak is unknown."""
+"""MFU arithmetic (train/planning/mfu.py): model FLOPs per second over the hardware peak, omitted where the peak is unknown."""
 import jax
 import numpy as np
 import pytest
@@ -7,8 +7,8 @@ from flax import nnx
 import model
 from model import count_params
 import configs
-from train import hardware
-from train import mfu
+from train.planning import hardware
+from train.planning import mfu
 
 
 def test_mfu_formula_and_unknown_peak():

@@ -20,9 +20,9 @@ import configs
 from configs.loader import ConfigError
 from configs import validate
 from model import quant
-from train import loop
-from train import mfu
-from train import profiling
+from train.core import loop
+from train.planning import mfu
+from train.core import profiling
 
 SMALL = {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 2,
          "model.head_dim": 16, "model.mlp_dim": 128, "model.vocab_size": 512, "model.max_seq_len": 64,
@@ -110,10 +110,10 @@ def test_first_window_excludes_compilation_and_both_mfus_are_logged(run):
 # A jitted gradient whose temporaries (the [8192, 2048] float32 hidden activations and their gradient) are one
 # 128 MiB buffer per call. Prints whether the setting applied, the temporaries' bytes, the fewest minor page
 # faults of 8 calls after warm-up (a call that reuses the last one's pages takes none; now and then the kept heap
-# grows by a buffer, see train/hostmem.py), and the faults of one call after release_freed_host_memory().
+# grows by a buffer, see train/core/hostmem.py), and the faults of one call after release_freed_host_memory().
 _FAULTS_PROBE = """
 import resource, time
-from train import hostmem
+from train.core import hostmem
 applied = hostmem.keep_freed_host_memory()
 import jax, jax.numpy as jnp
 f = jax.jit(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w[0]) @ w[1])))

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from etils import epath
 
-from train import checkpoint as ckpt_lib
+from train.core import checkpoint as ckpt_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,7 +90,7 @@ def test_tokenizer_file_round_trip(tmp_path):
 _KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     import jax.numpy as jnp, ml_collections
-    from train.checkpoint import Checkpointer
+    from train.core.checkpoint import Checkpointer
     cfg = ml_collections.ConfigDict(dict(every=1, keep=3, keep_period=0, async_save=True))
     ck = Checkpointer(sys.argv[1], cfg)
     w = jnp.arange(8 * 2**20, dtype=jnp.float32)  # 32 MiB: the background write takes a while

@@ -5,10 +5,10 @@ import pytest
 
 from model import hf
 from parallel import mesh as mesh_lib
-from train import checkpoint as ckpt_lib
+from train.core import checkpoint as ckpt_lib
 import configs
-from train import loop
-from train import step as step_lib
+from train.core import loop
+from train.core import step as step_lib
 
 SMALL = {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 2,
          "model.head_dim": 16, "model.mlp_dim": 128, "model.vocab_size": 512, "model.max_seq_len": 64,

@@ -6,7 +6,7 @@ import os
 import ml_collections
 import numpy as np
 
-from train import logger as logger_lib
+from train.core import logger as logger_lib
 from train import plot as plot_lib
 
 

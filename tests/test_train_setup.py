@@ -19,8 +19,8 @@ import model as model_lib
 from data import tokenizer as tokenizer_lib
 from model import hf
 from train import __main__ as train_main
-from train import loop
-from train import runconfig
+from train.core import loop
+from train.rundir import runconfig
 
 SMALL = {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 2,
          "model.head_dim": 16, "model.mlp_dim": 128, "model.vocab_size": 512, "model.max_seq_len": 64,
@@ -219,7 +219,7 @@ def test_schedule_horizon_bookkeeping_across_resumes():
 def test_a_checkpoint_from_before_a_config_key_existed_still_loads(finished, tmp_path):
   """A run saved by an older meshlm lacks the model keys added since: it loads with their defaults (the behaviour of
   its time); a key this version does not know is refused by name."""
-  from train import restore
+  from train.rundir import restore
   workdir = _copy(finished, tmp_path)
   path = os.path.join(workdir, "checkpoints", "4", "metadata", "metadata")
   with open(path) as f:

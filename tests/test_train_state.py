@@ -10,7 +10,7 @@ import configs
 import model as model_lib
 from parallel import mesh as mesh_lib
 from parallel import sharding
-from train import step as step_lib
+from train.core import step as step_lib
 
 SMALL = {"model.d_model": 32, "model.num_layers": 2, "model.num_heads": 2, "model.num_kv_heads": 1,
          "model.head_dim": 16, "model.mlp_dim": 64, "model.vocab_size": 128, "model.max_seq_len": 16,

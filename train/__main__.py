@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Sequence
 
-from train import hostmem
+from train.core import hostmem
 
 
 def _accelerator_present() -> bool:
@@ -28,14 +28,14 @@ def _default_platform() -> None:
   if "JAX_PLATFORMS" not in os.environ and not _accelerator_present():
     os.environ["JAX_PLATFORMS"] = "cpu"
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  if os.environ["JAX_PLATFORMS"].split(",")[0] == "cpu":
+  if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
     hostmem.keep_freed_host_memory()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   _default_platform()  # before the first JAX import
   import configs  # pylint: disable=g-import-not-at-top
-  from train import loop  # pylint: disable=g-import-not-at-top
+  from train.core import loop  # pylint: disable=g-import-not-at-top
 
   parser = argparse.ArgumentParser(
       prog="python -m train", description="Train a meshlm model; the same command on the same workdir resumes.",
@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_in_workdir(run, config, args) -> int:
   """`run(config, workdir, overrides)` in --workdir (default runs/<config name>) -> the exit code: 0 done, 2 bad
   config or workdir (loop.SetupError / WorkdirError), 1 training failed (loop.TrainingError); errors on stderr."""
-  from train import loop  # pylint: disable=g-import-not-at-top
+  from train.core import loop  # pylint: disable=g-import-not-at-top
   workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
   try:
     run(config, workdir, args.overrides)

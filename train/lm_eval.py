@@ -25,7 +25,7 @@ def _register():
       del unused  # device, max_batch_size, ...: the mesh decides placement
       import evals  # pylint: disable=g-import-not-at-top
       from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
-      from train import restore  # pylint: disable=g-import-not-at-top
+      from train.rundir import restore  # pylint: disable=g-import-not-at-top
       if bool(workdir) == bool(hf):
         raise ValueError("meshlm model_args need exactly one of workdir=RUN or hf=DIR")
       mesh_overrides = {k: int(v) for k, v in (kv.split("=") for kv in mesh.split(";") if kv)} or None

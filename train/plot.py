@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Sequence
 
-from train import logger
+from train.core import logger
 
 PANELS = (  # (title, [(metric key, legend label), ...], y scale)
     ("loss", [("loss", "train"), ("eval_loss", "eval")], "linear"),

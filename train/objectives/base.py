@@ -1,4 +1,4 @@
-"""What an objective declares; the Trainer (train/step.py) does everything else once.
+"""What an objective declares; the Trainer (train/core/step.py) does everything else once.
 
 An objective is small:
   - `batch_keys`: the arrays of its batch (name -> dtype, each [batch, seq_len]); the data pipeline or the RL

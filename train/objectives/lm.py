@@ -12,7 +12,7 @@ import math
 
 import jax.numpy as jnp
 
-from train import loss as loss_lib
+from train.core import loss as loss_lib
 from train.objectives import base
 
 

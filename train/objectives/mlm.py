@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from data import tokenizer as tokenizer_lib
-from train import loss as loss_lib
+from train.core import loss as loss_lib
 from train.objectives import lm
 
 MASK_PIECE, MASK_ID = tokenizer_lib.MASK_PIECE, tokenizer_lib.MASK_ID

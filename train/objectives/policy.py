@@ -1,4 +1,4 @@
-"""Policy-gradient math shared by the PPO and GRPO objectives and the RL loop (train/rl.py).
+"""Policy-gradient math shared by the PPO and GRPO objectives and the RL loop (train/rl/loop.py).
 
 Everything is per token on the [B, L] layout of a training batch: position t scores `targets[t]`, the completion
 tokens carry mask 1. Log-probabilities are natural logs of softmax(logits / temperature).

@@ -1,4 +1,4 @@
-"""`train.objective=ppo`: PPO's clipped policy loss and clipped value loss on a rollout batch (train/rl.py).
+"""`train.objective=ppo`: PPO's clipped policy loss and clipped value loss on a rollout batch (train/rl/loop.py).
 
 The batch is a language-model batch of prompt + completion rows (loss_mask 1 on the completion tokens) plus,
 per token, the rollout's `old_logp` (recomputed with the training forward pass before the first epoch),

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import model as model_lib
-from train import hardware
+from train.planning import hardware
 
 
 def flops_per_token(model_cfg, seq_len: int, causal_halving: bool = True) -> float:

@@ -24,9 +24,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from train import checkpoint as ckpt_lib
-from train import hostmem
-from train import logger as logger_lib
+from train.core import checkpoint as ckpt_lib
+from train.core import hostmem
+from train.core import logger as logger_lib
 
 TOKENIZER_KEY = "tokenizer"
 CHAT_TEMPLATE_KEY = "chat_template"  # checkpoint metadata: the run's chat template in Jinja form (chat data only)
@@ -180,7 +180,7 @@ def _resolve_start(config: ml_collections.ConfigDict, workdir: str) -> ml_collec
   if not os.path.isdir(tc.init_from):
     raise SetupError(f"train.init_from={tc.init_from!r} is not a directory; give a meshlm run directory, a "
                      "checkpoints/<step> directory or a Hugging Face model directory")
-  from train import runconfig  # pylint: disable=g-import-not-at-top
+  from train.rundir import runconfig  # pylint: disable=g-import-not-at-top
   if runconfig.is_hf_dir(tc.init_from):  # (config.model is settled from the checkpoint by _reconcile)
     if not config.data.tokenizer:
       from data import hf_tokenizer_load  # pylint: disable=g-import-not-at-top
@@ -245,7 +245,7 @@ def _reconcile(config: ml_collections.ConfigDict, checkpoint_dir: str, overrides
   """Settles `config` (in place) against the run directory's latest checkpoint and train.init_from, reading
   only; returns the step to resume from (None: a fresh run). Raises SetupError naming the keys."""
   import configs  # pylint: disable=g-import-not-at-top
-  from train import runconfig  # pylint: disable=g-import-not-at-top
+  from train.rundir import runconfig  # pylint: disable=g-import-not-at-top
   try:
     saved = runconfig.saved_run_config(checkpoint_dir)
     if config.train.init_from:  # resuming, the run's own checkpoint says what init_from gave it
@@ -273,10 +273,10 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
   from data import pipeline as pipeline_lib  # pylint: disable=g-import-not-at-top
   from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   from parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from train import mfu as mfu_lib  # pylint: disable=g-import-not-at-top
-  from train import chat_eval  # pylint: disable=g-import-not-at-top
-  from train import profiling  # pylint: disable=g-import-not-at-top
-  from train import step as step_lib  # pylint: disable=g-import-not-at-top
+  from train.planning import mfu as mfu_lib  # pylint: disable=g-import-not-at-top
+  from train.core import chat_eval  # pylint: disable=g-import-not-at-top
+  from train.core import profiling  # pylint: disable=g-import-not-at-top
+  from train.core import step as step_lib  # pylint: disable=g-import-not-at-top
 
   parallel.distributed.initialize(config.distributed)
   profiling.enable_compile_cache(config.train.compile_cache)  # before the first compile of this run
@@ -301,7 +301,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, stop: _StopSignal,
     tokenizer = tokenizer_lib.load(tokenizer_path)
     task_evaluator = None
     if tc.eval_tasks and tc.eval_every > 0:  # task files are checked here, before any step
-      from train import eval_tasks  # pylint: disable=g-import-not-at-top
+      from train.core import eval_tasks  # pylint: disable=g-import-not-at-top
       task_evaluator = eval_tasks.TaskEvaluator(tc.eval_tasks, tc.eval_tasks_limit, tokenizer, mesh, trainer.rules)
   except (ValueError, FileNotFoundError) as e:
     raise SetupError(str(e)) from None
@@ -538,7 +538,7 @@ def _check_data_kind(config, trainer) -> None:
 def _check_state_layout(trainer, checkpoint_dir: str, step: int) -> None:
   """SetupError unless checkpoint `step` holds exactly the state `trainer` builds (leaves, shapes, dtypes)."""
   import configs  # pylint: disable=g-import-not-at-top
-  from train import runconfig  # pylint: disable=g-import-not-at-top
+  from train.rundir import runconfig  # pylint: disable=g-import-not-at-top
   checkpointer = ckpt_lib.Checkpointer(checkpoint_dir, read_only=True)
   try:
     runconfig.check_state_layout(runconfig.layout(trainer.abstract_state()), checkpointer.state_layout(step),
@@ -585,7 +585,7 @@ def restore_model_params(checkpointer: ckpt_lib.Checkpointer, step: int | None, 
 def _init_from(trainer, path: str) -> dict[str, Any]:
   """Model parameters (sharded like `trainer`'s) from a meshlm run/checkpoint directory or a Hugging Face
   directory; a meshlm run trained with LoRA gives its adapters merged into the weights."""
-  from train import runconfig  # pylint: disable=g-import-not-at-top
+  from train.rundir import runconfig  # pylint: disable=g-import-not-at-top
   abstract = trainer.abstract_model_params()
   if not os.path.isdir(path):
     raise TrainingError(f"train.init_from={path!r} is not a directory; give a meshlm run directory, a "

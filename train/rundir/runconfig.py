@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import ml_collections
 
 from configs import ConfigError
-from train import checkpoint as ckpt_lib
+from train.core import checkpoint as ckpt_lib
 
 # Model keys that say how the function is computed, not which function: a run may set them freely over a
 # checkpoint's (layer scan and its unrolling, attention kernel and blocks, compute and parameter dtypes, the unused init

@@ -93,7 +93,7 @@ def find_chip(name: str) -> Chip:
   for candidate in (key, "tpu_" + key):
     if candidate in CHIPS:
       return CHIPS[candidate]
-  raise ValueError(f"unknown accelerator {name!r}; use one of: {', '.join(CHIPS)} (or add it to train/hardware.py)")
+  raise ValueError(f"unknown accelerator {name!r}; use one of: {', '.join(CHIPS)} (or add it to train/planning/hardware.py)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,5 +196,5 @@ def local_slice(devices: list) -> TpuSlice:
   chip = chip_for_device_kind(devices[0].device_kind)
   if chip is None:
     raise ValueError(f"--topology=local: no data-sheet figures for device kind {devices[0].device_kind!r}; "
-                     "use a TPU topology (v5e-256, ...) or run on GPUs listed in train/hardware.py")
+                     "use a TPU topology (v5e-256, ...) or run on GPUs listed in train/planning/hardware.py")
   return TpuSlice(chip, f"local:{len(devices)}x{chip.name}", len(devices))

@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import re
 
-from train import hardware, hlo
+from train.planning import hardware
+
+# One global factor: the fraction of the data-sheet bf16 peak that FLOP-bound kernels reach. Fitted once, on the
+
+from train.planning import hlo
 
 # One global factor: the fraction of the data-sheet bf16 peak that FLOP-bound kernels reach. Fitted once, on the
 # MaxText 16B / v5e-256 row of the calibration table (benchmarks/predict_maxtext.py --fit, docs/planning.md): the
@@ -232,7 +236,7 @@ def predict(hlo_text: str, chip: hardware.Chip, *, num_devices: int, torus: tupl
 
   Args:
     hlo_text: `compiled.as_text()` of the SPMD-partitioned step.
-    chip: the accelerator (peak, HBM and interconnect bandwidths from train/hardware.py).
+    chip: the accelerator (peak, HBM and interconnect bandwidths from train/planning/hardware.py).
     num_devices: chips the program runs on (for collectives whose groups are not printed).
     torus: chips along each physical axis of one slice (TpuSlice.torus); empty for GPUs.
     model_flops_per_chip: model FLOPs per chip per step (the MFU numerator).

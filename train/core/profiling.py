@@ -12,7 +12,7 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 from configs import validate
-from train.logger import TENSORBOARD_DIR
+from train.core.logger import TENSORBOARD_DIR
 
 
 class StepProfiler:

@@ -21,9 +21,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 import parallel
 from parallel import mesh as mesh_lib
 from parallel import rules as rules_lib
-from train import checkpoint as ckpt_lib
+from train.core import checkpoint as ckpt_lib
 
-TOKENIZER_KEY = "tokenizer"  # the checkpoint metadata entry holding the tokenizer file (train/loop.py)
+TOKENIZER_KEY = "tokenizer"  # the checkpoint metadata entry holding the tokenizer file (train/core/loop.py)
 
 
 class RunError(ValueError):
@@ -42,7 +42,7 @@ class Run:
 
 
 def _inference_config(config_dict: Mapping[str, Any], mesh_overrides: Mapping[str, int] | None):
-  from train import runconfig  # pylint: disable=g-import-not-at-top
+  from train.rundir import runconfig  # pylint: disable=g-import-not-at-top
   try:
     config = runconfig.from_saved(dict(config_dict))
   except ValueError as e:
@@ -112,7 +112,7 @@ def load_run(workdir: str, step: int | None = None, mesh_overrides: Mapping[str,
       lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, p)),
       nnx.to_pure_dict(abstract_state), nnx.to_pure_dict(specs),
       is_leaf=lambda x: isinstance(x, PartitionSpec))
-  from train import loop  # pylint: disable=g-import-not-at-top
+  from train.core import loop  # pylint: disable=g-import-not-at-top
   params = loop.restore_model_params(checkpointer, step, abstract_params)  # LoRA runs: adapters merged
   nnx.replace_by_pure_dict(abstract_state, params)
   model = nnx.merge(graphdef, abstract_state)

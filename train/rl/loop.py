@@ -14,11 +14,11 @@ One iteration (rl.algorithm):
   best_of_n  K = rl.samples_per_prompt samples per prompt, the best by reward kept (ties broken by a draw from
              the iteration's seed), rl.epochs passes of the `sft` objective on the kept answers (one round).
 Rewards: `py:MODULE:FUNCTION` called with (prompt text, completion text) -> float, or `rm:RUN`, a reward-model
-run scored through `train.reward.load_scorer` on the conversation + completion as a chat record. A reward that raises or
+run scored through `train.rundir.reward.load_scorer` on the conversation + completion as a chat record. A reward that raises or
 is not finite drops its sample (zero loss mask) and is counted (`bad_rewards`); the run halts once
 rl.max_bad_rewards have been counted. Optional penalties: rl.length_penalty per token, rl.missing_eos_penalty.
 
-The run directory is `python -m train`'s (train/loop.py): config.json, metrics.jsonl, TensorBoard, progress
+The run directory is `python -m train`'s (train/core/loop.py): config.json, metrics.jsonl, TensorBoard, progress
 bar, orbax checkpoints at iteration boundaries (the Trainer's state: policy, value head, optimizer, frozen
 reference; metadata: the reference's source, the KL coefficient, the bad-reward count, the rollout seed),
 SIGTERM/SIGINT -> checkpoint and exit 0, the same command resumes. Every random draw of iteration i comes from
@@ -45,9 +45,9 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import ml_collections  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from train import checkpoint as ckpt_lib
-from train import logger as logger_lib
-from train import loop
+from train.core import checkpoint as ckpt_lib
+from train.core import logger as logger_lib
+from train.core import loop
 
 OBJECTIVE = {"ppo": "ppo", "grpo": "grpo", "best_of_n": "sft"}  # rl.algorithm -> train.objective
 _ROLLOUT, _EPOCHS, _EVAL, _TIES = range(4)  # seed streams
@@ -89,7 +89,7 @@ class Reward:
         raise loop.SetupError(f"rl.reward={spec!r}: no reward-model run directory {target!r}; train one "
                               "(docs/post-training.md) or fix the path")
       try:
-        from train import reward as reward_lib  # pylint: disable=g-import-not-at-top
+        from train.rundir import reward as reward_lib  # pylint: disable=g-import-not-at-top
         self._batch = reward_lib.load_scorer(target)
       except (ImportError, ValueError, FileNotFoundError, ckpt_lib.CheckpointError) as e:
         raise loop.SetupError(f"rl.reward={spec!r}: cannot load a reward model from {target}: {e}") from None
@@ -410,7 +410,7 @@ def _run(config, workdir: str, stop, overrides, reward: Reward) -> dict[str, Any
   from data import rl_prompts  # pylint: disable=g-import-not-at-top
   from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   from parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from train import step as step_lib  # pylint: disable=g-import-not-at-top
+  from train.core import step as step_lib  # pylint: disable=g-import-not-at-top
 
   parallel.distributed.initialize(config.distributed)
   r, ck = config.rl, config.checkpoint
