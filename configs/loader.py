@@ -15,12 +15,11 @@ from typing import Sequence
 
 import ml_collections
 
+from configs import validate
+from configs.errors import ConfigError
+
 DEFAULT_CONFIG = "tiny"
 _CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-class ConfigError(ValueError):
-  """A config file or override that cannot be applied; the message names the key and the fix."""
 
 
 def resolve_config_path(name_or_path: str) -> str:
@@ -32,9 +31,24 @@ def resolve_config_path(name_or_path: str) -> str:
   for path in candidates:
     if os.path.isfile(path):
       return os.path.abspath(path)
-  available = sorted(f[:-3] for f in os.listdir(_CONFIG_DIR)
-                     if f.endswith(".py") and not f.startswith("_"))
-  raise ConfigError(f"config file {name_or_path!r} not found; give a path or one of: {', '.join(available)}")
+  raise ConfigError(f"config file {name_or_path!r} not found; give a path or one of: {', '.join(config_names())}")
+
+
+def config_names() -> list[str]:
+  """The config files under configs/ by name: the public modules that define `get_config()` (not this loader,
+  the validators or private `_` helpers such as `_maxtext`)."""
+  names = []
+  for f in sorted(os.listdir(_CONFIG_DIR)):
+    if f.endswith(".py") and not f.startswith("_") and _defines_get_config(os.path.join(_CONFIG_DIR, f)):
+      names.append(f[:-3])
+  return names
+
+
+def _defines_get_config(path: str) -> bool:
+  # Read, not imported: listing the configs must not run them (nor import the model they build on).
+  with open(path) as f:
+    tree = ast.parse(f.read(), path)
+  return any(isinstance(node, ast.FunctionDef) and node.name == "get_config" for node in tree.body)
 
 
 def load_config_file(name_or_path: str) -> ml_collections.ConfigDict:
@@ -105,10 +119,10 @@ def parse(argv: Sequence[str] | None, parser: argparse.ArgumentParser,
 
   `parser` holds the command's own flags; `--config` is added here. Overrides are `--config.A.B=V` or
   `--config.A.B V`; their dotted keys, in command-line order, are in `args.overrides` (a value given explicitly
-  can then be told from one that came from the config file). Values are range-checked (configs/validate.py).
+  can then be told from one that came from the config file). Values are checked by configs/validate.py: ranges,
+  the model's own validation, every package's registered validator and the conditional keys (`validate.check`).
   Raises ConfigError (the CLIs print it and exit 2).
   """
-  from configs import validate  # pylint: disable=g-import-not-at-top  (validate imports this module)
   add_config_args(parser, default)
   known, rest = parser.parse_known_args(argv)
   overrides: list[tuple[str, str]] = []
@@ -128,8 +142,8 @@ def parse(argv: Sequence[str] | None, parser: argparse.ArgumentParser,
   config = load_config_file(known.config)
   for key, value in overrides:
     apply_override(config, key, value)
-  validate.check(config)
   known.overrides = [key for key, _ in overrides]
+  validate.check(config, known.overrides)  # its warnings are printed by the command that runs (train/core/setup.py)
   return config, known
 
 

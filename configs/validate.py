@@ -1,19 +1,33 @@
-"""Range checks of every numeric training-config key, in one place (`configs.parse` runs them; so does training).
+"""Config checks, run by `configs.parse` (and again by training): ranges, each package's validator, conditional keys.
 
 Types are checked when overrides are applied (configs/loader.py); this module checks values: a key outside its
 range raises ConfigError naming the key, its value and the allowed range, before anything runs (the CLIs exit 2).
-`model.*` keys are checked by the model's own validation (model/config.py), called from here. Keys absent from a
-config (the curation config has no `train` section) are skipped.
+Keys absent from a config (the curation config has no `train` section) are skipped.
+
+Each package validates its own section; configs imports no data/, train/ or evals/ module, so they push their
+checks in here when imported (data/__init__.py and train/__init__.py import their `config_checks` modules, and
+every command lives under one of them, so its checks are registered before it parses a config):
+  register(name, fn)    fn(config) raises ValueError/ConfigError naming the key, may return warnings
+  conditional(*rows)    `Conditional` rows: keys that act only under a condition (a silent no-op elsewhere)
+`model.*` keys are checked by the model's own validation and its `CONDITIONAL_KEYS` table (model/config.py, which
+imports nothing from configs), pulled from here.
+
+A conditional key set away from its default (configs/base.py) where its condition fails is an error (ConfigError
+naming the key and the condition; the CLIs exit 2) or, with severity "warn", a warning; so is an error-severity
+key that only the config file set when the command line idled it (`explicit`: the keys given there). Conditions that read facts
+known only later (`platform`, the resolved `stage` count: the Trainer's mesh; `command`: `python -m train.rl`)
+are re-checked there with `check_conditional(config, **facts)`.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any
+from typing import Any, Callable, Collection, Iterable, Mapping
 
 import ml_collections
 
-from configs.loader import ConfigError
+from configs.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +177,90 @@ def _get(config: ml_collections.ConfigDict, dotted: str):
   return node
 
 
-def check(config: ml_collections.ConfigDict) -> list[str]:
-  """Raises ConfigError for the first out-of-range value; returns warnings (legal but suspicious settings)."""
+Validator = Callable[[ml_collections.ConfigDict], "Iterable[str] | None"]
+SEVERITIES = ("warn", "error")
+
+
+@dataclasses.dataclass(frozen=True)
+class Conditional:
+  """A key that acts only when `acts(config, facts)` holds (module docstring).
+
+  `condition` says when, in words naming keys ("mesh.stage > 1"); `why` what the key does or the fix. `acts`
+  returns None when it cannot tell yet (a fact in `needs` not known: `stage` with mesh.stage=-1, `platform`
+  before there is a mesh); such rows are checked again where the fact is known.
+  """
+  key: str
+  condition: str
+  acts: Callable[[ml_collections.ConfigDict, Mapping[str, Any]], "bool | None"]
+  severity: str = "error"
+  why: str = ""
+  needs: tuple[str, ...] = ()
+
+
+_VALIDATORS: dict[str, Validator] = {}
+_CONDITIONALS: dict[tuple[str, str], Conditional] = {}
+
+
+def register(name: str, fn: Validator) -> None:
+  """Adds (or replaces: re-imports are harmless) the validator `name`, which `check` runs on every config."""
+  _VALIDATORS[name] = fn
+
+
+def conditional(*rows: Conditional) -> None:
+  """Adds conditional-key rows (replacing a row of the same key and condition)."""
+  for row in rows:
+    if row.severity not in SEVERITIES:
+      raise ValueError(f"{row.key}: severity {row.severity!r} is not one of {', '.join(SEVERITIES)}")
+    _CONDITIONALS[(row.key, row.condition)] = row
+
+
+def conditional_rows() -> list[Conditional]:
+  """Every conditional row: the registered ones, then the model's (model/config.py CONDITIONAL_KEYS)."""
+  from model import config as model_config  # pylint: disable=g-import-not-at-top
+  model_rows = [Conditional(f"model.{key}", condition,
+                            lambda config, facts, acts=acts: acts(config.model), "error", why)
+                for key, condition, acts, why in model_config.CONDITIONAL_KEYS]
+  return list(_CONDITIONALS.values()) + model_rows
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults() -> ml_collections.ConfigDict:
+  from configs import base  # pylint: disable=g-import-not-at-top  (base builds on the model package)
+  return base.get_config()
+
+
+def check_conditional(config: ml_collections.ConfigDict, explicit: Collection[str] | None = None,
+                      **facts) -> list[str]:
+  """Raises ConfigError for the first error-severity conditional key set where it cannot act; returns the
+  warnings. With `facts` (platform=, stage=, command=) only the rows reading one of them are checked.
+
+  `explicit`: the keys given on the command line, when known. A key that only its config file set is then a
+  warning, not an error: `--config=grpo_tiny --config.rl.eval_every=0` turns the preset's rl.eval_prompts inert
+  by choice. None (unknown) treats every key as explicit.
+  """
+  warnings = []
+  for row in conditional_rows():
+    if facts and not set(row.needs) & set(facts):
+      continue
+    value, default = _get(config, row.key), _get(_defaults(), row.key)
+    if value is None or default is None or value == default or row.acts(config, facts) is not False:
+      continue
+    known = ", ".join(f"{k}={facts[k]}" for k in row.needs if k in facts)
+    message = (f"{row.key}={value!r} has no effect unless {row.condition}" + (f" (here {known})" if known else "")
+               + (f": {row.why}" if row.why else "") + f"; leave it at its default {default!r} or make the "
+               "condition hold")
+    if row.severity == "error" and (explicit is None or row.key in explicit):
+      raise ConfigError(message)
+    warnings.append(message)
+  return warnings
+
+
+def check(config: ml_collections.ConfigDict, explicit: Collection[str] | None = None) -> list[str]:
+  """Raises ConfigError for the first bad value; returns warnings (legal but suspicious settings).
+  `explicit`: the keys given on the command line, when known (`check_conditional`).
+
+  In order: ranges, the model's validation, the registered validators, train.profile_steps, the conditional keys.
+  """
   for key, allowed in RANGES.items():
     value = _get(config, key)
     if value is None:
@@ -183,16 +279,15 @@ def check(config: ml_collections.ConfigDict) -> list[str]:
   if t is not None and "mlm_mask_fraction" in t and t.mlm_mask_fraction + t.mlm_random_fraction > 1:
     raise ConfigError(f"train.mlm_mask_fraction={t.mlm_mask_fraction} + train.mlm_random_fraction="
                       f"{t.mlm_random_fraction} exceeds 1: they split the selected tokens with the unchanged rest")
-  if t is not None and config.get("data") is not None and config.data.get("objective_mixture"):
-    from data import denoise  # pylint: disable=g-import-not-at-top
+  warnings = []
+  for fn in list(_VALIDATORS.values()):
     try:
-      denoise.check_config(config)
-    except ValueError as e:
+      warnings += list(fn(config) or ())
+    except ValueError as e:  # ConfigError included: re-raised as one, message unchanged
       raise ConfigError(str(e)) from None
   if t is not None and "profile_steps" in t:
     profile_window(t.profile_steps)
-  warnings = []
-  t = config.get("train")
+  warnings += check_conditional(config, explicit)
   if t is not None and "warmup_steps" in t and t.warmup_steps > t.steps:
     warnings.append(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}: the learning rate never "
                     f"reaches train.lr={t.lr:g} (it ends at {t.lr * t.steps / t.warmup_steps:.3g})")

@@ -243,9 +243,7 @@ class ChatEncoder:
     return None
 
 
-def is_chat_source(spec) -> bool:
-  """Whether a parsed mixture item holds conversations (chat:PATH or builtin:instruct)."""
-  return spec.kind == "chat" or (spec.kind == "builtin" and spec.arg == "instruct")
+is_chat_source = sources_lib.is_chat_source  # whether a parsed mixture item holds conversations
 
 
 @dataclasses.dataclass
@@ -255,10 +253,14 @@ class EvalItem:
   answer: str  # the last assistant turn's content
 
 
-def eval_items(data_config, per_family: int, eval_fraction: float | None = None) -> list[EvalItem]:
+def eval_items(data_config, per_family: int, eval_fraction: float | None = None, plan=None) -> list[EvalItem]:
   """Held-out prompts with reference answers from the chat sources' eval split: up to `per_family` per family
-  (a record's "family", else its source name), in a fixed order."""
-  specs, srcs = sources_lib.open_sources(data_config)
+  (a record's "family", else its source name), in a fixed order. `plan`: the run's parsed config.data
+  (data/plan.py DataPlan; resolved from `data_config` when None)."""
+  if plan is None:
+    from data import plan as plan_lib  # pylint: disable=g-import-not-at-top  (data.plan reads the sources)
+    plan = plan_lib.resolve(data_config)
+  specs, srcs = plan.specs, plan.open()
   fraction = data_config.eval_fraction if eval_fraction is None else eval_fraction
   items: dict[str, list[EvalItem]] = {}
   for spec, src in zip(specs, srcs):

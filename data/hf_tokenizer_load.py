@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from data import tokenizer as tokenizer_lib
+from data import spm_tokenizer as tokenizer_lib
 
 FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 

@@ -37,6 +37,7 @@ from data import chat as chat_lib
 from data import denoise as denoise_lib
 from data import fim as fim_lib
 from data import mixture as mixture_lib
+from data import plan as plan_lib
 from data import preference as preference_lib
 from data import sources as sources_lib
 from data import tokenizer as tokenizer_lib
@@ -342,7 +343,8 @@ def stats(iterator: DataIterator) -> dict[str, float]:
 
 
 def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "train",
-                 process_index: int | None = None, process_count: int | None = None) -> grain.IterDataset:
+                 process_index: int | None = None, process_count: int | None = None,
+                 plan: plan_lib.DataPlan | None = None) -> grain.IterDataset:
   """The grain IterDataset behind `make_iterator` (same arguments)."""
   if process_index is None or process_count is None:
     import jax  # lazy: only to learn this process's place; data never needs jax otherwise
@@ -361,14 +363,15 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
   if d.worker_count < 0 or d.prefetch < 0 or d.packing_bins < 1:
     raise ValueError("config.data.worker_count and config.data.prefetch must be >= 0 and packing_bins >= 1")
   tokenizer_lib.check_vocab(tokenizer, config)
-  specs, srcs = sources_lib.open_sources(d)
+  plan = plan or plan_lib.resolve(d)
+  specs, srcs = list(plan.specs), plan.open()
   seed = d.shuffle_seed if split == "train" else _EVAL_ORDER_SEED
-  mixture = mixture_dataset(specs, srcs, split, d.eval_fraction, seed)
-  pair_sources = [spec.name for spec in specs if preference_lib.is_preference_source(spec)]
+  mixture = mixture_dataset(specs, srcs, split, plan.eval_fraction, seed)
+  pair_sources = list(plan.preference_names)
   if pair_sources and len(pair_sources) < len(specs):
     raise ValueError(f"config.data.sources mixes preference sources ({', '.join(pair_sources)}) with other kinds; "
                      "a preference run (train.objective=reward|dpo) reads only preference sources")
-  chat_sources = [i for i, spec in enumerate(specs) if chat_lib.is_chat_source(spec)]
+  chat_sources = list(plan.chat_indices)
   if d.fim_rate > 0 and split == "train":
     fim_lib.sentinels(tokenizer)  # fails early, naming the fix, if the tokenizer has no FIM pieces
     # Indexed by position in the mixture (before the rows take their slices): the plan of every document is a
@@ -381,7 +384,7 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
     denoiser = denoise_lib.Denoiser(tokenizer, d, seq_len)  # fails early if the tokenizer lacks the pieces
   if denoiser and split == "train":  # the eval split stays left-to-right (comparable eval_loss), prefix all 0
     mixture = mixture.map_with_index(denoise_lib.MixtureTransform(
-        d.shuffle_seed, denoise_lib.parse_mixture(d.objective_mixture), chat_sources))
+        d.shuffle_seed, plan.denoisers, chat_sources))
   chat = None
   if chat_sources and d.packing != "first_fit":
     raise ValueError(f"config.data.packing={d.packing!r} would split conversations across rows; chat sources "
@@ -423,7 +426,8 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
 
 
 def make_iterator(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "train",
-                  process_index: int | None = None, process_count: int | None = None) -> DataIterator:
+                  process_index: int | None = None, process_count: int | None = None,
+                  plan: plan_lib.DataPlan | None = None) -> DataIterator:
   """This process's batches: a grain DatasetIterator of dicts of numpy arrays, each
   [config.train.batch_size // process_count, config.train.seq_len] (see the module docstring).
 
@@ -431,6 +435,7 @@ def make_iterator(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "t
   a fixed order (also infinite: take the number of batches you need), so re-creating it repeats its batches.
   process_index/process_count default to jax's. With config.data.worker_count > 0 the work runs in grain worker
   processes (spawned: guard the entry point with `if __name__ == "__main__":`); call `close()` when done.
+  `plan` is the run's parsed config.data (data/plan.py; resolved from config.data when None).
   """
   return iter(make_dataset(config, tokenizer, split=split, process_index=process_index,
-                           process_count=process_count))
+                           process_count=process_count, plan=plan))

@@ -74,6 +74,17 @@ class SpecError(ValueError):
   """A mixture spec that cannot be parsed; the message shows the expected form."""
 
 
+def is_chat_source(spec: SourceSpec) -> bool:
+  """Whether a parsed mixture item holds conversations (chat:PATH or builtin:instruct; data/chat.py)."""
+  return spec.kind == "chat" or (spec.kind == "builtin" and spec.arg == "instruct")
+
+
+def is_preference_source(spec: SourceSpec) -> bool:
+  """Whether a parsed mixture item holds preference pairs (preference:PATH or builtin:preference;
+  data/preference.py)."""
+  return spec.kind == "preference" or (spec.kind == "builtin" and spec.arg == "preference")
+
+
 _ITEM_RE = re.compile(r"^(?:(?P<name>[A-Za-z_][\w\-]*)=)?(?P<kind>[a-z]+):(?P<arg>.+?)(?:@(?P<weight>[0-9.eE+\-]+))?$")
 
 
@@ -348,8 +359,8 @@ def open_source(spec: SourceSpec, text_field: str = "text", strict: bool = False
     from data import instruct  # pylint: disable=g-import-not-at-top
     return instruct.InstructTask(spec.name)
   if spec.kind == "builtin" and spec.arg == "preference":
-    from data import preference  # pylint: disable=g-import-not-at-top
-    return preference.PreferenceTask(spec.name)
+    from data import preference_task  # pylint: disable=g-import-not-at-top
+    return preference_task.PreferenceTask(spec.name)
   if spec.kind == "builtin":
     return Builtin(spec.name, spec.arg)
   if spec.kind in ("chat", "preference"):

@@ -13,7 +13,6 @@ import argparse
 import io
 import logging
 import os
-import re
 import sys
 import tempfile
 import time
@@ -22,19 +21,14 @@ from typing import Iterable, Sequence
 import numpy as np
 import sentencepiece as spm
 
+from data import plan as plan_lib
 from data import sources as sources_lib
+# The loaded model and the special ids live below data.hf_tokenizer_load (which wraps a Tokenizer); names kept here.
+from data.spm_tokenizer import (BOS_ID, EOS_ID, MASK_ID, MASK_PIECE, PAD_ID, RESERVED,  # noqa: F401
+                                UNK_ID, Tokenizer, split_specials)
 
 log = logging.getLogger(__name__)
 
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
-# Control pieces reserved for later chat and fill-in-the-middle formats: never produced by encoding text, only
-# inserted by id (`Tokenizer.special_id(name)`).
-RESERVED = ("<|system|>", "<|user|>", "<|assistant|>", "<|end_of_turn|>", "<|fim_prefix|>", "<|fim_middle|>",
-            "<|fim_suffix|>", "<|fim_pad|>") + tuple(f"<|reserved_{i}|>" for i in range(8))
-# The masked-LM mask token (train/objectives/mlm.py, evals/pll.py); control ids follow PAD, UNK, BOS, EOS in
-# RESERVED order. <|reserved_1..7|> are UL2's mode tokens and span sentinels (data/denoise.py).
-MASK_PIECE = "<|reserved_0|>"
-MASK_ID = EOS_ID + 1 + RESERVED.index(MASK_PIECE)
 # SentencePiece reads "sentences": lines longer than this (bytes) are cut into pieces for training.
 _MAX_SENTENCE_BYTES = 4096
 
@@ -91,94 +85,6 @@ def _sentences(texts: Iterable[str], max_sentences: int):
           return
 
 
-class Tokenizer:
-  """A loaded SentencePiece model. Picklable (carries the serialized model), so grain workers can use it."""
-
-  def __init__(self, model_proto: bytes, path: str = ""):
-    self.path = path
-    self._proto = model_proto
-    self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
-
-  @classmethod
-  def load(cls, path: str) -> "Tokenizer":
-    """Loads a .model file (local or an etils.epath URL)."""
-    if "://" in path:
-      from etils import epath
-      data = epath.Path(path).read_bytes()
-    else:
-      if not os.path.isfile(path):
-        raise FileNotFoundError(f"tokenizer file {path!r} does not exist (config.data.tokenizer)")
-      with open(path, "rb") as f:
-        data = f.read()
-    return cls(data, path)
-
-  def __getstate__(self):
-    return {"path": self.path, "proto": self._proto}
-
-  def __setstate__(self, state):
-    self.__init__(state["proto"], state["path"])
-
-  @property
-  def vocab_size(self) -> int:
-    return self._sp.get_piece_size()
-
-  @property
-  def bos_id(self) -> int:
-    return self._sp.bos_id()
-
-  @property
-  def eos_id(self) -> int:
-    return self._sp.eos_id()
-
-  @property
-  def pad_id(self) -> int:
-    """The padding id; 0 when the model defines none (segment_ids, not the id, mark padding)."""
-    pad = self._sp.pad_id()
-    return pad if pad >= 0 else 0
-
-  def special_id(self, piece: str) -> int:
-    """Id of a reserved control piece such as '<|user|>'; KeyError if the model lacks it."""
-    i = self._sp.piece_to_id(piece)
-    if i == self._sp.unk_id() and piece != self._sp.id_to_piece(i):
-      raise KeyError(f"tokenizer has no piece {piece!r}")
-    return i
-
-  def encode(self, text: str) -> list[int]:
-    """Token ids of one text (no BOS/EOS)."""
-    return self._sp.encode(text)
-
-  def encode_with_specials(self, text: str) -> list[int]:
-    """Token ids of `text` in which BOS/EOS/PAD and the reserved control pieces written out as text become their
-    single ids (rendered Jinja chat templates); `encode` never does this, so user text cannot produce them."""
-    specials = [self.id_to_piece(i) for i in (self.bos_id, self.eos_id, self.pad_id)] + list(RESERVED)
-    ids = []
-    for part in split_specials(text, specials):
-      ids += [self._sp.piece_to_id(part)] if part in specials else self.encode(part)
-    return ids
-
-  def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
-    """Token ids of each text (no BOS/EOS)."""
-    return self._sp.encode(list(texts), num_threads=num_threads)
-
-  def decode(self, ids) -> str:
-    """Text of a sequence of ids (control ids such as BOS/EOS/PAD decode to nothing)."""
-    return self._sp.decode([int(i) for i in np.asarray(ids).reshape(-1)])
-
-  def decode_batch(self, ids_batch) -> list[str]:
-    return [self.decode(ids) for ids in ids_batch]
-
-  def id_to_piece(self, i: int) -> str:
-    return self._sp.id_to_piece(int(i))
-
-
-def split_specials(text: str, specials: Sequence[str]) -> list[str]:
-  """`text` cut before and after every occurrence of a special piece (longest match first); empty parts dropped."""
-  if not specials:
-    return [text] if text else []
-  pattern = "(" + "|".join(re.escape(s) for s in sorted(set(specials), key=len, reverse=True)) + ")"
-  return [p for p in re.split(pattern, text) if p]
-
-
 def load(path: str):
   """A meshlm SentencePiece `.model` file (`Tokenizer`) or a Hugging Face tokenizer directory
   (`data.hf_tokenizer_load.HFTokenizer`: tokenizer.json or tokenizer.model, with its chat template)."""
@@ -214,17 +120,18 @@ def check_vocab(tokenizer: Tokenizer, config) -> None:
         f"at a {want}-piece model")
 
 
-def prepare(config, workdir: str) -> str:
+def prepare(config, workdir: str, plan: plan_lib.DataPlan | None = None) -> str:
   """Returns the path of the run's tokenizer, after checking its vocabulary against the model.
 
   `config.data.tokenizer` if set (a .model file or a Hugging Face tokenizer directory); otherwise WORKDIR/tokenizer.model, trained on the configured training sources
-  only if absent (so a resumed run reuses it).
+  only if absent (so a resumed run reuses it). `plan`: the run's parsed config.data (data/plan.py; resolved
+  from config.data when None and a tokenizer is to be trained).
   """
   path = config.data.tokenizer or os.path.join(workdir, "tokenizer.model")
   if not config.data.tokenizer and not os.path.exists(path):
     t0 = time.time()
-    specs, srcs = sources_lib.open_sources(config.data)
-    texts = _training_texts(srcs, specs, config.data.eval_fraction)
+    plan = plan or plan_lib.resolve(config.data)
+    texts = _training_texts(plan.open(), plan.specs, plan.eval_fraction)
     train(texts, path, expected_vocab_size(config), config.data.tokenizer_type,
           character_coverage=config.data.tokenizer_character_coverage,
           byte_fallback=config.data.tokenizer_byte_fallback, max_sentences=config.data.tokenizer_max_sentences)
@@ -269,10 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   if not args.output and not args.model:
     parser.error("give --output to train a tokenizer or --model with --encode to inspect one")
   if args.output:
-    specs = sources_lib.parse_spec(args.sources)
-    srcs = [sources_lib.open_source(s, args.text_field) for s in specs]
+    plan = plan_lib.resolve_spec(args.sources, text_field=args.text_field)  # parsed once, like a run's
     t0 = time.time()
-    train(_training_texts(srcs, specs, 0.0), args.output, args.vocab_size, args.model_type,
+    train(_training_texts(plan.open(), plan.specs, 0.0), args.output, args.vocab_size, args.model_type,
           character_coverage=args.character_coverage, byte_fallback=not args.no_byte_fallback,
           max_sentences=args.max_sentences)
     print(f"wrote {args.output} ({args.vocab_size} pieces, {args.model_type}) in {time.time() - t0:.1f}s")

@@ -12,9 +12,16 @@ attention, evals/requests.py).
 They return the context o_BTHK in q's dtype; scores and softmax statistics are float32.
 
 - `xla_attention`: the reference, materialises [B, H, T, S] scores.
-- `dot_product_attention`: `jax.nn.dot_product_attention` (cuDNN flash attention on GPUs in half precision).
+- `dot_product_attention`: `jax.nn.dot_product_attention`; on GPUs in half precision it tries cuDNN and, where
+  cuDNN refuses, runs XLA's implementation and says so once.
+- `cudnn_attention`: the same call with `implementation="cudnn"` and nothing else: cuDNN flash attention on NVIDIA
+  GPUs in bfloat16/float16, refused (ValueError naming model.attention_impl) where it cannot run.
 - `blockwise_attention`: flash-style online softmax over blocks with a custom VJP that recomputes the scores, so
   memory grows linearly with T in both passes; blocks that the mask hides entirely are skipped.
+- `splash` (model/splash.py): the Pallas TPU splash-attention kernel (interpret mode elsewhere, for tests).
+
+`model.attention_impl=auto` picks one per platform (`resolve_impl`): splash on TPUs, cudnn on GPUs in half
+precision, xla otherwise.
 """
 from __future__ import annotations
 
@@ -23,8 +30,13 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
 from model import axes
+from model import config as model_config
+from model import splash as splash_lib
+from model.axes import BATCH, HEAD_DIM, HEADS, KV_HEADS, KV_LENGTH, LENGTH
+from parallel import kernels
 
 _log = logging.getLogger(__name__)
 _NEG = -1e30  # finite "minus infinity": masked scores never produce NaN through (x - max)
@@ -100,10 +112,13 @@ def query_blocks(T: int, query_block: int) -> list[int] | None:
 
 
 def cached_attention(q_BTHK, k_BSGK, v_BSGK, index, start_B, window=0):
-  """Queries at cache slots [index, index + T) against a KV cache of S slots (decoding; see model.kv_cache).
+  """Queries at cache slots [index, index + T) against a KV cache of S slots holding them (see model.kv_cache):
+  a decode step (T = 1) or a chunk of a prompt (T > 1, its keys/values already written at those slots).
 
   Key slot j is visible to the query at slot i when start_B[b] <= j <= i (left padding and not-yet-written
-  slots hidden) and, for window > 0, i - j < window. Same arithmetic as `xla_attention`.
+  slots hidden; the chunk's own later tokens too) and, for window > 0, i - j < window. `index` may be traced.
+  Same arithmetic as `xla_attention`; the scores are [B, H, T, S] float32, so chunk length bounds the memory.
+  Queries in the left padding (i < start_B[b]) see no key; their outputs are finite and never read.
   """
   T, S = q_BTHK.shape[1], k_BSGK.shape[1]
   slots_S = jnp.arange(S)
@@ -139,32 +154,159 @@ def _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, bounds=None):
   return o_BGRTK.transpose(0, 3, 1, 2, 4).reshape(B, T, H, K).astype(q_BTHK.dtype)
 
 
-def dot_product_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, causal: bool = True,
-                          prefix_BT=None, branch_BT=None):
-  """`jax.nn.dot_product_attention` with the segment/causal/window mask; cuDNN on GPU for half precision."""
+def _jax_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, causal, prefix_BT, branch_BT, implementation):
+  """`jax.nn.dot_product_attention(implementation=...)` computing meshlm's mask.
+
+  Packed documents (and prefixes, branches, a traced window) go in as the boolean mask of `mask_fn`, [B, 1, T, S]:
+  the API's query/key_value_seq_lengths describe one unpadded prefix per row, not several documents. cuDNN turns the
+  mask into an additive bias in q's dtype that its flash kernel reads tile by tile. `is_causal` (plain causal
+  self-attention) and a static window (`local_window_size`) are passed besides, so cuDNN skips the tiles they hide.
+  """
   T, S = q_BTHK.shape[1], k_BSGK.shape[1]
   mask_B1TS = mask_fn(jnp.arange(T), jnp.arange(S), segment_ids_BT, segment_ids_BT, window, causal, prefix_BT,
                       prefix_BT, branch_BT, branch_BT)[:, None]
-  call = functools.partial(jax.nn.dot_product_attention, q_BTHK, k_BSGK, v_BSGK, mask=mask_B1TS)
+  is_causal = causal and prefix_BT is None and T == S
+  static = None if isinstance(window, jax.core.Tracer) else int(window)
+  local = (static - 1, 0) if is_causal and static else None
+  return jax.nn.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, mask=mask_B1TS, is_causal=is_causal,
+                                      local_window_size=local, implementation=implementation)
+
+
+def dot_product_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, causal: bool = True,
+                          prefix_BT=None, branch_BT=None):
+  """`jax.nn.dot_product_attention` with the segment/causal/window mask; on GPU in half precision it tries cuDNN
+  and runs XLA's implementation (logged once) where cuDNN refuses. `cudnn_attention` never falls back."""
+  call = functools.partial(_jax_attention, q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, causal, prefix_BT,
+                           branch_BT)
   if jax.default_backend() == "gpu" and q_BTHK.dtype in (jnp.bfloat16, jnp.float16):
     try:
       out = call(implementation="cudnn")
     except (ValueError, NotImplementedError, RuntimeError) as e:  # cuDNN refuses this shape, mask or version
-      _report_once(f"attention_impl=dot_product: cuDNN refused q {q_BTHK.shape} {q_BTHK.dtype} ({e}); "
+      report_once(f"attention_impl=dot_product: cuDNN refused q {q_BTHK.shape} {q_BTHK.dtype} ({e}); "
                    "running the XLA implementation (same function, more memory)", logging.WARNING)
     else:
-      _report_once(f"attention_impl=dot_product: cuDNN flash attention for q {q_BTHK.shape} {q_BTHK.dtype}")
+      report_once(f"attention_impl=dot_product: cuDNN flash attention for q {q_BTHK.shape} {q_BTHK.dtype}")
       return out
   else:
-    _report_once(f"attention_impl=dot_product: the XLA implementation on {jax.default_backend()} "
+    report_once(f"attention_impl=dot_product: the XLA implementation on {jax.default_backend()} "
                  f"({q_BTHK.dtype}; cuDNN needs a GPU and half precision)")
   return call(implementation="xla")
+
+
+CUDNN_DTYPES = ("bfloat16", "float16")  # cuDNN's flash attention has half-precision kernels only
+# Largest head_dim cuDNN takes: 256 on Hopper and later, 128 before (jax checks the GPU's generation when tracing).
+CUDNN_MAX_HEAD_DIM = 256
+_CUDNN_ALTERNATIVES = ("use model.attention_impl=auto (the platform's fast path: splash on TPU, cudnn on GPU in "
+                       "bfloat16/float16, else xla), or xla, dot_product or blockwise, which run everywhere")
+
+
+def cudnn_problem(platform: str, dtype, head_dim: int) -> str | None:
+  """Why cuDNN flash attention cannot run on `platform` ("cpu", "gpu", "tpu") in compute `dtype` with `head_dim`;
+  None when it can, as far as is known before tracing (jax checks the GPU generation and cuDNN version then)."""
+  if platform != "gpu":
+    return f"runs NVIDIA's cuDNN kernel, which does not compile for {platform} devices"
+  name = jnp.dtype(dtype).name
+  if name not in CUDNN_DTYPES:
+    return f"needs model.dtype=bfloat16 or float16: cuDNN flash attention has no {name} kernel"
+  if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
+    return f"needs model.head_dim a multiple of 8 and at most {CUDNN_MAX_HEAD_DIM}; got {head_dim}"
+  return None
+
+
+def cudnn_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, causal: bool = True, prefix_BT=None,
+                    branch_BT=None, *, implementation: str = "cudnn"):
+  """cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`, mask as `_jax_attention`) ->
+  o_BTHK in q's dtype. Never falls back: where cuDNN cannot run (`cudnn_problem`, or jax refusing the shape when
+  tracing) it raises ValueError naming model.attention_impl.
+
+  Under a mesh each device runs the kernel on its own rows and heads (`parallel.kernels.shard_heads`; a length
+  split over `sequence` is gathered, as cuDNN's own partitioning refuses one). `implementation="xla"` runs the
+  very same call (arguments, mask, sharding) through XLA's implementation instead: how tests check it off GPU.
+  """
+  if implementation == "cudnn":
+    problem = cudnn_problem(splash_lib.target_platform(), q_BTHK.dtype, q_BTHK.shape[-1])
+    if problem:
+      raise ValueError(f"model.attention_impl='cudnn' {problem}; {_CUDNN_ALTERNATIVES}")
+    report_once(f"attention_impl=cudnn: cuDNN flash attention for q {q_BTHK.shape} {q_BTHK.dtype}")
+  static = None if isinstance(window, jax.core.Tracer) else int(window)
+  has_prefix, has_branch = prefix_BT is not None, branch_BT is not None
+  zeros = jnp.zeros(segment_ids_BT.shape, jnp.int32)
+  # One row-sharded operand carries the per-token codes through shard_heads: segment, prefix, branch.
+  codes_BTC = jnp.stack([segment_ids_BT.astype(jnp.int32), prefix_BT.astype(jnp.int32) if has_prefix else zeros,
+                         branch_BT.astype(jnp.int32) if has_branch else zeros], axis=-1)
+
+  def body(q, k, v, codes, *traced_window):
+    w = traced_window[0] if traced_window else static
+    return _jax_attention(q, k, v, codes[..., 0], w, causal, codes[..., 1] if has_prefix else None,
+                          codes[..., 2] if has_branch else None, implementation)
+
+  replicated = () if static is not None else (window,)
+  try:
+    if not axes.active():
+      return body(q_BTHK, k_BSGK, v_BSGK, codes_BTC, *replicated)
+    q_spec = axes.spec((BATCH, LENGTH, HEADS, HEAD_DIM))
+    kv_spec = axes.spec((BATCH, KV_LENGTH, KV_HEADS, HEAD_DIM))
+    return kernels.shard_heads(body, q_BTHK, k_BSGK, v_BSGK, codes_BTC, *replicated, batch=q_spec[0],
+                               heads=q_spec[2], kv_heads=kv_spec[2])
+  except (ValueError, NotImplementedError, RuntimeError) as e:  # jax's checks of the shapes, GPU and cuDNN
+    raise ValueError(f"model.attention_impl='cudnn': cuDNN cannot run q {q_BTHK.shape} {q_BTHK.dtype} here ({e}); "
+                     f"{_CUDNN_ALTERNATIVES}") from e
+
+
+# auto on CPUs: xla, the fastest CPU path measured. Training steps of the tiny config (configs/tiny.py: T = 128,
+# batch 16) on one core of the 2-core CPU machine, fastest of 15 alternating steps (benchmarks/train_step.py
+# --configs tiny --peers "" --threads=1 --variant model.attention_impl=...): xla 188 ms vs blockwise 206 ms without
+# remat, 227 vs 311 ms with full remat; another run xla 154 vs dot_product 168 ms, 206 vs 224 ms (docs/model.md).
+AUTO_CPU = "xla"
+
+
+def auto_impl(platform: str, dtype, head_dim: int) -> str:
+  """`model.attention_impl=auto`'s choice for `platform` ("cpu", "gpu", "tpu"), compute `dtype` and `head_dim`:
+  splash on TPUs, cudnn on GPUs where cuDNN takes the dtype and head_dim (half precision), else xla."""
+  if platform == "tpu":
+    return "splash"
+  if platform == "gpu" and cudnn_problem(platform, dtype, head_dim) is None:
+    return "cudnn"
+  return AUTO_CPU if platform == "cpu" else "xla"
+
+
+def resolve_impl(cfg, platform: str) -> str:
+  """The attention implementation a model config (`config.model`) runs on `platform` ("cpu", "gpu", "tpu"): auto's
+  choice (`auto_impl`) for "auto", else model.attention_impl itself once it is known to run there.
+
+  Raises ValueError naming model.attention_impl and what would run for an explicit choice that cannot: splash off
+  TPU without model.pallas_interpret, cudnn off GPU, in float32, or with a head_dim cuDNN does not take.
+  """
+  impl = cfg.attention_impl
+  if impl == "auto":
+    return auto_impl(platform, cfg.dtype, cfg.head_dim)
+  if impl == "splash":
+    splash_lib.check_platform(cfg.pallas_interpret, platform)
+  elif impl == "cudnn":
+    problem = cudnn_problem(platform, cfg.dtype, cfg.head_dim)
+    if problem:
+      raise ValueError(f"model.attention_impl='cudnn' {problem}; {_CUDNN_ALTERNATIVES}")
+  return impl
+
+
+def auto_inert_keys(cfg, impl: str) -> list[str]:
+  """Warnings for model keys set away from their defaults that act only under another implementation than `impl`,
+  what "auto" runs here: the config checks cannot tell under "auto" (model.config.CONDITIONAL_KEYS rows that
+  return None), so the Trainer says it once the platform is known."""
+  defaults = model_config.default_model_config()
+  resolved = dict(cfg, attention_impl=impl)
+  out = []
+  for key, condition, acts, why in model_config.CONDITIONAL_KEYS:
+    if cfg[key] != defaults[key] and acts(cfg) is None and acts(ml_collections.ConfigDict(resolved)) is False:
+      out.append(f"warning: model.{key}={cfg[key]!r} has no effect: model.attention_impl=auto runs {impl} here, "
+                 f"and it acts only under {condition} ({why})")
+  return out
 
 
 _REPORTED: set[str] = set()
 
 
-def _report_once(message: str, level: int = logging.INFO) -> None:
+def report_once(message: str, level: int = logging.INFO) -> None:
   """Logs which attention path runs, once per distinct message (the function is traced once per shape)."""
   if message not in _REPORTED:
     _REPORTED.add(message)
@@ -340,12 +482,29 @@ def _flash_bwd(blk, causal, has_prefix, has_branch, res, do_BTHK):
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
-IMPLEMENTATIONS = {"xla": xla_attention, "dot_product": dot_product_attention, "blockwise": blockwise_attention}
+IMPLEMENTATIONS = {"xla": xla_attention, "dot_product": dot_product_attention, "blockwise": blockwise_attention,
+                   "cudnn": cudnn_attention}
 
 
 def attend(impl: str, q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_size: int = 512,
-           causal: bool = True, prefix_BT=None, branch_BT=None, query_block: int = 0):
-  """Dispatches to the implementation named by `model.attention_impl` (`query_block`: `xla_attention`'s)."""
+           causal: bool = True, prefix_BT=None, branch_BT=None, query_block: int = 0,
+           splash_options: splash_lib.SplashOptions | None = None):
+  """Dispatches to the implementation named by `model.attention_impl` (`query_block`: `xla_attention`'s;
+  `splash_options`: the splash kernel's, model.splash.options(cfg)).
+
+  Splash masks are static, so prefix-LM and tree masks (prefix_BT, branch_BT) run the blockwise kernel instead,
+  which says so once. "auto" (models resolve it when built: `resolve_impl`) is `auto_impl` of the platform being
+  compiled for and q's dtype and head_dim.
+  """
+  if impl == "auto":
+    impl = auto_impl(splash_lib.target_platform(), q_BTHK.dtype, q_BTHK.shape[-1])
+  if impl == "splash":
+    if prefix_BT is None and branch_BT is None:
+      return splash_lib.splash_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, causal,
+                                         splash_options or splash_lib.SplashOptions())
+    report_once("attention_impl=splash: prefix or tree masks are not static block masks; running blockwise "
+                 "attention for them", logging.WARNING)
+    impl = "blockwise"
   if impl == "blockwise":
     return blockwise_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, block_size, causal, prefix_BT,
                                branch_BT)

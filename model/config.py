@@ -12,11 +12,11 @@ CHOICES = {
     "norm_type": ("rmsnorm", "layernorm"),
     "rope_scaling": ("none", "llama3"),
     "block_type": ("sequential", "parallel"),
-    "attention_impl": ("xla", "dot_product", "blockwise"),
+    "attention_impl": ("auto", "xla", "dot_product", "blockwise", "splash", "cudnn"),
     "dtype": tuple(DTYPES),
     "param_dtype": tuple(DTYPES),
     "router": ("topk_softmax", "softmax_topk"),
-    "moe_impl": ("ragged", "tiled"),
+    "moe_impl": ("ragged", "tiled", "megablox"),
     "parametrization": ("sp", "mup"),
     "quant": ("none", "int8", "fp8"),
 }
@@ -25,6 +25,60 @@ _POSITIVE_INTS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_he
                   "max_seq_len", "attention_block_size", "rope_original_max_len", "mup_base_width", "scan_unroll")
 _POSITIVE_FLOATS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
                     "rope_high_freq_factor")
+
+_MOE_KEYS = ("experts_per_token", "moe_every", "num_shared_experts", "expert_mlp_dim", "capacity_factor", "router",
+             "moe_impl")
+AUTO_CHOICES = ("splash", "cudnn", "xla")  # what model.attention_impl=auto may run (model.attention.auto_impl)
+# Tile sizes of the splash kernel (model/splash.py): tokens, positive multiples of SPLASH_GRANULE.
+SPLASH_BLOCK_KEYS = ("splash_block_q", "splash_block_kv", "splash_block_kv_compute", "splash_block_q_bwd",
+                     "splash_block_kv_bwd")
+SPLASH_GRANULE = 128  # the TPU's lane width: the kernel's key blocks are multiples of it
+# Tile bounds of the megablox grouped matmuls (model/megablox.py): rows and columns, positive multiples of
+# MEGABLOX_GRANULE.
+MEGABLOX_TILE_KEYS = ("megablox_tile_m", "megablox_tile_k", "megablox_tile_n")
+MEGABLOX_GRANULE = 128  # the TPU's lane width: the kernels' tiles are multiples of it
+_LLAMA3_ROPE_KEYS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
+# Keys that act only under a condition: (key, condition, acts(model config) -> bool, or None when the platform
+# decides: model.attention_impl=auto, which the Trainer checks once it is known; why). The config checks
+# (configs/validate.py, which reads this table: the model imports nothing from configs) refuse one set away from
+# its default where it cannot act. Not part of `validate`: models read from Hugging Face may carry such values.
+CONDITIONAL_KEYS = (
+    *((k, "model.num_experts > 0", lambda c: c.num_experts > 0, "a dense model (num_experts=0) has no experts")
+      for k in _MOE_KEYS),
+    *((k, "model.rope_scaling='llama3'", lambda c: c.rope_scaling == "llama3", "a parameter of Llama 3.1 scaling")
+      for k in _LLAMA3_ROPE_KEYS),
+    ("mup_base_width", "model.parametrization='mup'", lambda c: c.parametrization == "mup",
+     "standard parametrization has no base width"),
+    ("attention_block_size", "model.attention_impl='blockwise'", lambda c: c.attention_impl == "blockwise",
+     "only the blockwise attention works in blocks"),
+    ("attention_query_block", "model.attention_impl='xla' (or 'auto' resolving to it) and model.causal=True",
+     lambda c: _runs_attention(c, "xla") if c.causal else False, "only causal xla attention splits the queries"),
+    ("global_every", "model.sliding_window > 0", lambda c: c.sliding_window > 0,
+     "without a window every layer attends globally"),
+    ("quant_layers", "model.quant != 'none'", lambda c: c.quant != "none",
+     "it picks the layers model.quant applies to"),
+    ("scan_unroll", "model.scan_layers=True", lambda c: c.scan_layers, "it unrolls the layer scan"),
+    *((k, "model.attention_impl='splash' (or 'auto' on TPU)", lambda c: _runs_attention(c, "splash"),
+       "a tile size of the splash kernel") for k in SPLASH_BLOCK_KEYS),
+    *((k, "model.moe_impl='megablox' and model.num_experts > 0",
+       lambda c: c.moe_impl == "megablox" and c.num_experts > 0, "a tile bound of the megablox kernels")
+      for k in MEGABLOX_TILE_KEYS),
+    ("pallas_interpret", "model.attention_impl='splash' or model.moe_impl='megablox'", lambda c: uses_pallas(c),
+     "it runs the Pallas kernels in interpret mode, and only splash attention and megablox experts are ones"),
+)
+
+
+def _runs_attention(c, impl: str) -> bool | None:
+  """Whether model.attention_impl runs `impl`; None (decided by the platform, not known here) under "auto" when its
+  choice may be `impl` (model.attention.auto_impl: splash, cudnn or xla)."""
+  if c.attention_impl == "auto":
+    return None if impl in AUTO_CHOICES else False
+  return c.attention_impl == impl
+
+
+def uses_pallas(c) -> bool:
+  """Whether the model runs a Pallas kernel (what model.pallas_interpret applies to)."""
+  return c.attention_impl == "splash" or (c.moe_impl == "megablox" and c.num_experts > 0)
 
 
 def default_model_config() -> ml_collections.ConfigDict:
@@ -54,8 +108,17 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.block_type = "sequential"  # sequential | parallel (GPT-J/PaLM: x + attn(norm x) + mlp(norm x))
   c.tie_embeddings = False  # share the input embedding with the output projection
   c.scan_layers = True  # stack layer parameters and lax.scan over them (compile time independent of depth)
-  c.attention_impl = "xla"  # xla (reference) | dot_product (jax.nn.dot_product_attention, cuDNN on GPU) | blockwise
+  c.attention_impl = "auto"  # auto (splash on TPU, cudnn on GPU in bf16/fp16, else xla; model.attention.resolve_impl)
+  # | xla (reference) | dot_product (jax.nn.dot_product_attention, cuDNN if it takes the call on GPU) | blockwise
+  # | splash (the Pallas TPU kernel; model/splash.py) | cudnn (cuDNN flash attention: GPU, bf16/fp16)
   c.attention_block_size = 512  # query/key block length of the blockwise (flash-style) attention
+  c.splash_block_q = 512  # splash: query rows per tile of the forward kernel (clipped to the padded length)
+  c.splash_block_kv = 512  # splash: keys per tile of the forward kernel
+  c.splash_block_kv_compute = 512  # splash: keys per inner step of the forward kernel (divides splash_block_kv)
+  c.splash_block_q_bwd = 512  # splash: query rows per tile of the backward kernels (dq and dk/dv)
+  c.splash_block_kv_bwd = 512  # splash: keys per tile of the backward kernels
+  c.pallas_interpret = False  # run the Pallas kernels (attention_impl=splash, moe_impl=megablox) in interpret mode: on
+  # CPU, for tests
   c.attention_query_block = 128  # xla attention, causal, T > this: query blocks of about this length, each against
   # the keys up to its end only (the masked score blocks above the diagonal are skipped); 0 = the whole square
   c.dtype = "float32"  # computation dtype (bfloat16 on accelerators); logits and softmax statistics stay float32
@@ -69,6 +132,10 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.capacity_factor = 0.0  # 0 = dropless; > 0: an expert takes at most ceil(cf * k * seq / E) tokens per sequence
   c.router = "topk_softmax"  # topk_softmax (Mixtral: softmax over the k best logits) | softmax_topk (top k of softmax)
   c.moe_impl = "ragged"  # grouped expert matmul: ragged (jax.lax.ragged_dot) | tiled (row tiles, batched; small models/CPU)
+  # | megablox (the Pallas TPU kernels; model/megablox.py)
+  c.megablox_tile_m = 512  # megablox: most rows (token-expert assignments) per tile; multiple of 128
+  c.megablox_tile_k = 1024  # megablox: most contraction columns per tile (a divisor of both padded widths)
+  c.megablox_tile_n = 1024  # megablox: most output columns per tile (a divisor of both padded widths)
   c.causal = True  # causal self-attention (decoder); False = bidirectional within each document (masked-LM encoder)
   c.parametrization = "sp"  # sp (standard) | mup (maximal update: width-scaled init, lr and output; model/mup.py)
   c.mup_base_width = 256  # mup: the d_model at which muP's init and learning rates equal SP's
@@ -115,6 +182,7 @@ def validate(cfg: Mapping[str, Any]) -> ml_collections.ConfigDict:
       c.attention_query_block < 0):
     raise ValueError(f"model.attention_query_block={c.attention_query_block!r} must be >= 1 tokens, or 0 to "
                      "compute the whole score square")
+  _validate_splash(c)
   if not isinstance(c.global_every, int) or c.global_every < 0:
     raise ValueError(f"model.global_every={c.global_every!r} must be >= 0 (0 = every layer windowed)")
   if c.rope_scaling == "llama3" and c.rope_high_freq_factor <= c.rope_low_freq_factor:
@@ -137,6 +205,18 @@ def validate(cfg: Mapping[str, Any]) -> ml_collections.ConfigDict:
   return c
 
 
+def _validate_splash(c: ml_collections.ConfigDict) -> None:
+  for k in SPLASH_BLOCK_KEYS:
+    if not isinstance(c[k], int) or isinstance(c[k], bool) or c[k] < 1 or c[k] % SPLASH_GRANULE:
+      raise ValueError(f"model.{k}={c[k]!r} must be a positive multiple of {SPLASH_GRANULE} tokens (the TPU's lane "
+                       "width)")
+  if c.splash_block_kv % c.splash_block_kv_compute:
+    raise ValueError(f"model.splash_block_kv_compute={c.splash_block_kv_compute} must divide "
+                     f"model.splash_block_kv={c.splash_block_kv}")
+  if not isinstance(c.pallas_interpret, bool):
+    raise ValueError(f"model.pallas_interpret={c.pallas_interpret!r} must be True or False")
+
+
 def _validate_moe(c: ml_collections.ConfigDict) -> None:
   for k in ("num_experts", "num_shared_experts", "expert_mlp_dim"):
     if not isinstance(c[k], int) or isinstance(c[k], bool) or c[k] < 0:
@@ -146,6 +226,10 @@ def _validate_moe(c: ml_collections.ConfigDict) -> None:
       raise ValueError(f"model.{k}={c[k]!r} must be a positive integer")
   if not isinstance(c.capacity_factor, (int, float)) or c.capacity_factor < 0:
     raise ValueError(f"model.capacity_factor={c.capacity_factor!r} must be >= 0 (0 = dropless)")
+  for k in MEGABLOX_TILE_KEYS:
+    if not isinstance(c[k], int) or isinstance(c[k], bool) or c[k] < 1 or c[k] % MEGABLOX_GRANULE:
+      raise ValueError(f"model.{k}={c[k]!r} must be a positive multiple of {MEGABLOX_GRANULE} (the TPU's lane "
+                       "width)")
   if not c.num_experts:
     return
   if c.experts_per_token > c.num_experts:

@@ -1,6 +1,7 @@
 """Autoregressive generation with a KV cache: batched prompts, greedy or sampled, on the active mesh.
 
-    generate(model, prompts, max_new_tokens, *, temperature=0.0, top_k=0, top_p=1.0, stop_ids=(), seed=0)
+    generate(model, prompts, max_new_tokens, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+             repetition_penalty=1.0, stop_ids=(), seed=0)
         -> list[list[int]]   (the continuation of each prompt, ending with the stop id when one was produced)
     sample(...same...) -> Generation(tokens, logprobs, stats)   (per-token log-probabilities, timings)
 
@@ -12,10 +13,14 @@ first token; one jitted decode loop (`lax.while_loop`) feeds one token per step 
 produced a stop id or max_new_tokens tokens. The batch is padded to a multiple of the devices the `batch` axis
 is sharded over; padded rows start finished.
 
-Sampling follows Hugging Face's order: logits / temperature, then top-k (keeps every token tied with the k-th),
-then top-p (keeps the smallest set of most likely tokens whose probability reaches top_p, the token crossing it
-included), then a draw; temperature 0 is greedy (argmax). Each row draws with its own key
-fold_in(fold_in(PRNGKey(seed), row), step), so its tokens do not depend on the batch around it or the mesh.
+Sampling follows the order of Hugging Face's `generate` (`GenerationMixin._get_logits_processor`): the
+repetition penalty (a logits processor: the logit of every id already in the row's prompt or continuation is
+divided by the penalty when >= 0, multiplied when < 0), then the warpers logits / temperature, top-k (keeps every
+token tied with the k-th), top-p (keeps the smallest set of most likely tokens whose probability reaches top_p,
+the token crossing it included), min-p (keeps the tokens whose probability is >= min_p x the largest), then a
+draw. Temperature 0 is greedy: the argmax of the penalised logits (the warpers do not apply, as with
+do_sample=False). Each row draws with its own key fold_in(fold_in(PRNGKey(seed), row), step), so its tokens do
+not depend on the batch around it or the mesh.
 
 Sharding: call under `parallel.activate(mesh, rules)` (the model created there too) and the prompts' rows are
 split over the `batch` mesh axes, the cache's kv heads over `kv_heads`, as in training.
@@ -34,7 +39,7 @@ from flax import nnx
 
 from model import axes
 from model import kv_cache
-from model.axes import BATCH, LENGTH
+from model.axes import BATCH, LENGTH, VOCAB
 
 MIN_BUCKET = 16
 PAD_ID = 0  # token id written into padding slots (never attended to, so any id would do)
@@ -48,8 +53,8 @@ class Generation(NamedTuple):
 
   tokens:   per prompt, the generated ids (continuation only), ending with the stop id when one was produced.
   logprobs: per prompt, log p(token) of each generated token under softmax(logits / temperature) (temperature 1
-            when greedy): the full distribution at the sampling temperature, before top-k/top-p, as a policy
-            gradient (PPO) recomputes it from a forward pass.
+            when greedy): the model's full distribution at the sampling temperature, before the repetition
+            penalty and top-k/top-p/min-p, as a policy gradient (PPO) recomputes it from a forward pass.
   stats:    {"prompt_tokens", "new_tokens", "batch" (padded rows), "prompt_bucket", "cache_length",
              "prefill_seconds", "decode_seconds" (wall time, compilation excluded), "compile_seconds",
              "compiles" (XLA compilations during the call)}.
@@ -64,12 +69,35 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
   return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
-def warp_logits(logits_BV: jax.Array, temperature: float, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
-  """Hugging Face's warpers in their order: logits / temperature, top-k, top-p; removed tokens become -inf.
+def penalize_repeats(logits_BV: jax.Array, seen_BV: jax.Array, penalty: float) -> jax.Array:
+  """The repetition penalty of CTRL (Keskar et al. 2019) as `transformers.RepetitionPenaltyLogitsProcessor`:
+  where seen_BV (bool: the id occurs in the row's prompt or continuation, once or more), a logit < 0 is
+  multiplied by `penalty` and one >= 0 divided by it; > 1 discourages repeats, 1.0 = off. float32 [B, V]."""
+  x_BV = logits_BV.astype(jnp.float32)
+  if penalty == 1.0:
+    return x_BV
+  p = jnp.float32(penalty)
+  return jnp.where(seen_BV, jnp.where(x_BV < 0, x_BV * p, x_BV / p), x_BV)
+
+
+def seen_tokens(tokens_BL: jax.Array, real_BL: jax.Array, vocab_size: int) -> jax.Array:
+  """bool [B, V]: which ids occur among the real (real_BL true, not padding) tokens of each row."""
+  B, L = tokens_BL.shape
+  rows_BL = jnp.broadcast_to(jnp.arange(B)[:, None], (B, L))
+  ids_BL = jnp.where(real_BL.astype(bool), tokens_BL, vocab_size)  # padding -> out of range, dropped
+  seen_BV = jnp.zeros((B, vocab_size), bool).at[rows_BL, ids_BL].set(True, mode="drop")
+  return axes.constrain(seen_BV, (BATCH, VOCAB))
+
+
+def warp_logits(logits_BV: jax.Array, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                min_p: float = 0.0) -> jax.Array:
+  """Hugging Face's warpers in their order: logits / temperature, top-k, top-p, min-p; removed tokens become -inf.
 
   top-k keeps the tokens whose scaled logit is >= the k-th largest (ties kept), 0 = off. top-p sorts ascending,
   removes the tokens whose cumulative probability is <= 1 - top_p and always keeps the most likely one (so the
-  token that crosses top_p stays); 1.0 = off. float32 [B, V] -> float32 [B, V].
+  token that crosses top_p stays); 1.0 = off. min-p (`transformers.MinPLogitsWarper`) removes the tokens whose
+  probability after the steps before is < min_p x the largest one, which always stays; 0.0 = off.
+  float32 [B, V] -> float32 [B, V].
   """
   x_BV = logits_BV.astype(jnp.float32) / jnp.float32(temperature)
   if top_k > 0:
@@ -82,20 +110,31 @@ def warp_logits(logits_BV: jax.Array, temperature: float, top_k: int = 0, top_p:
     # The kept tokens are a suffix of the ascending order: keep everything >= its smallest logit.
     cutoff_B1 = jnp.min(jnp.where(removed_BV, jnp.inf, sorted_BV), axis=-1, keepdims=True)
     x_BV = jnp.where(x_BV < cutoff_B1, -jnp.inf, x_BV)
+  if min_p > 0.0:
+    # As transformers computes it (probabilities, not log space), so the same tokens sit on either side of the
+    # threshold; the most likely token has p = max >= min_p * max and is never removed.
+    probs_BV = jax.nn.softmax(x_BV, axis=-1)
+    x_BV = jnp.where(probs_BV < jnp.float32(min_p) * jnp.max(probs_BV, axis=-1, keepdims=True), -jnp.inf, x_BV)
   return x_BV
 
 
-def choose(logits_BV: jax.Array, keys_B: jax.Array, temperature: float, top_k: int,
-           top_p: float) -> tuple[jax.Array, jax.Array]:
-  """One token per row: argmax at temperature 0, else a draw from softmax(warp_logits) with each row's key.
+def choose(logits_BV: jax.Array, keys_B: jax.Array, settings: _Settings,
+           seen_BV: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """One token per row from float32 logits [B, V]: the repetition penalty (seen_BV: bool [B, V], the ids already
+  in each row; None when the penalty is off), then the argmax at temperature 0, else a draw from
+  softmax(warp_logits) with each row's key (keys_B [B, 2]).
 
-  Returns (int32 tokens [B], float32 log p(token) under softmax(logits / T) [B], T = 1 when greedy).
+  Returns (int32 tokens [B], float32 log p(token) under softmax(logits / T) of the unpenalised logits [B], T = 1
+  when greedy).
   """
+  penalized_BV = logits_BV if seen_BV is None else penalize_repeats(logits_BV, seen_BV,
+                                                                    settings.repetition_penalty)
+  temperature = settings.temperature
   if temperature == 0.0:
-    token_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    token_B = jnp.argmax(penalized_BV, axis=-1).astype(jnp.int32)
     scaled_BV = logits_BV
   else:
-    warped_BV = warp_logits(logits_BV, temperature, top_k, top_p)
+    warped_BV = warp_logits(penalized_BV, temperature, settings.top_k, settings.top_p, settings.min_p)
     token_B = jax.vmap(jax.random.categorical)(keys_B, warped_BV).astype(jnp.int32)
     scaled_BV = logits_BV / jnp.float32(temperature)
   logp_B = jnp.take_along_axis(jax.nn.log_softmax(scaled_BV, axis=-1), token_B[:, None], axis=-1)[:, 0]
@@ -115,6 +154,8 @@ class _Settings(NamedTuple):
   temperature: float
   top_k: int
   top_p: float
+  min_p: float
+  repetition_penalty: float
   stop_ids: tuple[int, ...]
   stream: bool  # call the host listener after every step (`sample(on_tokens=...)`)
 
@@ -139,16 +180,26 @@ def prefill(model, tokens_BP: jax.Array, start_B: jax.Array, free_slots: int) ->
   return model.features(tokens_BP, segment_ids_BP, positions_BP, cache=cache)
 
 
+def _add_seen(seen_BV, token_B):
+  """seen_BV with each row's new token marked (None when the repetition penalty is off)."""
+  if seen_BV is None:
+    return None
+  return seen_BV.at[jnp.arange(token_B.shape[0]), token_B].set(True)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
 def _prefill(graphdef, state, tokens_BP, start_B, seed, *, settings: _Settings):
-  """Prompts -> (filled cache, first tokens [B], their log-probs [B])."""
+  """Prompts -> (filled cache, first tokens [B], their log-probs [B], the ids seen per row [B, V] or None)."""
   with axes.axis_rules(settings.rules):
     model = nnx.merge(graphdef, state)
     x_BPD, cache = prefill(model, tokens_BP, start_B, settings.new_bucket)
     logits_BV = model.logits(x_BPD[:, -1:])[:, 0]  # left padding: every row's last prompt token is at slot P-1
-    token_B, logp_B = choose(logits_BV, _step_keys(seed, tokens_BP.shape[0], 0), settings.temperature, settings.top_k,
-                             settings.top_p)
-    return cache, token_B, logp_B
+    seen_BV = None
+    if settings.repetition_penalty != 1.0:  # the prompt's ids count (HF: the left padding does not)
+      real_BP = jnp.arange(tokens_BP.shape[1])[None, :] >= start_B[:, None]
+      seen_BV = seen_tokens(tokens_BP, real_BP, logits_BV.shape[-1])
+    token_B, logp_B = choose(logits_BV, _step_keys(seed, tokens_BP.shape[0], 0), settings, seen_BV)
+    return cache, token_B, logp_B, _add_seen(seen_BV, token_B)
 
 
 def _is_stop(token_B, stop_ids):
@@ -156,8 +207,10 @@ def _is_stop(token_B, stop_ids):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
-def _decode(graphdef, state, cache, token_B, logp_B, done_B, seed, max_new_tokens, *, settings: _Settings):
-  """The decode loop from the first token: -> (tokens [B, N], log-probs [B, N], steps run).
+def _decode(graphdef, state, cache, token_B, logp_B, seen_BV, done_B, seed, max_new_tokens, *,
+            settings: _Settings):
+  """The decode loop from the first token: -> (tokens [B, N], log-probs [B, N], steps run); seen_BV (bool [B, V]
+  or None) the ids of each row so far, for the repetition penalty.
 
   Step i (1 <= i < max_new_tokens) feeds token i-1 at cache slot P+i-1 and samples token i. The loop ends when
   every row is done (its stop id was produced; padded rows start done) or after max_new_tokens tokens.
@@ -170,26 +223,26 @@ def _decode(graphdef, state, cache, token_B, logp_B, done_B, seed, max_new_token
     done_B = done_B | _is_stop(token_B, settings.stop_ids)
 
     def cond(carry):
-      i, _, _, done_B, _, _ = carry
+      i, _, _, done_B, _, _, _ = carry
       return (i < max_new_tokens) & ~jnp.all(done_B)
 
     def body(carry):
-      i, cache, token_B, done_B, out_BN, logps_BN = carry
+      i, cache, token_B, done_B, out_BN, logps_BN, seen_BV = carry
       positions_B1 = (cache.index - cache.start)[:, None]
       x_B1D, cache = model.features(token_B[:, None], positions_BL=positions_B1, cache=cache)
       logits_BV = model.logits(x_B1D)[:, 0]
-      token_B, logp_B = choose(logits_BV, _step_keys(seed, B, i), settings.temperature, settings.top_k,
-                               settings.top_p)
+      token_B, logp_B = choose(logits_BV, _step_keys(seed, B, i), settings, seen_BV)
+      seen_BV = _add_seen(seen_BV, token_B)
       token_B = jnp.where(done_B, PAD_ID, token_B)  # finished rows keep computing (fixed shapes) but emit padding
       out_BN = jax.lax.dynamic_update_slice(out_BN, token_B[:, None], (0, i))
       logps_BN = jax.lax.dynamic_update_slice(logps_BN, logp_B[:, None], (0, i))
       if settings.stream:
         jax.debug.callback(_emit, i, token_B, done_B)
       done_B = done_B | _is_stop(token_B, settings.stop_ids)
-      return i + 1, cache, token_B, done_B, out_BN, logps_BN
+      return i + 1, cache, token_B, done_B, out_BN, logps_BN, seen_BV
 
-    carry = (jnp.int32(1), cache, token_B, done_B, out_BN, logps_BN)
-    steps, _, _, _, out_BN, logps_BN = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.int32(1), cache, token_B, done_B, out_BN, logps_BN, seen_BV)
+    steps, _, _, _, out_BN, logps_BN, _ = jax.lax.while_loop(cond, body, carry)
     return out_BN, logps_BN, steps
 
 
@@ -211,7 +264,8 @@ def _count_compiles():
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def _check(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids) -> list[list[int]]:
+def _check(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
+           stop_ids) -> list[list[int]]:
   """Validates the arguments (ValueError naming the argument and the fix); returns the prompts as int lists."""
   cfg = model.cfg
   if not cfg.causal:
@@ -227,6 +281,11 @@ def _check(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids) 
     raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 = off)")
   if not 0.0 < top_p <= 1.0:
     raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1 = off)")
+  if not 0.0 <= min_p <= 1.0:
+    raise ValueError(f"min_p={min_p!r} must be in [0, 1] (0 = off)")
+  if not 0.0 < repetition_penalty < float("inf"):
+    raise ValueError(f"repetition_penalty={repetition_penalty!r} must be a finite number > 0 (1 = off; > 1 "
+                     "discourages repeated tokens)")
   for s in stop_ids:
     if not 0 <= int(s) < cfg.vocab_size:
       raise ValueError(f"stop id {s} is outside the vocabulary [0, {cfg.vocab_size})")
@@ -249,7 +308,8 @@ def _check(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids) 
 
 
 def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
-           top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (), seed: int = 0,
+           top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+           stop_ids: Sequence[int] = (), seed: int = 0,
            on_tokens: Callable[[int, np.ndarray, np.ndarray], None] | None = None) -> Generation:
   """Generates up to `max_new_tokens` tokens after each prompt; returns tokens, log-probs and timings.
 
@@ -257,7 +317,9 @@ def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temp
     model: a meshlm `Transformer` (for a sharded run, created and called under `parallel.activate`).
     prompts: token-id lists, any lengths in [1, model.max_seq_len - max_new_tokens].
     max_new_tokens: the most tokens generated per prompt (>= 1).
-    temperature, top_k, top_p: sampling (module docstring); temperature 0 = greedy.
+    temperature, top_k, top_p, min_p: sampling warpers (module docstring); temperature 0 = greedy.
+    repetition_penalty: > 0; each id already in the row's prompt or continuation has its logit divided by it
+      (multiplied when negative) before sampling or the argmax; 1.0 = off.
     stop_ids: ids that end a row (kept as its last token); () = run to max_new_tokens.
     seed: the sampling seed (same seed, same prompts -> same tokens, on any mesh).
     on_tokens: optional host function called after each step with (step, tokens [rows], done [rows]) for
@@ -265,7 +327,7 @@ def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temp
   Returns:
     Generation (see its docstring). Raises ValueError for bad arguments (the message names the fix).
   """
-  prompts = _check(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids)
+  prompts = _check(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, stop_ids)
   n = len(prompts)
   rows = -(-n // axes.mesh_size(BATCH)) * axes.mesh_size(BATCH)
   P = min(bucket(max(len(p) for p in prompts)), max(model.cfg.max_seq_len, MIN_BUCKET))
@@ -277,6 +339,7 @@ def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temp
   done_B = np.arange(rows) >= n
   settings = _Settings(rules=axes.current_rules(), new_bucket=bucket(max_new_tokens),
                        temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                       min_p=float(min_p), repetition_penalty=float(repetition_penalty),
                        stop_ids=tuple(sorted({int(s) for s in stop_ids})), stream=on_tokens is not None)
   graphdef, state = nnx.split(model)
 
@@ -285,7 +348,7 @@ def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temp
 
   with _count_compiles() as compiled:
     t0, c0 = time.perf_counter(), compiled["compile_seconds"]
-    cache, token_B, logp_B = jax.block_until_ready(
+    cache, token_B, logp_B, seen_BV = jax.block_until_ready(
         _prefill(graphdef, state, tokens_BP, start_B, np.int32(seed), settings=settings))
     # (nested jits' trace times overlap their caller's on a first call: clamp the tiny overcount)
     prefill_s = max(0.0, time.perf_counter() - t0 - (compiled["compile_seconds"] - c0))
@@ -295,8 +358,8 @@ def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temp
     try:
       t0, c0 = time.perf_counter(), compiled["compile_seconds"]
       out_BN, logps_BN, steps = jax.block_until_ready(
-          _decode(graphdef, state, cache, token_B, logp_B, done_B, np.int32(seed), np.int32(max_new_tokens),
-                  settings=settings))
+          _decode(graphdef, state, cache, token_B, logp_B, seen_BV, done_B, np.int32(seed),
+                  np.int32(max_new_tokens), settings=settings))
       decode_s = max(0.0, time.perf_counter() - t0 - (compiled["compile_seconds"] - c0))
     finally:
       _listener[0] = None
@@ -315,7 +378,8 @@ def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temp
 
 
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (), seed: int = 0) -> list[list[int]]:
+             top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+             stop_ids: Sequence[int] = (), seed: int = 0) -> list[list[int]]:
   """The continuation of each prompt (token ids; ends with the stop id when one was produced). See `sample`."""
-  return sample(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                stop_ids=stop_ids, seed=seed).tokens
+  return sample(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                repetition_penalty=repetition_penalty, stop_ids=stop_ids, seed=seed).tokens

@@ -7,12 +7,18 @@
   start  int32 [B]             first real slot of each row (prompts are left-padded to a common length)
 
 Slot j of row b holds the token at RoPE position j - start[b]. A query at slot i sees key slot j when
-start[b] <= j <= i and, on a sliding-window layer, i - j < window: the window is applied by masking the full
-cache rather than by a ring buffer, so windowed and global layers (and dense or MoE blocks) share one stacked
-`[layers, ...]` array that `lax.scan` slices per layer. The cost is memory: bytes_per_token() per layer for every
-slot, window or not (docs/generate.md).
+start[b] <= j <= i and, on a sliding-window layer, i - j < window; so L new tokens written at slots
+[index, index + L) (a decode step, or one chunk of a prompt prefilled in chunks) see every cached slot of their row
+and the new ones up to themselves. The window is applied by masking the full cache rather than by a ring buffer,
+so windowed and global layers (and dense or MoE blocks) share one stacked `[layers, ...]` array that `lax.scan`
+slices per layer. The cost is memory: bytes_per_token() per layer for every slot, window or not
+(docs/generate.md).
 
 Inside one layer the same type holds that layer's slice (k, v [B, S, G, K]).
+
+`zeros` gives `index` as a NumPy int32 0, not a traced array: inside the trace that creates it, `is_empty` then
+knows statically that nothing is cached, and the first call (a whole prompt) attends among its own tokens with
+`model.attention_impl`. Any other call attends over the cache slots (`model.attention.cached_attention`).
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from model import axes
 from model.axes import BATCH, HEAD_DIM, KV_HEADS, KV_LENGTH, LAYERS
@@ -40,7 +47,29 @@ def zeros(cfg, start_B: jax.Array, length: int) -> KVCache:
   """An empty cache of `length` slots for len(start_B) rows, sharded by the logical axes when rules are active."""
   shape = (cfg.num_layers, start_B.shape[0], length, cfg.num_kv_heads, cfg.head_dim)
   kv = axes.constrain(jnp.zeros(shape, DTYPES[cfg.dtype]), NAMES)
-  return KVCache(kv, kv, jnp.zeros((), jnp.int32), start_B.astype(jnp.int32))
+  return KVCache(kv, kv, np.int32(0), start_B.astype(jnp.int32))
+
+
+def is_empty(cache: KVCache) -> bool:
+  """True when `cache.index` is known at trace time to be 0 (a fresh `zeros` cache); False when it is traced
+  (unknown) or a nonzero number. Selects the prefill path, never the result: both paths compute the same values."""
+  return isinstance(cache.index, (int, np.integer)) and int(cache.index) == 0
+
+
+def advance(cache: KVCache, length: int) -> KVCache:
+  """The cache with `length` more slots written (index + length; an index known at trace time stays known)."""
+  index = cache.index + length
+  return cache._replace(index=np.int32(index) if isinstance(index, (int, np.integer)) else index)
+
+
+def check_room(cache: KVCache, length: int) -> None:
+  """ValueError when `length` new tokens do not fit in the slots left (checked where the index is known at trace
+  time; a traced index is the caller's to keep in range, as `model.generate` does)."""
+  slots = cache.k.shape[-3]
+  used = int(cache.index) if isinstance(cache.index, (int, np.integer)) else 0
+  if used + length > slots:
+    raise ValueError(f"{length} new tokens at cache slot {used} do not fit the cache's {slots} slots; make the "
+                     "cache longer (kv_cache.zeros(cfg, start_B, length))")
 
 
 def write(layer: KVCache, k_BLGK: jax.Array, v_BLGK: jax.Array) -> KVCache:

@@ -1,4 +1,5 @@
-"""Building blocks: parameters with logical names, norms, the embedding, attention and the MLP."""
+"""Building blocks: norms, the embedding, attention and the transformer block (parameters with logical names and
+the MLP: model/dense.py)."""
 from __future__ import annotations
 
 import jax
@@ -13,21 +14,11 @@ from model import mup
 from model import quant as quant_lib
 from model import remat
 from model import rope
-from model.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, KV_LENGTH, LENGTH, MLP, VOCAB
+from model import splash as splash_lib
+from model.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, KV_LENGTH, LENGTH, VOCAB
 from model.config import DTYPES
-
-
-def param(rngs: nnx.Rngs, shape, names, cfg, init: str = "normal") -> nnx.Param:
-  """A parameter of `shape` in cfg.param_dtype with logical axis `names`; init normal(init_std) | zeros | ones
-  (under muP the normal's std depends on the kind of parameter: model/mup.py)."""
-  inits = {"normal": nnx.initializers.normal(mup.init_std(cfg, names)), "zeros": nnx.initializers.zeros,
-           "ones": nnx.initializers.ones}
-  make = axes.param_init(inits[init], names)
-  return nnx.Param(make(rngs.params(), tuple(shape), DTYPES[cfg.param_dtype]))
-
-
-def _value(p: nnx.Param, dtype) -> jax.Array:
-  return p[...].astype(dtype)
+# In their own module below moe (whose routed and shared experts are built from them); still layers.param etc.
+from model.dense import Mlp, _value, param  # noqa: F401  pylint: disable=unused-import
 
 
 class Norm(nnx.Module):
@@ -49,13 +40,25 @@ class Norm(nnx.Module):
     return y
 
 
+def _attention_impl(cfg) -> str:
+  """model.attention_impl, with "auto" resolved for the platform the model is built for (the current mesh's, else
+  the default backend; model.attention.resolve_impl), which is logged once."""
+  if cfg.attention_impl != "auto":
+    return cfg.attention_impl
+  platform = splash_lib.target_platform()
+  impl = attention_lib.resolve_impl(cfg, platform)
+  attention_lib.report_once(f"model.attention_impl=auto: {impl} on {platform} ({cfg.dtype})")
+  return impl
+
+
 class Attention(nnx.Module):
   """Multi-head / grouped-query / multi-query self-attention with RoPE; returns the output projection."""
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     D, H, G, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    self.impl, self.block_size, self.dtype = cfg.attention_impl, cfg.attention_block_size, DTYPES[cfg.dtype]
+    self.impl, self.block_size, self.dtype = _attention_impl(cfg), cfg.attention_block_size, DTYPES[cfg.dtype]
     self.query_block = cfg.attention_query_block
+    self.splash = splash_lib.options(cfg) if self.impl == "splash" else None
     self.q = param(rngs, (D, H, K), (EMBED, HEADS, HEAD_DIM), cfg)
     self.k = param(rngs, (D, G, K), (EMBED, KV_HEADS, HEAD_DIM), cfg)
     self.v = param(rngs, (D, G, K), (EMBED, KV_HEADS, HEAD_DIM), cfg)
@@ -74,10 +77,17 @@ class Attention(nnx.Module):
     """-> y_BLD, or (y_BLD, this layer's updated cache) when `cache` (one layer's slice) is given; `prefix_BL`
     (1 = bidirectional prefix token) and `branch_BL` (tree attention) apply without a cache (model/attention.py).
 
-    With a cache the L new keys/values are stored at slots [cache.index, cache.index + L). L == 1 is a decode
-    step: the token attends to the cached slots (`cached_attention`). L > 1 is a prefill into an empty cache
-    (index 0): the tokens attend among themselves with `model.attention_impl`, exactly as without a cache.
+    With a cache the L new keys/values are stored at slots [cache.index, cache.index + L). Into a cache known to
+    be empty (`kv_cache.is_empty`: a whole prompt) the tokens attend among themselves with `model.attention_impl`,
+    exactly as without a cache. Otherwise (a decode step, L == 1, or a chunk of a prompt, L > 1) they attend to
+    every cached slot of their row from `cache.start` on and to the new slots up to their own, causally and inside
+    the window (`cached_attention`), so a prompt prefilled in chunks gives the logits of one whole pass.
     """
+    if cache is not None:
+      if not self.causal:
+        raise ValueError("model.causal=False (a bidirectional encoder) cannot use a KV cache: its tokens see later "
+                         "ones; score it with one forward pass")
+      kv_cache.check_room(cache, x_BLD.shape[1])
     dt = self.dtype
     q_BLHK = quant_lib.einsum("bld,dhk->blhk", x_BLD, _value(self.q, dt), self.quant)
     k_BLGK = quant_lib.einsum("bld,dgk->blgk", x_BLD, _value(self.k, dt), self.quant)
@@ -93,56 +103,20 @@ class Attention(nnx.Module):
     # K/V on `kv_length`: under sequence parallelism they are gathered while queries stay sharded.
     k_BLGK = remat.tag(axes.constrain(k_BLGK, (BATCH, KV_LENGTH, KV_HEADS, HEAD_DIM)), remat.KEY_PROJ)
     v_BLGK = remat.tag(axes.constrain(v_BLGK, (BATCH, KV_LENGTH, KV_HEADS, HEAD_DIM)), remat.VALUE_PROJ)
+    cached = cache is not None and not kv_cache.is_empty(cache)  # decided at trace time (see kv_cache)
     if cache is not None:
       cache = kv_cache.write(cache, k_BLGK, v_BLGK)
-    if cache is not None and q_BLHK.shape[1] == 1:
+    if cached:
       o_BLHK = attention_lib.cached_attention(q_BLHK, cache.k, cache.v, cache.index, cache.start, window)
     else:
       o_BLHK = attention_lib.attend(self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window, self.block_size,
-                                    self.causal, prefix_BL, branch_BL, self.query_block)
+                                    self.causal, prefix_BL, branch_BL, self.query_block, self.splash)
     o_BLHK = remat.tag(axes.constrain(o_BLHK, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTN_CONTEXT)
     y_BLD = quant_lib.einsum("blhk,hkd->bld", o_BLHK, _value(self.o, dt), self.quant)
     if self.use_bias:
       y_BLD = y_BLD + _value(self.o_bias, dt)
     y_BLD = remat.tag(axes.constrain(y_BLD, (BATCH, LENGTH, EMBED)), remat.ATTN_OUT)
     return y_BLD if cache is None else (y_BLD, cache)
-
-
-class Mlp(nnx.Module):
-  """Feed-forward block: swiglu down(silu(gate x) * up x), geglu (gelu gate), or gelu down(gelu(up x))."""
-
-  def __init__(self, cfg, *, rngs: nnx.Rngs):
-    D, F = cfg.d_model, cfg.mlp_dim
-    self.kind, self.dtype, self.use_bias = cfg.mlp_type, DTYPES[cfg.dtype], cfg.use_bias
-    self.quant = cfg.quant if "mlp" in cfg.quant_layers else "none"
-    if self.kind != "gelu":
-      self.gate = param(rngs, (D, F), (EMBED, MLP), cfg)
-    self.up = param(rngs, (D, F), (EMBED, MLP), cfg)
-    self.down = param(rngs, (F, D), (MLP, EMBED), cfg)
-    if cfg.use_bias:
-      if self.kind != "gelu":
-        self.gate_bias = param(rngs, (F,), (MLP,), cfg, "zeros")
-      self.up_bias = param(rngs, (F,), (MLP,), cfg, "zeros")
-      self.down_bias = param(rngs, (D,), (EMBED,), cfg, "zeros")
-
-  def _project(self, x_BLD, name):
-    h_BLF = quant_lib.einsum("bld,df->blf", x_BLD, _value(getattr(self, name), self.dtype), self.quant)
-    if self.use_bias:
-      h_BLF = h_BLF + _value(getattr(self, name + "_bias"), self.dtype)
-    return remat.tag(axes.constrain(h_BLF, (BATCH, LENGTH, MLP)), remat.MLP_IN)
-
-  def __call__(self, x_BLD) -> jax.Array:
-    up_BLF = self._project(x_BLD, "up")
-    if self.kind == "gelu":
-      h_BLF = jax.nn.gelu(up_BLF, approximate=True)
-    else:
-      act = jax.nn.silu if self.kind == "swiglu" else lambda g: jax.nn.gelu(g, approximate=True)
-      h_BLF = act(self._project(x_BLD, "gate")) * up_BLF
-    h_BLF = remat.tag(h_BLF, remat.MLP_HIDDEN)
-    y_BLD = quant_lib.einsum("blf,fd->bld", h_BLF, _value(self.down, self.dtype), self.quant)
-    if self.use_bias:
-      y_BLD = y_BLD + _value(self.down_bias, self.dtype)
-    return remat.tag(axes.constrain(y_BLD, (BATCH, LENGTH, EMBED)), remat.MLP_OUT)
 
 
 class Block(nnx.Module):
@@ -166,6 +140,12 @@ class Block(nnx.Module):
     stats are the MoE layer's router statistics (model.moe.router_stats), {} for a dense block; decoding with a
     cache drops them.
     """
+    if cache is not None and x_BLD.shape[1] > 1 and not kv_cache.is_empty(cache) and self._capacity_limited():
+      # Expert capacity is per call (ceil(capacity_factor * k * L / E)): a chunk would drop other tokens than one
+      # whole prefill does, so its results would differ from the same prompt in one pass.
+      raise ValueError("model.capacity_factor > 0 (capacity-limited MoE) cannot prefill a prompt in chunks through "
+                       "a filled KV cache; prefill it in one call into an empty cache, or use capacity_factor=0 "
+                       "(dropless)")
     h_BLD = self.attn_norm(x_BLD)
     if cache is None:
       attn_BLD = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, prefix_BL=prefix_BL, branch_BL=branch_BL)
@@ -183,6 +163,9 @@ class Block(nnx.Module):
       x_BLD = x_BLD + y_BLD
     x_BLD = axes.constrain(x_BLD, (BATCH, LENGTH, EMBED))
     return (x_BLD, stats) if cache is None else (x_BLD, cache)
+
+  def _capacity_limited(self) -> bool:
+    return hasattr(self, "moe") and self.moe.cf > 0
 
 
 class Embed(nnx.Module):

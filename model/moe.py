@@ -5,9 +5,9 @@ Shapes: B batch, L length, D model width, E experts (E_loc: on this device), F e
 token (top-k), T tokens (flattened B*L on one device), A = T*K token-expert assignments, C capacity per sequence.
 
 Compute: the A assignments are sorted by expert so each expert's tokens are contiguous, then one grouped matmul
-per projection (`jax.lax.ragged_dot`, or `tiled`: each expert's rows padded to whole tiles and the tiles
-multiplied as one batched matmul, which is what runs fast on CPUs), then un-sorted and mixed with the routing
-weights. No Python loop over experts.
+per projection (`grouped_matmul`: `jax.lax.ragged_dot`; `tiled`: each expert's rows padded to whole tiles and the
+tiles multiplied as one batched matmul, which is what runs fast on CPUs; `megablox`: the Pallas TPU kernels of
+model/megablox.py), then un-sorted and mixed with the routing weights. No Python loop over experts.
 
 Expert parallelism: expert weights [E, D, F] carry the logical name `experts` (mesh axis `expert` by default) and
 the batch is split over `expert` outside MoE layers too. Inside `shard_map` each device all-gathers the tokens of
@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model import axes
+from model import dense
+from model import megablox
 from model import remat
 from model.axes import BATCH, EMBED, EXPERTS, LENGTH, MLP
 from model.config import DTYPES
@@ -123,13 +125,41 @@ def _tile_layout(sizes_E: jax.Array, rows: int, tile: int):
   return dest_A, tile_expert_N, padded_rows
 
 
+def grouped_matmul(impl: str | megablox.MegabloxOptions, sizes_E: jax.Array,
+                   rows: int) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """The grouped matmul `mm(a_AX, w_EXY) -> y_AY` of `impl` over `rows` rows sorted by group: group e is the
+  sizes_E[e] rows after groups 0 .. e-1, times w_EXY[e]; rows past sum(sizes_E) come out 0.
+
+  impl: "ragged" (`jax.lax.ragged_dot`), "tiled" (each group's rows padded to whole TILE_ROWS tiles, all tiles one
+  batched matmul with their experts' weights gathered), or megablox: a MegabloxOptions (the Pallas TPU kernels,
+  model/megablox.py), or "megablox" for its default tiles without interpret mode. Built once per layer, so the
+  three projections share the tiled layout.
+  """
+  if impl == "ragged":
+    return lambda a_AX, w_EXY: jax.lax.ragged_dot(a_AX, w_EXY, sizes_E)
+  if impl == "megablox" or isinstance(impl, megablox.MegabloxOptions):
+    opts = impl if isinstance(impl, megablox.MegabloxOptions) else megablox.MegabloxOptions()
+    return lambda a_AX, w_EXY: megablox.gmm(a_AX, w_EXY, sizes_E, opts)
+  if impl != "tiled":
+    raise ValueError(f"model.moe_impl={impl!r} is not one of ragged, tiled, megablox")
+  dest_A, tile_expert_N, padded = _tile_layout(sizes_E, rows, TILE_ROWS)
+
+  def mm(a_AX, w_EXY):
+    a_NRX = jnp.zeros((padded, a_AX.shape[-1]), a_AX.dtype).at[dest_A].set(a_AX, mode="drop")
+    a_NRX = a_NRX.reshape(padded // TILE_ROWS, TILE_ROWS, -1)
+    y_NRY = jnp.einsum("nrx,nxy->nry", a_NRX, w_EXY[tile_expert_N])
+    return y_NRY.reshape(padded, -1).at[dest_A].get(mode="fill", fill_value=0)
+  return mm
+
+
 def expert_ffn(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, keep_TK: jax.Array,
                gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array, first_expert, act: Callable,
-               impl: str = "ragged") -> jax.Array:
+               impl: str | megablox.MegabloxOptions = "ragged") -> jax.Array:
   """sum_k weights_tk * down_e(act(gate_e x_t) * up_e x_t) over the kept assignments of the local experts.
 
   Local experts are first_expert .. first_expert + E_loc - 1 (E_loc = gate_EDF.shape[0]); other experts'
-  assignments and dropped ones (keep 0) contribute nothing. Returns [T, D] in x's dtype.
+  assignments and dropped ones (keep 0) contribute nothing. `impl` picks the grouped matmul (`grouped_matmul`).
+  Returns [T, D] in x's dtype.
   """
   T, K = experts_TK.shape
   E_loc = gate_EDF.shape[0]
@@ -139,15 +169,7 @@ def expert_ffn(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, ke
   order_A = jnp.argsort(group_A, stable=True)
   sizes_E = jnp.bincount(group_A, length=E_loc + 1)[:E_loc].astype(jnp.int32)
   xs_AD = x_TD[order_A // K]
-  if impl == "ragged":
-    mm = lambda a_AX, w_EXY: jax.lax.ragged_dot(a_AX, w_EXY, sizes_E)
-  else:
-    dest_A, tile_expert_N, padded = _tile_layout(sizes_E, T * K, TILE_ROWS)
-    def mm(a_AX, w_EXY):
-      a_NRX = jnp.zeros((padded, a_AX.shape[-1]), a_AX.dtype).at[dest_A].set(a_AX, mode="drop")
-      a_NRX = a_NRX.reshape(padded // TILE_ROWS, TILE_ROWS, -1)
-      y_NRY = jnp.einsum("nrx,nxy->nry", a_NRX, w_EXY[tile_expert_N])
-      return y_NRY.reshape(padded, -1).at[dest_A].get(mode="fill", fill_value=0)
+  mm = grouped_matmul(impl, sizes_E, T * K)
   h_AF = act(remat.tag(mm(xs_AD, gate_EDF), remat.MLP_IN)) * remat.tag(mm(xs_AD, up_EDF), remat.MLP_IN)
   y_AD = mm(remat.tag(h_AF, remat.MLP_HIDDEN), down_EFD)
   y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD)  # back to (token, k) order
@@ -208,19 +230,20 @@ class MoE(nnx.Module):
   """
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
-    from model import layers  # local: layers builds blocks from this module's MoE
     D, E, F = cfg.d_model, cfg.num_experts, cfg.expert_mlp_dim or cfg.mlp_dim
     self.k, self.kind, self.impl, self.cf = cfg.experts_per_token, cfg.router, cfg.moe_impl, cfg.capacity_factor
+    if cfg.moe_impl == "megablox":  # the kernels' static settings (tiles, interpret mode) travel with the impl
+      self.impl = megablox.options(cfg)
     self.num_experts, self.dtype = E, DTYPES[cfg.dtype]
     self.act = jax.nn.silu if cfg.mlp_type == "swiglu" else lambda g: jax.nn.gelu(g, approximate=True)
-    self.router = layers.param(rngs, (D, E), (EMBED, None), cfg)
-    self.gate = layers.param(rngs, (E, D, F), (EXPERTS, EMBED, MLP), cfg)
-    self.up = layers.param(rngs, (E, D, F), (EXPERTS, EMBED, MLP), cfg)
-    self.down = layers.param(rngs, (E, F, D), (EXPERTS, MLP, EMBED), cfg)
+    self.router = dense.param(rngs, (D, E), (EMBED, None), cfg)
+    self.gate = dense.param(rngs, (E, D, F), (EXPERTS, EMBED, MLP), cfg)
+    self.up = dense.param(rngs, (E, D, F), (EXPERTS, EMBED, MLP), cfg)
+    self.down = dense.param(rngs, (E, F, D), (EXPERTS, MLP, EMBED), cfg)
     if cfg.num_shared_experts:
       shared_cfg = cfg.copy_and_resolve_references()
       shared_cfg.mlp_dim = cfg.num_shared_experts * F  # N shared experts = one MLP N times as wide
-      self.shared = layers.Mlp(shared_cfg, rngs=rngs)
+      self.shared = dense.Mlp(shared_cfg, rngs=rngs)
 
   def __call__(self, x_BLD: jax.Array, valid_BL: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     dt = self.dtype

@@ -74,13 +74,23 @@ class Transformer(nnx.Module):
                positions_BL: jax.Array | None = None, cache: kv_cache.KVCache | None = None, *,
                return_aux: bool = False, prefix_BL: jax.Array | None = None, branch_BL: jax.Array | None = None):
     """The final-normed residual stream x_BLD; with a `cache` (model.kv_cache), (x_BLD, cache advanced by L);
-    with return_aux (no cache), (x_BLD, MoE statistics as in __call__). With a cache, L > 1 must be a prefill
-    into an empty cache (index 0) and L == 1 a decode step.
+    with return_aux (no cache), (x_BLD, MoE statistics as in __call__). With a cache the L tokens go to slots
+    [index, index + L) and attend to the row's cached slots and to each other causally (a whole prompt, a chunk
+    of one, or a decode step: model/layers.py Attention); segment ids then default to 1 from the row's
+    `cache.start` on (0 = left padding) and positions to slot - start.
 
     `logits(features(...))` is `__call__`; decoding projects only the positions it samples from.
     """
     if tokens_BL.ndim != 2 or not jnp.issubdtype(tokens_BL.dtype, jnp.integer):
       raise ValueError(f"tokens must be integer [batch, seq]; got {tokens_BL.dtype}{list(tokens_BL.shape)}")
+    if cache is not None:
+      if prefix_BL is not None or branch_BL is not None:
+        raise ValueError("prefix_BL / branch_BL (prefix-LM, tree attention) cannot be used with a KV cache")
+      slots_BL = cache.index + jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
+      if segment_ids_BL is None:
+        segment_ids_BL = (slots_BL >= cache.start[:, None]).astype(jnp.int32)
+      if positions_BL is None:
+        positions_BL = jnp.maximum(slots_BL - cache.start[:, None], 0)
     if segment_ids_BL is None:
       segment_ids_BL = jnp.ones(tokens_BL.shape, jnp.int32)
     segment_ids_BL = segment_ids_BL.astype(jnp.int32)

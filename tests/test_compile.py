@@ -7,13 +7,17 @@ from flax import nnx
 
 import model
 import configs
+from parallel import mesh as mesh_lib
+from parallel import sharding
 from train.planning import hardware
 from train.planning import compile as aot
 
-# A small Llama-style model whose dimensions divide every mesh below; compile time does not depend on depth.
+# A small Llama-style model whose dimensions divide every mesh below; compile time does not depend on depth. The
+# reference attention (auto would run splash on TPUs: tests/test_attention_splash.py, test_predict.py), whose
+# collectives and memory the figures below follow.
 SMALL = {"model.num_layers": 3, "train.seq_len": 64, "model.max_seq_len": 64, "train.batch_size": 16,
          "model.vocab_size": 512, "model.d_model": 128, "model.mlp_dim": 256, "model.num_heads": 4,
-         "model.num_kv_heads": 2, "model.head_dim": 64}
+         "model.num_kv_heads": 2, "model.head_dim": 64, "model.attention_impl": "xla"}
 V4_16 = hardware.tpu_slice("v4-16")  # 16 TensorCores = 8 chips, "v4:2x2x2"
 # docs/parallel.md's logical -> mesh table (written out here, independently of parallel/rules.py).
 DESIGN_RULES = {"embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
@@ -197,6 +201,42 @@ def test_fastest_search_picks_the_quickest_layout_that_fits(devices):
       "train.remat"]
   # Candidates come least-recompute first: remat none is compiled before full.
   assert search["tried"][0]["overrides"]["train.remat"] == "none"
+
+
+def test_fastest_search_on_a_multi_host_slice_compiles_only_layouts_that_can_run(capsys):
+  # v4-32 is 4 hosts x 4 chips. With 8 heads the candidates include tensor=8, which spans two hosts: they would
+  # share batch rows, which training rejects. The search used to compile such a layout and die on it (exit 2);
+  # now it rules it out before compiling, reports it with the reason, and ends with the fastest that can run.
+  # A micro-batch of 8 leaves three meshes (tensor 2, 4, 8 with fsdp over the rest); two compiles suffice.
+  over = {**SMALL, "model.num_heads": 8, "model.num_kv_heads": 8, "model.head_dim": 16, "train.batch_size": 8}
+  argv = ["--config=tiny", "--topology=v4-32", "--fastest", "--json", "--max_compiles=2",
+          *[f"--config.{k}={v}" for k, v in over.items()]]
+  assert aot.main(argv) == 0
+  r = json.loads(capsys.readouterr().out)
+  search = r["fastest"]
+  assert search["found"] and r["fits"] and len(search["tried"]) == 2
+  assert {(o["mesh.tensor"], o["mesh.fsdp"]) for o in (t["overrides"] for t in search["tried"])} == {(2, 8), (4, 4)}
+  assert r["mesh"]["tensor"] == search["overrides"]["mesh.tensor"]
+  devices = aot.abstract_devices(hardware.tpu_slice("v4-32"))
+  assert len({d.process_index for d in devices}) == 4
+
+  def rows_per_process(overrides):
+    """The training-time check (parallel.sharding) on the mesh the layout builds; its message, or None."""
+    config = configs.load("tiny", **over, **overrides)
+    try:
+      sharding.check_rows_per_process(mesh_lib.make_mesh(config.mesh, devices=devices), ("data", "fsdp", "expert"))
+    except ValueError as e:
+      return str(e)
+    return None
+
+  assert all(rows_per_process(t["overrides"]) is None for t in search["tried"])
+  skipped = search["skipped"]
+  assert skipped and {s["overrides"]["mesh.tensor"] for s in skipped} == {8}
+  for s in skipped:
+    assert "tensor=8 spans processes" in s["reason"] and s["reason"] == rows_per_process(s["overrides"])
+  table = aot.format_report(r)
+  assert "skipped before compiling" in table and "tensor=8   remat=none       mesh axis tensor=8 spans" in table
+  assert "fastest that fits: --config.mesh.data=1" in table
 
 
 def test_local_topology_needs_a_known_accelerator(capsys):

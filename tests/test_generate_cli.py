@@ -62,6 +62,18 @@ def test_workdir_and_hf_directory_give_the_library_tokens_on_any_mesh(run, capsy
   assert _json(capsys, ["--hf", str(hf_dir)] + args)["tokens"] == want
 
 
+def test_sampling_options_reach_the_sampler(run, capsys):
+  workdir, m, tok = run
+  options = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.3, seed=2)
+  argv = ["--workdir", workdir, "--prompt", PROMPTS[0], "--max_new_tokens", "8", "--json"]
+  out = _json(capsys, argv + [a for k, v in options.items() for a in (f"--{k}", str(v))])
+  prompt = [[tok.bos_id] + tok.encode(PROMPTS[0])]
+  assert out["tokens"] == gen.generate(m, prompt, 8, stop_ids=(tok.eos_id,), **options)
+  greedy = _json(capsys, argv + ["--repetition_penalty", "0.5"])  # < 1 rewards repeats: this model's output changes
+  assert greedy["tokens"] == gen.generate(m, prompt, 8, stop_ids=(tok.eos_id,), repetition_penalty=0.5)
+  assert greedy["tokens"] != gen.generate(m, prompt, 8, stop_ids=(tok.eos_id,))  # the flag made a difference
+
+
 def test_one_prompt_streams_its_text(run, capsys):
   workdir, _, _ = run
   assert cli.main(["--workdir", workdir, "--prompt", PROMPTS[1], "--max_new_tokens", "6"]) == 0
@@ -75,6 +87,10 @@ def test_one_prompt_streams_its_text(run, capsys):
     (["--workdir", "RUN", "--step", "9"], "no such checkpoint"),
     (["--workdir", "RUN", "--max_new_tokens", "0"], "--max_new_tokens=0 must be >= 1"),
     (["--workdir", "RUN", "--top_p", "1.5"], r"--top_p=1.5 must be in \(0, 1\]"),
+    (["--workdir", "RUN", "--min_p", "1.5"], r"--min_p=1.5 must be in \[0, 1\]"),
+    (["--workdir", "RUN", "--min_p", "-0.1"], r"--min_p=-0.1 must be in \[0, 1\]"),
+    (["--workdir", "RUN", "--repetition_penalty", "0"], "--repetition_penalty=0.0 must be a finite number > 0"),
+    (["--workdir", "RUN", "--repetition_penalty", "-2"], "--repetition_penalty=-2.0 must be a finite number > 0"),
     (["--workdir", "RUN", "--max_new_tokens", "80"], "exceeds model.max_seq_len=64"),
     (["--workdir", "RUN", "--config.mesh.tensor=3"], "config.mesh"),
     (["--hf", "HFJSON"], "only tokenizer.json"),

@@ -19,6 +19,7 @@ from parallel import mesh as mesh_lib
 from test_hf import _hf_logits, _random_hf_model  # tests/ is on sys.path under pytest
 from train.rundir import export as export_lib
 from train.core import loop
+from train.core import setup as setup_lib
 from train.rundir import restore
 from train.core import step as step_lib
 
@@ -48,7 +49,7 @@ def test_init_from_sharded_hf_dir_gives_its_tensors_on_the_mesh(setup):
   config = configs.load("tiny", **SMALL)
   config.model = hf.config_from_hf(ref.config.to_dict())
   trainer = step_lib.Trainer(config, mesh_lib.make_mesh(config.mesh))
-  params = loop._init_from(trainer, str(root / "hf"))
+  params = setup_lib.init_from(trainer, str(root / "hf"))
   hf_ = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
   np.testing.assert_array_equal(np.asarray(params["embed"]["embedding"]), hf_["model.embed_tokens.weight"])
   np.testing.assert_array_equal(np.asarray(params["unembed"]), hf_["lm_head.weight"].T)

@@ -108,3 +108,65 @@ def test_predicted_time_grows_with_recomputation(remat_reports):
     assert p["tokens_per_sec_per_chip"] == pytest.approx(tokens / p["step_seconds"])
     assert p["mfu"] == pytest.approx(model_flops / (p["step_seconds"] * 275e12))
     assert p["uncosted_kernels"] == 0 and len(p["top_ops"]) == 10
+
+
+# ---- custom calls: Mosaic kernels costed by their closed forms ----------------------------------------------
+def test_visible_tiles_are_the_tiles_the_mask_touches():
+  from model import splash  # pylint: disable=g-import-not-at-top
+  for T, bq, bk in ((512, 128, 128), (768, 128, 256), (1024, 256, 128)):
+    q, k = np.arange(T)[:, None], np.arange(T)[None, :]
+    for mask, visible in (("full", np.ones((T, T), bool)), ("causal", q >= k), ("local100", (q >= k) & (q - k < 100)),
+                          ("local300", (q >= k) & (q - k < 300))):
+      tiles = visible.reshape(T // bq, bq, T // bk, bk).any(axis=(1, 3)).sum()
+      assert splash.visible_tiles(T, T, bq, bk, mask) == tiles, (T, bq, bk, mask)
+
+
+@pytest.fixture(scope="module")
+def v5e_programs():
+  """The tiny step compiled for a v5e-4 with splash and with xla attention: (HLO text, report) each."""
+  tpu = hardware.tpu_slice("v5e-4")
+  devices = aot.abstract_devices(tpu)
+  out = {}
+  for impl in ("splash", "xla"):
+    config = configs.load("tiny", **{"model.attention_impl": impl})
+    trainer, compiled = aot.compile_trainer(config, devices)
+    out[impl] = compiled.as_text(), aot.summarize(config, tpu, trainer, seconds=0.0)
+  return out
+
+
+def test_splash_kernels_are_costed_by_their_closed_forms(v5e_programs):
+  """XLA sees a Mosaic kernel as zero work; the model prices each splash kernel (forward, dq, dk/dv) in closed form,
+  so the splash program's FLOPs equal the xla program's but for the kernels' recomputation."""
+  text, report = v5e_programs["splash"]
+  kernels = [k for k in predict.kernel_costs(text) if k["opcode"] == "custom-call"]
+  assert sorted(k["name"].split(".")[0] for k in kernels) == [
+      "splash_mqa_dkv_segmented_no_residuals", "splash_mqa_dq_segmented_no_residuals",
+      "splash_mqa_fwd_segmented_residuals"]
+  assert all(k["costed"] and "splash_mask_causal" in k["op_name"] for k in kernels)
+  # tiny: 16 rows over 4 chips, 4 heads, T = 128 (one 128-token tile, computed whole), head_dim 32, 4 layers;
+  # 4 + 6 + 8 matmul FLOPs per visible pair and head_dim unit (model.splash.KERNEL_MATMULS).
+  assert sum(k["flops"] * k["per_step"] for k in kernels) == 18 * 4 * 4 * 128 * 128 * 32 * 4
+  xla_text, xla_report = v5e_programs["xla"]
+  splash_p, xla_p = report["predicted"], xla_report["predicted"]
+  assert splash_p["uncosted_kernels"] == 0 and xla_p["uncosted_kernels"] == 0
+  # xla: 12 units (forward q.k and p.v, four backward products; XLA's own online-softmax kernel priced too) vs
+  # splash's 18: attention is about a tenth of this model's FLOPs, so the programs differ by about 5%.
+  assert 1.0 < splash_p["hardware_flops_per_chip"] / xla_p["hardware_flops_per_chip"] < 1.07
+  assert xla_p["hardware_flops_per_chip"] >= report["flops"]["model_per_chip"]
+
+
+def test_an_unknown_custom_call_counts_as_uncosted():
+  text = """HloModule m
+
+ENTRY %main (p0: f32[256,256]) -> f32[256,256] {
+  %p0 = f32[256,256]{1,0} parameter(0)
+  ROOT %mystery_kernel.1 = f32[256,256]{1,0} custom-call(%p0), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 128}"
+}}, metadata={op_name="jit(f)/mystery_kernel/pallas_call"}, backend_config={"custom_call_config":{"body":"AAAA"}}
+}
+"""
+  (kernel,) = predict.kernel_costs(text)
+  assert kernel["name"] == "mystery_kernel.1" and "mystery_kernel/pallas_call" in kernel["op_name"]
+  assert not kernel["costed"] and kernel["flops"] == 0 and kernel["bytes"] == 2 * 256 * 256 * 4
+  p = predict.predict(text, V4, num_devices=1, model_flops_per_chip=1, tokens_per_chip=1)
+  assert p["uncosted_kernels"] == 1

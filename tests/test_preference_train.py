@@ -254,10 +254,11 @@ def test_run_resumes_bit_exactly_and_the_scorer_equals_pytorch(setup, objective,
     want_rewards.append(hidden @ head)
   np.testing.assert_allclose(reward_api.score(workdir, texts), want_rewards, rtol=1e-4, atol=1e-5)
   # An RL run with rl.reward=rm:RUN scores its rollouts (conversation + sampled completion) the same way.
-  from train.rl import loop as rl
+  from train.rl import rewards
   conversation = [{"role": "user", "content": PAIRS[0]["prompt"]}]
-  rm_reward = rl.Reward(f"rm:{workdir}")
-  got_rl = rm_reward([PAIRS[0]["prompt"]], [PAIRS[0]["chosen"]], [rl.reward_text(conversation, PAIRS[0]["chosen"])])
+  rm_reward = rewards.Reward(f"rm:{workdir}")
+  got_rl = rm_reward([PAIRS[0]["prompt"]], [PAIRS[0]["chosen"]],
+                     [rewards.reward_text(conversation, PAIRS[0]["chosen"])])
   np.testing.assert_allclose(got_rl, want_rewards[2:], rtol=1e-4, atol=1e-5)
   lines = root / "texts.jsonl"
   lines.write_text(json.dumps(record) + "\n\n" + json.dumps({"text": texts[1]}) + "\n" + texts[2] + "\n")

@@ -17,6 +17,7 @@ from chat_testing import TEXT
 from data import tokenizer as tokenizer_lib
 from train.core import loop
 from train.rl import loop as rl
+from train.rl import rollouts
 
 BASE = """from configs import tiny
 def get_config():
@@ -135,10 +136,10 @@ def test_best_of_n_choice_breaks_ties_by_the_seed():
   picks = []
   for iteration in range(20):
     metrics = {}
-    batch = rl.Session._best_of_n_batch(Fake(), roll, iteration, metrics)
+    batch = rollouts.Session._best_of_n_batch(Fake(), roll, iteration, metrics)
     picks.append(int(batch["targets"][0, 1]))
     assert int(batch["targets"][1, 1]) == 7 and metrics["best_reward_mean"] == pytest.approx(0.55)
-    again = rl.Session._best_of_n_batch(Fake(), roll, iteration, {})
+    again = rollouts.Session._best_of_n_batch(Fake(), roll, iteration, {})
     assert int(again["targets"][0, 1]) == picks[-1]
   assert set(picks) == {4, 5}
 

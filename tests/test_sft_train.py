@@ -17,6 +17,7 @@ from data import tokenizer as tokenizer_lib
 from model import hf
 from parallel import mesh as mesh_lib
 from train.core import loop
+from train.core import setup as setup_lib
 from train.core import step as step_lib
 
 SMALL = {"model.vocab_size": 320, "model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4,
@@ -173,8 +174,8 @@ def test_init_from_a_hugging_face_dir_takes_its_model_config_and_tokenizer(tmp_p
   hf_model.update(vocab_size=400, d_model=48, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8, mlp_dim=96)
   hf.save(model_lib.Transformer(hf_model, rngs=nnx.Rngs(0)), directory)
   config = configs.load("tiny", **{"train.init_from": directory, "model.dtype": "bfloat16"})
-  resolved = loop._resolve_start(config, str(tmp_path / "run"))  # the tokenizer comes from the directory
-  loop._reconcile(resolved, str(tmp_path / "run" / "checkpoints"), overrides=["model.dtype"])  # so does the model
+  resolved = setup_lib.resolve_start(config, str(tmp_path / "run"))  # the tokenizer comes from the directory
+  setup_lib.reconcile(resolved, str(tmp_path / "run" / "checkpoints"), overrides=["model.dtype"])  # so does the model
   for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
     assert resolved.model[key] == hf_model[key], key
   assert resolved.model.dtype == "bfloat16"  # the run's compute settings stay

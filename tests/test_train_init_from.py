@@ -8,6 +8,7 @@ from parallel import mesh as mesh_lib
 from train.core import checkpoint as ckpt_lib
 import configs
 from train.core import loop
+from train.core import setup
 from train.core import step as step_lib
 
 SMALL = {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 2,
@@ -40,18 +41,18 @@ def test_init_from_a_meshlm_run_directory(trainer, tmp_path):
   ck = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), None)
   ck.save(7, {"params": params, "step": np.int32(7)}, None, {})
   ck.close()
-  _assert_equal_trees(loop._init_from(trainer, str(tmp_path)), params, trainer.param_shardings)
-  _assert_equal_trees(loop._init_from(trainer, str(tmp_path / "checkpoints" / "7")), params,
+  _assert_equal_trees(setup.init_from(trainer, str(tmp_path)), params, trainer.param_shardings)
+  _assert_equal_trees(setup.init_from(trainer, str(tmp_path / "checkpoints" / "7")), params,
                       trainer.param_shardings)
 
 
 def test_init_from_a_hugging_face_directory(trainer, tmp_path):
   params = _random_params(trainer)
   hf.save(trainer.model({"params": params}), str(tmp_path / "hf"))
-  _assert_equal_trees(loop._init_from(trainer, str(tmp_path / "hf")), params, trainer.param_shardings)
+  _assert_equal_trees(setup.init_from(trainer, str(tmp_path / "hf")), params, trainer.param_shardings)
 
   wider = step_lib.Trainer(configs.load("tiny", **dict(SMALL, **{"model.d_model": 128})), trainer.mesh)
   with pytest.raises(loop.TrainingError, match=r"differing fields .*model\.d_model \(hidden_size\): 128 vs 64"):
-    loop._init_from(wider, str(tmp_path / "hf"))
+    setup.init_from(wider, str(tmp_path / "hf"))
   with pytest.raises(loop.TrainingError, match="not a directory"):
-    loop._init_from(trainer, str(tmp_path / "missing"))
+    setup.init_from(trainer, str(tmp_path / "missing"))

@@ -20,6 +20,7 @@ from data import tokenizer as tokenizer_lib
 from model import hf
 from train import __main__ as train_main
 from train.core import loop
+from train.core import setup
 from train.rundir import runconfig
 
 SMALL = {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 2,
@@ -151,7 +152,7 @@ def test_init_from_hugging_face_takes_its_model_config(hf_dir, tokenizer, tmp_pa
   written = json.load(open(hf_dir / "config.json"))
   assert (written["rope_theta"], written["rms_norm_eps"]) == (500000.0, 1e-6)
   config = _config(tokenizer, **{"train.init_from": str(hf_dir), "model.attention_impl": "blockwise"})
-  loop._reconcile(config, str(tmp_path / "checkpoints"), overrides=["model.attention_impl"])
+  setup.reconcile(config, str(tmp_path / "checkpoints"), overrides=["model.attention_impl"])
   assert config.model.rope_theta == written["rope_theta"] and config.model.norm_eps == written["rms_norm_eps"]
   assert config.model.attention_impl == "blockwise"  # an explicit, function-preserving override is kept
   assert "model.rope_theta=500000.0 (config file: 10000.0)" in capsys.readouterr().out
@@ -181,10 +182,10 @@ def test_a_run_initialised_from_hugging_face_trains_with_its_rope_and_norm(hf_di
 @pytest.mark.slow
 def test_init_from_a_meshlm_run_takes_its_model_config(finished, tokenizer, tmp_path):
   config = _config(tokenizer, **{"train.init_from": str(finished), "model.d_model": 128})
-  loop._reconcile(config, str(tmp_path / "checkpoints"), overrides=[])  # d_model came from a "config file"
+  setup.reconcile(config, str(tmp_path / "checkpoints"), overrides=[])  # d_model came from a "config file"
   assert config.model.d_model == json.load(open(finished / "config.json"))["model"]["d_model"] == 64
   with pytest.raises(loop.SetupError, match=r"--config.model.d_model=128 contradicts .* model.d_model=64"):
-    loop._reconcile(_config(tokenizer, **{"train.init_from": str(finished), "model.d_model": 128}),
+    setup.reconcile(_config(tokenizer, **{"train.init_from": str(finished), "model.d_model": 128}),
                     str(tmp_path / "checkpoints"), overrides=["model.d_model"])
 
 
@@ -197,9 +198,9 @@ class _FailingClose:
 
 def test_checkpointer_close_errors_are_not_swallowed(capsys):
   with pytest.raises(loop.TrainingError, match="closing the checkpoints in /nowhere/checkpoints failed"):
-    loop._close_checkpointer(_FailingClose(), raise_errors=True)
+    setup.close_checkpointer(_FailingClose(), raise_errors=True)
   # While another error propagates, the close error is reported, not raised over it.
-  loop._close_checkpointer(_FailingClose(), raise_errors=False)
+  setup.close_checkpointer(_FailingClose(), raise_errors=False)
   assert "No space left on device" in capsys.readouterr().err
 
 

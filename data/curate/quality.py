@@ -14,6 +14,7 @@ import re
 from collections import Counter
 from itertools import compress, repeat
 from operator import add
+from typing import NamedTuple
 
 from data.curate import text as textlib
 
@@ -114,64 +115,95 @@ def _duplicate_ngram_fraction(words: list[str], n: int, total_chars: int) -> flo
   return sum(len(w) for w, c in zip(words, covered) if c) / max(1, total_chars)
 
 
-def check(text: str, language: str, cfg) -> str | None:
-  """None if `text` passes every enabled rule, else the name of the first rule it fails. `cfg` is the
-  `quality` section of the curation config."""
+class _Doc(NamedTuple):
+  """A document split once for every rule: its lines and words, and the units its word counts are in."""
+  text: str
+  lower_text: str
+  lines: list[str]
+  ascii_text: bool
+  spaced: bool  # `words` is text.split()
+  words: list[str]
+  lowered: list[str]  # the words lowercased
+  n: float  # the word count in the units of a spaced language
+  mostly_spaceless: bool
+  per_word: float  # characters that count as one word (1 unless mostly spaceless)
+  total_chars: int  # characters in words
+
+
+def _split(text: str, cfg) -> _Doc:
+  """`text`'s lines and words, with the word count in the units of a spaced language (1 for those)."""
   lines = [line for line in map(str.strip, text.split("\n")) if line]
   ascii_text = text.isascii()
-  spaced = ascii_text or not textlib.has_spaceless(text)  # then `words` is text.split()
+  spaced = ascii_text or not textlib.has_spaceless(text)
   lower_text = text.lower()
   if ascii_text:
     # Lowercasing ASCII changes no length and no whitespace: the words of the lowered text are the lowered words,
-    # and have the same count and lengths, which is all the rules below use `words` for here.
+    # and have the same count and lengths, which is all the rules use `words` for here.
     words = lowered = lower_text.split()
   else:
     words = text.split() if spaced else textlib.words(text)
     lowered = list(map(str.lower, words))
   n = len(words)
-  # Word counts and n-gram spans in the units of a spaced language (1 for those).
   spaceless = 0.0 if spaced else textlib.spaceless_fraction(words)
   mostly_spaceless = spaceless >= 0.5
   per_word = cfg.spaceless_chars_per_word if mostly_spaceless else 1
   if mostly_spaceless:
     n = n * (1 - spaceless) + n * spaceless / per_word
+  return _Doc(text, lower_text, lines, ascii_text, spaced, words, lowered, n, mostly_spaceless, per_word,
+              len("".join(words)))
+
+
+def _length_rules(doc: _Doc, cfg) -> str | None:
+  """Gopher's word count, mean word length and symbol-to-word rules."""
+  n = doc.n
   if n < cfg.min_words:
     return "min_words"
   if cfg.max_words and n > cfg.max_words:
     return "max_words"
-  total_chars = len("".join(words))
-  if not mostly_spaceless:
-    mean = total_chars / n
+  if not doc.mostly_spaceless:
+    mean = doc.total_chars / n
     if mean < cfg.min_mean_word_length or mean > cfg.max_mean_word_length:
       return "mean_word_length"
-  symbols = text.count("#") + text.count("...") + text.count("…")
+  symbols = doc.text.count("#") + doc.text.count("...") + doc.text.count("…")
   if symbols / n > cfg.max_symbol_word_ratio:
     return "symbol_word_ratio"
+  return None
+
+
+def _content_rules(doc: _Doc, language: str, cfg) -> str | None:
+  """Gopher's bullet and ellipsis line, alphabetic word and stop-word rules."""
+  lines, text = doc.lines, doc.text
   if lines:
     if sum(map(str.startswith, lines, repeat(_BULLETS))) / len(lines) > cfg.max_bullet_lines_fraction:
       return "bullet_lines"
     if sum(map(str.endswith, lines, repeat(("...", "…")))) / len(lines) > cfg.max_ellipsis_lines_fraction:
       return "ellipsis_lines"
-  if ascii_text:  # the tokens left once everything but letters and whitespace is deleted (see above)
+  if doc.ascii_text:  # the tokens left once everything but letters and whitespace is deleted (see _NON_LETTER_ASCII)
     with_alpha = len(text.encode("ascii").translate(_SEPARATORS_TO_SPACE, _NON_LETTER_ASCII).split())
-  elif spaced:  # one regex pass over the text counts its whitespace-separated tokens without a letter
-    with_alpha = n - len(_NO_ALPHA_TOKEN_RE.findall(text))
+  elif doc.spaced:  # one regex pass over the text counts its whitespace-separated tokens without a letter
+    with_alpha = doc.n - len(_NO_ALPHA_TOKEN_RE.findall(text))
   else:
-    with_alpha = len(list(filter(None, map(_ALPHA_RE.search, words))))
-  if with_alpha / len(words) < cfg.min_alpha_words_fraction:
+    with_alpha = len(list(filter(None, map(_ALPHA_RE.search, doc.words))))
+  if with_alpha / len(doc.words) < cfg.min_alpha_words_fraction:
     return "alpha_words"
   stop = STOP_WORDS.get(language)
-  if stop is not None and cfg.min_stop_words and sum(map(stop.__contains__, lowered)) < cfg.min_stop_words:
+  if stop is not None and cfg.min_stop_words and sum(map(stop.__contains__, doc.lowered)) < cfg.min_stop_words:
     return "stop_words"
-  line_frac, line_char_frac = _duplicate_stats(lines)
+  return None
+
+
+def _repetition_rules(doc: _Doc, cfg) -> str | None:
+  """Gopher's repetition rules: duplicate lines and paragraphs, the top n-gram, duplicate n-grams."""
+  line_frac, line_char_frac = _duplicate_stats(doc.lines)
   if line_frac > cfg.max_duplicate_line_fraction or line_char_frac > cfg.max_duplicate_line_char_fraction:
     return "duplicate_lines"
-  paras = [p for p in map(str.strip, _PARAGRAPH_BREAK_RE.split(text)) if p]
+  paras = [p for p in map(str.strip, _PARAGRAPH_BREAK_RE.split(doc.text)) if p]
   para_frac, para_char_frac = _duplicate_stats(paras)
   if para_frac > cfg.max_duplicate_paragraph_fraction or para_char_frac > cfg.max_duplicate_paragraph_char_fraction:
     return "duplicate_paragraphs"
-  top_sizes = [round(size * per_word) for size, _ in cfg.max_top_ngram_fraction]
-  dup_sizes = [(round(size * per_word), limit) for size, limit in cfg.max_duplicate_ngram_fraction]
+  lowered, total_chars = doc.lowered, doc.total_chars
+  top_sizes = [round(size * doc.per_word) for size, _ in cfg.max_top_ngram_fraction]
+  dup_sizes = [(round(size * doc.per_word), limit) for size, limit in cfg.max_duplicate_ngram_fraction]
   smallest = min(s for s, _ in dup_sizes) if dup_sizes else 0
   # The repeated n-grams of every size up to the largest either rule needs, computed once for both.
   levels = list(_repeated_ngram_levels(lowered, max(top_sizes + [smallest])))
@@ -190,10 +222,15 @@ def check(text: str, language: str, cfg) -> str | None:
       for (size, _), (span, limit) in zip(cfg.max_duplicate_ngram_fraction, dup_sizes):
         if _duplicate_ngram_fraction(lowered, span, total_chars) > limit:
           return f"duplicate_{int(size)}gram"
-  # C4 (Raffel et al. 2020), at the document level.
+  return None
+
+
+def _c4_rules(doc: _Doc, cfg) -> str | None:
+  """C4's rules (Raffel et al. 2020), at the document level."""
+  lines, lower_text = doc.lines, doc.lower_text
   if cfg.c4_lorem_ipsum and "lorem ipsum" in lower_text:
     return "lorem_ipsum"
-  if cfg.c4_curly_bracket and "{" in text:
+  if cfg.c4_curly_bracket and "{" in doc.text:
     return "curly_bracket"
   if lines:
     # Substring tests find any policy phrase far faster than the alternation regex; lines only if one occurs.
@@ -205,3 +242,11 @@ def check(text: str, language: str, cfg) -> str | None:
         sum(map(str.endswith, lines, repeat(_TERMINAL))) / len(lines) < cfg.c4_min_terminal_line_fraction):
       return "terminal_punctuation"
   return None
+
+
+def check(text: str, language: str, cfg) -> str | None:
+  """None if `text` passes every enabled rule, else the name of the first rule it fails. `cfg` is the
+  `quality` section of the curation config."""
+  doc = _split(text, cfg)
+  return (_length_rules(doc, cfg) or _content_rules(doc, language, cfg) or _repetition_rules(doc, cfg)
+          or _c4_rules(doc, cfg))

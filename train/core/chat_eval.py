@@ -11,22 +11,21 @@ from __future__ import annotations
 from typing import Sequence
 
 from data import chat as chat_lib
-from data import preference as preference_lib
-from data import sources as sources_lib
+from data import plan as plan_lib
 
 
-def template_for(config, tokenizer):
-  """The run's chat template when its data has chat or preference sources (data/chat.py make_template), else None."""
-  specs = sources_lib.parse_spec(config.data.sources, tuple(config.data.weights))
-  if not any(chat_lib.is_chat_source(s) or preference_lib.is_preference_source(s) for s in specs):
+def template_for(config, tokenizer, plan: plan_lib.DataPlan):
+  """The run's chat template when its data (`plan`, the run's parsed config.data) has chat or preference
+  sources (data/chat.py make_template), else None."""
+  if not (plan.has_chat or plan.has_preference):
     return None
   return chat_lib.make_template(config.data, tokenizer)
 
 
-def eval_items(config, template) -> list[chat_lib.EvalItem]:
-  """Up to config.train.eval_generations held-out prompts per task family."""
+def eval_items(config, template, plan: plan_lib.DataPlan) -> list[chat_lib.EvalItem]:
+  """Up to config.train.eval_generations held-out prompts per task family of `plan`'s chat sources."""
   del template  # the items are messages; they are rendered when generated
-  return chat_lib.eval_items(config.data, per_family=config.train.eval_generations)
+  return chat_lib.eval_items(config.data, per_family=config.train.eval_generations, plan=plan)
 
 
 def exact_match(model, tokenizer, template, items: Sequence[chat_lib.EvalItem], max_new_tokens: int,

@@ -31,9 +31,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from common.segments import positions_from_segments
+from configs import validate as config_validate
 import model as model_lib
 from model import lora as lora_lib
 from model import mup as mup_lib
+from model import megablox as megablox_lib
+from model import attention as attention_lib
 import parallel
 from parallel import pipeline as pipeline_lib
 from parallel import rules as rules_lib
@@ -64,6 +67,17 @@ EVAL_KEY = 2**31 - 1  # folded into the train rng for `Objective.prepare` of eva
 LOSS_SCALE_METRICS = ("loss_scale", "overflow")  # added under dynamic loss scaling
 MOE_METRICS = model_lib.moe.STATS  # MoE models add these (means over MoE layers and microbatches)
 EXPERT_LOAD = "moe_expert_load"  # the [E] vector among them, logged as moe_load/<expert> (share of assignments)
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(*lines: str) -> None:
+  """Prints each line on stderr (process 0), once per process: Trainers are built many times by a compile search."""
+  for line in lines:
+    if line not in _SAID and jax.process_index() == 0:
+      _SAID.add(line)
+      print(line, file=sys.stderr, flush=True)
 
 
 def _tree_add(a, b):
@@ -110,6 +124,39 @@ class Trainer:
     t = config.train
     if t.xla_overlap:
       compiler_options = {**OVERLAP_OPTIONS.get(mesh.devices.flat[0].platform, {}), **(compiler_options or {})}
+    self._make_objective()
+    self.rules = rules_lib.fit_rules(rules_lib.logical_rules(config.mesh), config.model, mesh)
+    self._check_batch()  # first: it reads only the devices' processes, which a planning search fakes
+    self._check_conditional_keys()
+    self.pipeline = self._pipeline_schedule()
+    self.tx = optimizer_lib.with_frozen(optimizer_lib.make(t), tuple(t.freeze))
+    self.lr_fn = optimizer_lib.schedule(t)
+    self.loss_scaling = optimizer_lib.uses_loss_scaling(config)
+    self._replicated = parallel.sharding.replicated(mesh)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # abstract: no eager op, so AOT on any backend works
+    param_specs, model_params = self._abstract_model(key)
+    self._place_state(key, param_specs, model_params)
+    self._jit(compiler_options)
+    self._compiled = None
+
+  def _check_conditional_keys(self) -> None:
+    """configs.validate's conditional keys that read the mesh (platform, stage count): ConfigError (a ValueError)
+    naming the key, or a warning on stderr (train.xla_overlap off TPU/GPU); and that a Pallas TPU kernel
+    (model.attention_impl=splash, model.moe_impl=megablox) compiles for the mesh's platform (ValueError naming the
+    key). Sets `attention_impl`: the attention the step runs (model.attention_impl, auto resolved; said once)."""
+    facts = {"platform": self.mesh.devices.flat[0].platform, "stage": self.mesh.shape["stage"]}
+    self.attention_impl = attention_lib.resolve_impl(self.config.model, facts["platform"])
+    if self.config.model.attention_impl == "auto":
+      _say_once(f"attention: model.attention_impl=auto runs {self.attention_impl} on {facts['platform']}",
+                *attention_lib.auto_inert_keys(self.config.model, self.attention_impl))
+    megablox_lib.check_model(self.config.model, facts["platform"])
+    for warning in config_validate.check_conditional(self.config, **facts):
+      if jax.process_index() == 0:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+  def _make_objective(self) -> None:
+    """The objective and the LoRA settings, checked against config.model (ValueError naming the key)."""
+    config, t = self.config, self.config.train
     self.objective = objectives.make(config)
     if self.objective.causal != config.model.causal:
       need = "True (a decoder: the model must not see the tokens it predicts)" if self.objective.causal else \
@@ -122,16 +169,11 @@ class Trainer:
       raise ValueError(f"config.train.lora_rank={self.lora_rank} must be >= 0 (0 = full fine-tuning)")
     self.lora_targets = lora_lib.check_targets(t.lora_targets) if self.lora_rank else ()
     self.lora_scale = float(t.lora_alpha) / self.lora_rank if self.lora_rank else 0.0
-    self.rules = rules_lib.fit_rules(rules_lib.logical_rules(config.mesh), config.model, mesh)
-    self._check_batch()
-    self.pipeline = self._pipeline_schedule()
-    self.tx = optimizer_lib.with_frozen(optimizer_lib.make(t), tuple(t.freeze))
-    self.lr_fn = optimizer_lib.schedule(t)
-    self.loss_scaling = optimizer_lib.uses_loss_scaling(config)
-    self._replicated = parallel.sharding.replicated(mesh)
 
-    with parallel.activate(mesh, self.rules):
-      key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # abstract: no eager op, so AOT on any backend works
+  def _abstract_model(self, key) -> tuple[Any, Any]:
+    """(partition specs, abstract parameters) of the model's parameter tree, checked against the mesh; sets the
+    graphdef and, under muP, the optimizer with its per-parameter learning-rate multipliers."""
+    with parallel.activate(self.mesh, self.rules):
       abstract_model = nnx.eval_shape(self._new_model, key)
       self._graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
       param_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
@@ -139,19 +181,29 @@ class Trainer:
       raise ValueError("train.step keeps only nnx.Param state; the model has other variables: "
                        f"{jax.tree.map(lambda x: x.shape, rest)}")
     model_params = nnx.to_pure_dict(abstract_params)
-    rules_lib.check_divisible(param_specs, model_params, mesh)
-    if mup_lib.enabled(config.model):
-      if self.lora_rank:
-        raise ValueError("config.train.lora_rank > 0 with model.parametrization='mup': muP's learning-rate "
-                         "multipliers are defined for the model's own weights; fine-tune LoRA under sp")
-      multipliers = jax.tree.map(lambda v: mup_lib.lr_multiplier(config.model, v.get_metadata().get(
-          "out_sharding")), abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-      multipliers = nnx.to_pure_dict(multipliers)
-      if self.objective.extra_params:
-        multipliers = {"model": multipliers, **{name: 1.0 for name in self.objective.extra_params}}
-      self.tx = optimizer_lib.with_frozen(optimizer_lib.make(t, multipliers), tuple(t.freeze))
+    rules_lib.check_divisible(param_specs, model_params, self.mesh)
+    if mup_lib.enabled(self.config.model):
+      self.tx = self._mup_optimizer(abstract_params)
     if self.lora_rank and not lora_lib.kernels(model_params, self.lora_targets):
       raise ValueError(f"config.train.lora_targets={self.lora_targets!r} matches no parameter of the model")
+    return param_specs, model_params
+
+  def _mup_optimizer(self, abstract_params) -> optax.GradientTransformation:
+    """The optimizer with muP's per-parameter learning-rate multipliers (1 for objective heads)."""
+    config, t = self.config, self.config.train
+    if self.lora_rank:
+      raise ValueError("config.train.lora_rank > 0 with model.parametrization='mup': muP's learning-rate "
+                       "multipliers are defined for the model's own weights; fine-tune LoRA under sp")
+    multipliers = jax.tree.map(lambda v: mup_lib.lr_multiplier(config.model, v.get_metadata().get(
+        "out_sharding")), abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    multipliers = nnx.to_pure_dict(multipliers)
+    if self.objective.extra_params:
+      multipliers = {"model": multipliers, **{name: 1.0 for name in self.objective.extra_params}}
+    return optimizer_lib.with_frozen(optimizer_lib.make(t, multipliers), tuple(t.freeze))
+
+  def _place_state(self, key, param_specs, model_params) -> None:
+    """The shardings of the model's parameters and of the whole train state, and their abstract values."""
+    mesh = self.mesh
     extra_specs = {name: model_lib.axes.spec(names, self.rules)
                    for name, (_, names) in self.objective.extra_params.items()}
     adapter_specs = (lora_lib.specs(param_specs, model_params, self.lora_targets) if self.lora_rank else {})
@@ -172,7 +224,11 @@ class Trainer:
       self.state_shardings["loss_scale"] = {"scale": self._replicated, "good_steps": self._replicated}
     self._abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, self.state_shardings)
-    self.batch_sharding = parallel.sharding.logical_sharding(mesh, self.rules, ("batch", "length"))
+
+  def _jit(self, compiler_options: dict[str, Any] | None) -> None:
+    """The jitted init, step and eval functions with their shardings, and the step's metric keys."""
+    config = self.config
+    self.batch_sharding = parallel.sharding.logical_sharding(self.mesh, self.rules, ("batch", "length"))
     batch_shardings = {k: self.batch_sharding for k in self.batch_keys}
     self.metric_keys = tuple(self.objective.metric_keys) + STEP_METRICS
     if self.loss_scaling:
@@ -187,7 +243,6 @@ class Trainer:
                        out_shardings=(self.state_shardings, metric_shardings), donate_argnums=0)
     self.eval_fn = jit(self._eval, in_shardings=(self.state_shardings, batch_shardings),
                        out_shardings={k: self._replicated for k in self.objective.eval_keys})
-    self._compiled = None
 
   # ---- checks -------------------------------------------------------------------------------------------
   def _check_batch(self):
@@ -212,11 +267,7 @@ class Trainer:
     """The pipeline schedule for mesh.stage > 1 (None without stages); ValueError naming the key when it cannot
     work. The pipeline's microbatches split each grad_accum microbatch further (the two compose)."""
     t, m, S = self.config.train, self.config.model, self.mesh.shape["stage"]
-    if S == 1:
-      if t.pipeline_microbatches > 1 or t.pipeline_repeats > 1:
-        raise ValueError(f"config.train.pipeline_microbatches={t.pipeline_microbatches} / pipeline_repeats="
-                         f"{t.pipeline_repeats} need config.mesh.stage > 1 (pipeline parallelism); set mesh.stage or "
-                         "leave them at their defaults")
+    if S == 1:  # pipeline keys set without stages were refused with the conditional keys (__init__)
       return None
     if not m.scan_layers:
       raise ValueError("config.mesh.stage > 1 needs config.model.scan_layers=True: stages split the scanned stack")

@@ -136,7 +136,7 @@ def _report(config, tpu, sizes, devices, seconds, *, fits, memory_, flops, hlo) 
       "mesh": sizes, "remat": t.remat, "grad_accum": t.grad_accum, "batch_size": t.batch_size,
       "micro_batch": t.batch_size // t.grad_accum, "seq_len": t.seq_len,
       "memory": memory_, "hbm_bytes": tpu.chip.hbm_bytes, "fits": fits,
-      "estimate": _estimate(config, sizes),
+      "estimate": _estimate(config, sizes, tpu.chip.platform),
       "flops": {"model_per_chip": model_flops, "compiled_per_chip": flops},
       "collectives": collectives(hlo),
       "matmuls": matmul_types(hlo),
@@ -151,13 +151,13 @@ def _report(config, tpu, sizes, devices, seconds, *, fits, memory_, flops, hlo) 
   return report
 
 
-def _estimate(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> dict:
+def _estimate(config: ml_collections.ConfigDict, sizes: dict[str, int], platform: str = "tpu") -> dict:
   """The planner's per-device figures for the same config and mesh (train/planning/memory.py), split as the compiler
   splits them: arguments = weights + optimizer state; temporaries = gradients + activations."""
   import model
   state = memory.meshlm_state(config, model.count_params(config.model)["total"], sizes)
   t = config.train
-  acts = memory.activation_memory(config, t.batch_size // t.grad_accum, sizes=sizes)
+  acts = memory.activation_memory(config, t.batch_size // t.grad_accum, sizes=sizes, platform=platform)
   return {"argument_bytes": state["weights"] + state["optimizer"],
           "temp_bytes": state["gradients"] + acts["total"], "activation_bytes": acts["total"],
           "total_bytes": state["total"] + acts["total"]}
@@ -170,7 +170,8 @@ def _with(config: ml_collections.ConfigDict, **train) -> ml_collections.ConfigDi
   return c
 
 
-def _policies_light_to_heavy(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> list[str]:
+def _policies_light_to_heavy(config: ml_collections.ConfigDict, sizes: dict[str, int],
+                             platform: str = "tpu") -> list[str]:
   """Every remat policy of model.remat, ordered by the planner's activation estimate, most memory (least
   recompute) first; `full` last. A policy the planner has no activation model for is still searched, placed just
   before `full`, with a warning naming it."""
@@ -181,7 +182,8 @@ def _policies_light_to_heavy(config: ml_collections.ConfigDict, sizes: dict[str,
   if unknown:
     warnings.warn(f"remat policies {unknown} have no activation estimate in train/planning/memory.py; the fit search "
                   "tries them just before 'full'", stacklevel=2)
-  known.sort(key=lambda p: -memory.activation_memory(config, micro, remat=p, sizes=sizes)["total"])
+  known.sort(key=lambda p: -memory.activation_memory(config, micro, remat=p, sizes=sizes,
+                                                     platform=platform)["total"])
   return known + unknown + ["full"]
 
 
@@ -208,7 +210,7 @@ def suggest(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, *, max_co
   """
   devices = abstract_devices(tpu) if devices is None else devices
   sizes = memory.mesh_sizes(config, len(devices))
-  policies = _policies_light_to_heavy(config, sizes)
+  policies = _policies_light_to_heavy(config, sizes, tpu.chip.platform)
   tried: list[dict] = []
   reports: dict[tuple[str, int], dict] = {}
 
@@ -257,8 +259,8 @@ def layouts(config: ml_collections.ConfigDict, num_devices: int, *,
   "train.remat"}), in the order the search compiles them: least recomputation first, then least tensor
   parallelism, then least pure data parallelism. Meshes: fsdp over all chips; tensor = 2, 4, 8 (when heads,
   kv heads and mlp divide) with fsdp over the rest; data = 2, 4, ... with fsdp over the rest; every mesh's
-  data x fsdp must divide the micro-batch. Layouts whose planner estimate exceeds the chip's HBM are left out
-  (the estimate is a lower bound of the compiled figure)."""
+  data x fsdp must divide the micro-batch. `fastest` checks each before compiling it (`layout_error`, and the
+  planner's estimate, a lower bound of the compiled figure, against the chip's HBM)."""
   m, t = config.model, config.train
   micro = t.batch_size // t.grad_accum
   meshes = []
@@ -289,28 +291,60 @@ def _apply(config: ml_collections.ConfigDict, overrides: dict) -> ml_collections
   return c
 
 
+def layout_error(config: ml_collections.ConfigDict, devices: list) -> str | None:
+  """Why `config`'s layout cannot run on `devices`, or None when it can: the message of the checks the Trainer
+  makes before it compiles anything (mesh sizes against the devices, rows per process -- only the batch's axes
+  may span hosts --, heads and dimensions against their mesh axes, micro-batch against data x fsdp). Builds the
+  mesh and the abstract state only (a fraction of a second even for a 70B model); nothing is compiled."""
+  from parallel import mesh as mesh_lib
+  from train.core import step
+
+  with warnings.catch_warnings():  # a placement warning is given again by the compile, if it comes to one
+    warnings.simplefilter("ignore")
+    try:
+      step.Trainer(config, mesh_lib.make_mesh(config.mesh, devices=devices))
+    except ValueError as e:
+      return str(e)
+  return None
+
+
+def _over_hbm(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, num_devices: int) -> str | None:
+  """Why the planner's estimate rules `config` out (a lower bound of the compiled figure), or None."""
+  import model
+  sizes = memory.mesh_sizes(config, num_devices)
+  micro = config.train.batch_size // config.train.grad_accum
+  need = (memory.meshlm_state(config, model.count_params(config.model)["total"], sizes)["total"]
+          + memory.activation_memory(config, micro, sizes=sizes, platform=tpu.chip.platform)["total"])
+  if need <= tpu.chip.hbm_bytes:
+    return None
+  return (f"planner estimate {need / 2**30:.1f} GiB per chip exceeds the chip's {tpu.chip.hbm_bytes / 2**30:.0f} "
+          "GiB of HBM")
+
+
 def fastest(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, *, max_compiles: int = 8,
             devices: list | None = None, remats: Sequence[str] = ("none", "save_dots", "minimal", "full")) -> dict:
   """Compiles candidate layouts (see `layouts`) and picks the one with the smallest predicted step time that
   fits. Returns {"found", "overrides" (of the winner), "report" (its compile report), "tried": [{"overrides",
-  "fits", "total_bytes", "step_seconds", "mfu"}]}; at most `max_compiles` compiles."""
+  "fits", "total_bytes", "step_seconds", "mfu"}], "skipped": [{"overrides", "reason"}]}; at most `max_compiles`
+  compiles.
+
+  Before compiling, each candidate goes through the Trainer's own checks (`layout_error`: e.g. on a multi-host
+  slice, tensor parallelism wider than one host's chips would make hosts share batch rows, which training
+  rejects) and the planner's memory estimate; those that fail are listed in "skipped" with the reason and cost
+  no compile, so the search ends with the fastest layout that can run on the topology."""
   devices = abstract_devices(tpu) if devices is None else devices
-  import model
   chips = len(devices) // max(tpu.num_slices, 1)
-  tried, best = [], None
-  state = memory.meshlm_state  # the planner's state estimate, to skip layouts that cannot fit
+  tried, skipped, best = [], [], None
   for overrides in layouts(config, chips, remats=remats):
-    if len(tried) >= max_compiles:
-      break
     candidate = _apply(config, overrides)
     with candidate.unlocked():
       candidate.mesh.dcn_data = tpu.num_slices
-    sizes = memory.mesh_sizes(candidate, len(devices))
-    micro = candidate.train.batch_size // candidate.train.grad_accum
-    need = (state(candidate, model.count_params(candidate.model)["total"], sizes)["total"]
-            + memory.activation_memory(candidate, micro, sizes=sizes)["total"])
-    if need > tpu.chip.hbm_bytes:
+    reason = layout_error(candidate, devices) or _over_hbm(candidate, tpu, len(devices))
+    if reason:
+      skipped.append({"overrides": overrides, "reason": reason})
       continue
+    if len(tried) >= max_compiles:
+      break
     r = compile_step(candidate, tpu, devices)
     p = r.get("predicted") or {}
     tried.append({"overrides": overrides, "fits": r["fits"], "total_bytes": r["memory"]["total_bytes"],
@@ -318,8 +352,8 @@ def fastest(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, *, max_co
     if r["fits"] and p and (best is None or p["step_seconds"] < best[1]["predicted"]["step_seconds"]):
       best = (overrides, r)
   if best is None:
-    return {"found": False, "tried": tried}
-  return {"found": True, "overrides": best[0], "report": best[1], "tried": tried}
+    return {"found": False, "tried": tried, "skipped": skipped}
+  return {"found": True, "overrides": best[0], "report": best[1], "tried": tried, "skipped": skipped}
 
 
 # ---- command line --------------------------------------------------------------------------------------
@@ -423,8 +457,11 @@ def format_report(r: dict) -> str:
       lines.append(f"  data={o['mesh.data']:<4d} fsdp={o['mesh.fsdp']:<5d} tensor={o['mesh.tensor']:<3d} "
                    f"remat={o['train.remat']:10} {t['total_bytes'] / gib:8.3f} GiB  "
                    f"{'fits' if t['fits'] else 'no  '}  {time_}")
+    lines += _format_skipped(fast.get("skipped", []))
     if fast["found"]:
       lines.append("fastest that fits: " + " ".join(f"--config.{k}={v}" for k, v in fast["overrides"].items()))
+    else:
+      lines.append("no compiled layout fits; the report above is of the configured layout")
   sug = r.get("suggestion")
   if sug is not None:
     for t in sug["tried"]:
@@ -440,6 +477,18 @@ def format_report(r: dict) -> str:
                    "add tensor parallelism, or raise --max_compiles")
   return "\n".join(lines)
 
+
+def _format_skipped(skipped: list[dict]) -> list[str]:
+  """Lines of the layouts the fastest-layout search ruled out before compiling, each with the first clause of its
+  reason (the --json output has the whole message)."""
+  if not skipped:
+    return []
+  lines = ["skipped before compiling (cannot run on this topology, or cannot fit by the planner's estimate):"]
+  for s in skipped:
+    o = s["overrides"]
+    lines.append(f"  data={o['mesh.data']:<4d} fsdp={o['mesh.fsdp']:<5d} tensor={o['mesh.tensor']:<3d} "
+                 f"remat={o['train.remat']:10} {s['reason'].split(': ')[0][:100]}")
+  return lines
 
 
 def format_prediction(p: dict | None) -> list[str]:

@@ -39,6 +39,11 @@ class Chip:
   def hbm_bytes(self) -> float:
     return self.hbm_gib * 2**30
 
+  @property
+  def platform(self) -> str:
+    """jax's platform name for the chip: "tpu" or "gpu" (what model.attention_impl=auto decides by)."""
+    return "tpu" if self.tpu_family else "gpu"
+
 
 CHIPS: dict[str, Chip] = {c.name: c for c in [
     Chip("tpu_v4", 275.0, 32.0, "v4", 2, hbm_gbps=1200, ici_links=6, ici_link_gbps=50, dcn_gbps=3.125),

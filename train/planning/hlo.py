@@ -46,12 +46,48 @@ def shape_bytes(shape: str) -> list[int]:
   return out
 
 
+def _open_braces(line: str) -> int:
+  """`{` minus `}` in a line, outside double-quoted strings (with backslash escapes)."""
+  depth, quoted, escaped = 0, False, False
+  for ch in line:
+    if escaped:
+      escaped = False
+    elif ch == "\\":
+      escaped = True
+    elif ch == '"':
+      quoted = not quoted
+    elif not quoted:
+      depth += (ch == "{") - (ch == "}")
+  return depth
+
+
+def _logical_lines(text: str) -> Iterator[str]:
+  """The module's lines, an instruction printed over several lines joined into one (with newlines): a Pallas
+  kernel's frontend attributes hold a multi-line value, after which come its metadata and backend config."""
+  pending, depth = [], 0
+  for line in text.splitlines():
+    if pending:
+      pending.append(line)
+      depth += _open_braces(line)
+      if depth <= 0:
+        yield "\n".join(pending)
+        pending = []
+      continue
+    depth = _open_braces(line)
+    if depth > 0 and not _COMPUTATION.match(line) and _INSTRUCTION.match(line):
+      pending = [line]
+    else:
+      yield line
+  if pending:
+    yield "\n".join(pending)
+
+
 def parse(text: str) -> Program:
   """Splits HLO module text into computations of instructions."""
   comps: dict[str, list[Instruction]] = {}
   blocks: dict[str, list[str]] = {}
   entry, current = None, None
-  for line in text.splitlines():
+  for line in _logical_lines(text):
     m = _COMPUTATION.match(line)
     if m:
       current = m.group(1)
@@ -65,9 +101,11 @@ def parse(text: str) -> Program:
     if line.startswith("}"):
       current = None
       continue
-    m = _INSTRUCTION.match(line)
+    first, _, more = line.partition("\n")
+    m = _INSTRUCTION.match(first)
     if m:
-      comps[current].append(Instruction(*m.groups(), line=line))
+      name, shape, opcode, rest = m.groups()
+      comps[current].append(Instruction(name, shape, opcode, rest + ("\n" + more if more else ""), line=line))
   return Program(comps, {k: "\n".join(v) for k, v in blocks.items()}, entry)
 
 

@@ -107,8 +107,19 @@ def mesh_sizes(config: ml_collections.ConfigDict, num_devices: int | None = None
   return {a: ici[a] * dcn_sizes[a] for a in mesh_lib.AXES}
 
 
+FLASH_ATTENTION = ("blockwise", "splash", "cudnn")  # implementations that never keep [T, S] scores
+
+
+def attention_impl(m: ml_collections.ConfigDict, platform: str) -> str:
+  """The attention a model config runs on `platform` ("cpu", "gpu", "tpu"): model.attention_impl, "auto" resolved
+  (model.attention.auto_impl); an explicit choice is taken as it is (the Trainer refuses one that cannot run)."""
+  if m.attention_impl == "auto":
+    return attention.auto_impl(platform, m.dtype, m.head_dim)
+  return m.attention_impl
+
+
 def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int, expert: int = 1,
-                 sequence: int = 1) -> dict[str, float]:
+                 sequence: int = 1, impl: str | None = None) -> dict[str, float]:
   """Bytes per token of what one layer (model/layers.py) keeps for its backward pass, as one device holds it
   (head and mlp widths divided by `tensor`), grouped by what the remat policies can choose to save.
 
@@ -129,12 +140,15 @@ def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int, expert:
     moe_f = (m.experts_per_token * expert + m.num_shared_experts) * fe / tensor
     f = ((m.moe_every - 1) * f + moe_f) / m.moe_every
   mlp_inputs = 2 if m.mlp_type in ("swiglu", "geglu") else 1
-  if m.attention_impl == "blockwise":
-    scores = 2 * h * 4  # flash-style custom VJP: only float32 running max and sum per query head are kept
+  impl = impl or m.attention_impl
+  if impl in FLASH_ATTENTION:
+    # flash-style kernels (blockwise's custom VJP, splash's and cuDNN's residuals): float32 statistics per query
+    # head; cuDNN also keeps the packed-document mask as a [T, S] bias in the compute dtype (model/attention.py)
+    scores = 2 * h * 4 + (kv_len * c if impl == "cudnn" else 0)
   else:
     keys = kv_len  # per query; causal query blocks (xla, length not split) only those up to their block's end
     edges = attention.query_blocks(kv_len, m.attention_query_block) if (
-        m.attention_impl == "xla" and m.causal and sequence == 1) else None
+        impl == "xla" and m.causal and sequence == 1) else None
     if edges:
       keys = sum((e - a) * e for a, e in zip(edges[:-1], edges[1:])) / kv_len
     scores = h * keys * (4 + 1)
@@ -160,7 +174,7 @@ _MLP = ("mlp_in", "mlp_other", "mlp_out")
 
 
 def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, remat: str | None = None,
-                      sizes: dict[str, int] | None = None) -> dict:
+                      sizes: dict[str, int] | None = None, platform: str = "cpu") -> dict:
   """Per-device activation bytes of one micro-batch of `micro_batch` sequences (global) of config.train.seq_len.
 
   The peak has every layer's saved tensors live, plus the float32 logits and their gradient (two V-wide float32
@@ -176,22 +190,25 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
   (the whole micro-batch's D-wide residual stream) and the logits are replicated over stages.
 
   Returns bytes: {"per_layer_saved", "layers" (= per_layer_saved * num_layers; pipelined: what the stage keeps
-  over its iterations), "recompute_peak", "logits", "total", "tokens_per_device"}.
+  over its iterations), "recompute_peak", "logits", "total", "tokens_per_device"}. `platform` ("cpu", "gpu",
+  "tpu"): where the step runs, which decides model.attention_impl=auto (`attention_impl`).
   """
   m, t = config.model, config.train
+  impl = attention_impl(m, platform)
   remat = t.remat if remat is None else remat
   if remat not in SAVED_BY_POLICY:
     raise ValueError(f"remat={remat!r}: no activation model for it; known: {', '.join(SAVED_BY_POLICY)}")
   sizes = sizes or mesh_sizes(config)
   tokens = micro_batch * t.seq_len / (batch_shards(sizes) * sizes["sequence"])
-  per_token = _layer_bytes(m, t.seq_len, sizes["tensor"], sizes.get("expert", 1), sizes["sequence"])
+  per_token = _layer_bytes(m, t.seq_len, sizes["tensor"], sizes.get("expert", 1), sizes["sequence"], impl)
 
   def nbytes(names):
     return sum(per_token[n] for n in names) * tokens
 
   kept = set(SAVED_BY_POLICY[remat])
   saved = nbytes(kept)
-  score_grad = per_token["scores"] * 4 / 5 if m.attention_impl != "blockwise" else 0.0  # float32, mask-free
+  # the scores' gradient: float32, mask-free (flash-style kernels recompute it per block instead)
+  score_grad = per_token["scores"] * 4 / 5 if impl not in FLASH_ATTENTION else 0.0
   attention = nbytes(set(_ATTENTION) - kept) + score_grad * tokens
   mlp = nbytes(set(_MLP) - kept)
   logits = 2 * 4 * m.vocab_size / sizes["tensor"] * tokens
@@ -213,10 +230,11 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
 
 
 def max_micro_batch(config: ml_collections.ConfigDict, hbm_bytes: float, state_bytes: float, *,
-                    remat: str | None = None, sizes: dict[str, int] | None = None) -> int:
+                    remat: str | None = None, sizes: dict[str, int] | None = None, platform: str = "cpu") -> int:
   """The largest global micro-batch (sequences, a multiple of the data-parallel ranks) whose activations fit in
-  `hbm_bytes` per device beside `state_bytes` of model state; 0 when not even one sequence per rank fits."""
+  `hbm_bytes` per device beside `state_bytes` of model state; 0 when not even one sequence per rank fits
+  (`platform` as activation_memory's)."""
   sizes = sizes or mesh_sizes(config)
   ranks = batch_shards(sizes)
-  per_step = activation_memory(config, ranks, remat=remat, sizes=sizes)["total"]  # one sequence per rank
+  per_step = activation_memory(config, ranks, remat=remat, sizes=sizes, platform=platform)["total"]  # 1 per rank
   return max(int((hbm_bytes - state_bytes) // per_step), 0) * ranks

@@ -167,14 +167,14 @@ def plan_config(config: ml_collections.ConfigDict, *, chip: str = "tpu_v4", num_
   state = {p: {f"zero{z}": memory.state_memory(n, p, zero_stage=z, fsdp=fsdp, tensor=tensor,
                                                  weight_dtype=config.model.param_dtype)
                for z in range(4)} for p in (*memory.PRECISIONS, "seeds")}
-  acts = {r: memory.activation_memory(config, micro, remat=r, sizes=sizes) for r in dict.fromkeys(
-      ("none", "full", t.remat))}
+  acts = {r: memory.activation_memory(config, micro, remat=r, sizes=sizes, platform=acc.platform)
+          for r in dict.fromkeys(("none", "full", t.remat))}
   needed = own["total"] + acts[t.remat]["total"]
   per_chip = {}
   for c in hardware.CHIPS.values():
     per_chip[c.name] = {"hbm_gib": c.hbm_gib, "fits": needed <= c.hbm_bytes,
                         "max_micro_batch": {r: memory.max_micro_batch(config, c.hbm_bytes, own["total"],
-                                                                      remat=r, sizes=sizes)
+                                                                      remat=r, sizes=sizes, platform=c.platform)
                                             for r in ("none", "full")}}
   out = allocation(n, tokens)
   out.update({
@@ -292,7 +292,7 @@ def scaling(config: ml_collections.ConfigDict, chip: str, sizes: Sequence[int], 
   (train.planning.compile.fastest: compiled candidate meshes and remat policies, each program analysed whole -- the
   scanned layer body is compiled once and counted num_layers times). Returns one row per size: {"chips",
   "topology", "num_slices", "batch_size", "found", "overrides", "step_seconds", "mfu", "tokens_per_sec_per_chip",
-  "compiles"}."""
+  "compiles", "tried", "skipped" (layouts ruled out before compiling, each with its reason)}."""
   from train.planning import compile as aot
   rows = []
   for n in sizes:
@@ -304,7 +304,7 @@ def scaling(config: ml_collections.ConfigDict, chip: str, sizes: Sequence[int], 
                  "batch_size": c.train.batch_size, "found": search["found"], "overrides": search.get("overrides"),
                  "step_seconds": p.get("step_seconds"), "mfu": p.get("mfu"),
                  "tokens_per_sec_per_chip": p.get("tokens_per_sec_per_chip"), "compiles": len(search["tried"]),
-                 "tried": search["tried"]})
+                 "tried": search["tried"], "skipped": search["skipped"]})
   return rows
 
 
@@ -395,7 +395,8 @@ def format_table(r: dict) -> str:
     for row in r["scaling"]:
       if not row["found"]:
         lines.append(f"  {row['chips']:6d} {row['topology']:12} {row['num_slices']:6d} {row['batch_size']:6d}  "
-                     f"nothing tried fits ({row['compiles']} compiles)")
+                     f"nothing tried fits ({row['compiles']} compiles, {len(row.get('skipped', []))} layouts "
+                     "skipped before compiling)")
         continue
       layout = " ".join(f"{k.split('.')[1]}={v}" for k, v in row["overrides"].items())
       lines.append(f"  {row['chips']:6d} {row['topology']:12} {row['num_slices']:6d} {row['batch_size']:6d} "

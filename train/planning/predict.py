@@ -17,12 +17,11 @@ Units: seconds, bytes, FLOP/s; figures are per chip per optimizer step.
 """
 from __future__ import annotations
 
+import json
+import math
 import re
 
 from train.planning import hardware
-
-# One global factor: the fraction of the data-sheet bf16 peak that FLOP-bound kernels reach. Fitted once, on the
-
 from train.planning import hlo
 
 # One global factor: the fraction of the data-sheet bf16 peak that FLOP-bound kernels reach. Fitted once, on the
@@ -183,6 +182,77 @@ def _on_chip_bytes(cost: dict, instr: hlo.Instruction, shapes: dict[str, str]) -
   return out
 
 
+# ---- custom calls: kernels XLA cannot see into, costed by their closed forms --------------------------------
+_FLOAT_TYPES = ("f32", "bf16", "f16")
+_SPLASH_TILES = {"fwd": ("block_q", "block_kv"), "dq": ("block_q_dq", "block_kv_dq"),
+                 "dkv": ("block_q_dkv", "block_kv_dkv")}
+
+
+def _operand_arrays(instr: hlo.Instruction, shapes: dict[str, str]) -> list[tuple[str, tuple[int, ...]]]:
+  """(dtype, dims) of each array operand of an instruction, in order."""
+  out = []
+  for operand in hlo.operands(re.sub(r"/\*.*?\*/", "", instr.rest)):
+    text = operand if hlo._ARRAY.search(operand) else shapes.get(operand.split()[-1].lstrip("%"), "")
+    m = hlo._ARRAY.search(text)
+    if m:
+      out.append((m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)))
+  return out
+
+
+def _splash_cost(instr: hlo.Instruction, shapes: dict[str, str]) -> tuple[float, float] | None:
+  """A splash attention kernel (model/splash.py): its phase from the kernel name (splash_mqa_dq_...), q and k (the
+  first two float operands) and the tiles from the kernel's own metadata, the mask from the named scope."""
+  from model import splash  # pylint: disable=g-import-not-at-top  (the closed form lives next to the kernel)
+  phase = re.match(r"splash_m[qh]a_(fwd|dq|dkv)", instr.name)
+  floats = [(t, dims) for t, dims in _operand_arrays(instr, shapes) if t in _FLOAT_TYPES]
+  meta = re.search(r'"xprof_metadata":"(.*?[^\\])"', instr.rest)
+  if not phase or len(floats) < 2 or not meta:
+    return None
+  tiles = json.loads(meta.group(1).replace('\\"', '"'))
+  (dtype, q), (_, k) = floats[:2]
+  # QKVLayout.SEQ_MINOR (2) stores [..., head_dim, seq]; meshlm builds HEAD_DIM_MINOR (1) kernels.
+  q = q[:-2] + q[:-3:-1] if tiles.get("q_layout") == 2 else q
+  k = k[:-2] + k[:-3:-1] if tiles.get("k_layout") == 2 else k
+  mask = re.search(splash.MASK_SCOPE + r"(\w+)", instr.rest)
+  block_q, block_kv = (tiles.get(key) for key in _SPLASH_TILES[phase.group(1)])
+  if not block_q or not block_kv:
+    return None
+  itemsize = hlo.shape_bytes(f"{dtype}[1]")[0]
+  # Without the scope (a kernel built elsewhere) every tile counts: the kernel skips only what its mask hides.
+  return splash.kernel_cost(phase.group(1), q, k, itemsize, block_q, block_kv, mask.group(1) if mask else "full")
+
+
+def _online_softmax_cost(instr: hlo.Instruction, shapes: dict[str, str]) -> tuple[float, float] | None:
+  """XLA:TPU's own `online-softmax` kernel (a Mosaic call it emits for softmax(scores) @ v): scores [..., M, S]
+  and v [..., S, K] -> [..., M, K]; the product's 2·M·S·K plus 4 vector FLOPs per score (max, subtract, exp,
+  sum) per batch element; bytes: operands and result once."""
+  arrays = _operand_arrays(instr, shapes)
+  out = hlo._ARRAY.search(instr.shape)
+  if not instr.name.startswith("online-softmax") or len(arrays) != 2 or not out:
+    return None
+  (_, s), (_, v) = arrays
+  if len(s) < 2 or len(v) < 2 or s[:-2] != v[:-2] or s[-1] != v[-2]:
+    return None
+  batch, (m, n), k = math.prod(s[:-2]), s[-2:], v[-1]
+  nbytes = sum(math.prod(dims) * hlo.shape_bytes(f"{t}[1]")[0] for t, dims in arrays) + sum(
+      hlo.shape_bytes(instr.shape))
+  return float(batch * (2 * m * n * k + 4 * m * n)), float(nbytes)
+
+
+# Closed forms of custom-call kernels: each (instruction, shapes of its computation) -> (FLOPs, HBM bytes) of one
+# execution, or None when the call is not its kernel. A custom call none of them takes counts as uncosted.
+CLOSED_FORMS = (_splash_cost, _online_softmax_cost)
+
+
+def _custom_call_cost(instr: hlo.Instruction, shapes: dict[str, str]) -> dict | None:
+  """{"flops", "bytes", "costed": True} of a custom call a closed form knows; None for one it does not."""
+  for closed_form in CLOSED_FORMS:
+    cost = closed_form(instr, shapes)
+    if cost is not None:
+      return {"flops": cost[0], "bytes": cost[1], "costed": True}
+  return None
+
+
 def _is_free(instr: hlo.Instruction) -> bool:
   if instr.opcode in _FREE or hlo.collective_kind(instr.opcode, instr.rest):
     return True
@@ -192,9 +262,11 @@ def _is_free(instr: hlo.Instruction) -> bool:
 
 
 def kernel_costs(hlo_text: str) -> list[dict]:
-  """Every kernel the program runs with XLA's cost of one execution: [{"name", "opcode", "computation",
-  "per_step", "flops", "bytes", "op_name", "costed"}]; "costed" False marks an instruction XLA's cost analysis
-  could not take alone (its bytes then are its operands' and result's sizes, its FLOPs 0)."""
+  """Every kernel the program runs with its cost of one execution: [{"name", "opcode", "computation",
+  "per_step", "flops", "bytes", "op_name", "costed"}]. FLOPs and bytes are XLA's cost analysis of the instruction
+  alone, or for a custom call (a Pallas/Mosaic kernel, which XLA sees as zero work) its closed form
+  (CLOSED_FORMS). "costed" False marks an instruction neither prices: a custom call no closed form knows, or an op
+  the cost analysis could not take alone; its bytes then are its operands' and result's sizes, its FLOPs 0."""
   import jax
   from jax._src.lib import _jax
   from jaxlib import _hlo
@@ -211,21 +283,26 @@ def kernel_costs(hlo_text: str) -> list[dict]:
       by_key[key]["per_step"] += mult
       continue
     m = re.search(r'op_name="([^"]*)"', instr.line)
-    entry = {"name": instr.name, "opcode": instr.opcode, "computation": comp, "per_step": mult,
-             "op_name": m.group(1) if m else "", "costed": True}
+    entry = by_key[key] = {"name": instr.name, "opcode": instr.opcode, "computation": comp, "per_step": mult,
+                           "op_name": m.group(1) if m else "", "costed": True}
+    if instr.opcode == "custom-call":
+      entry.update(_custom_call_cost(instr, shapes[comp]) or _sizes_cost(instr, shapes[comp]))
+      continue
     try:
       module = _hlo.hlo_module_from_text(_instruction_module(program, shapes[comp], instr))
       cost = _jax.hlo_module_cost_analysis(client, module)
       entry["flops"] = float(cost.get("flops", 0.0))
       entry["bytes"] = float(cost.get("bytes accessed", 0.0)) - _on_chip_bytes(cost, instr, shapes[comp])
     except Exception:  # noqa: BLE001 -- an op the CPU parser cannot take alone: counted by its sizes, flagged
-      operands = re.findall(r"%([\w.\-]+)", instr.rest[:_matching_paren(instr.rest)])
-      entry["flops"] = 0.0
-      entry["bytes"] = float(sum(sum(hlo.shape_bytes(shapes[comp].get(o, ""))) for o in operands)
-                             + sum(hlo.shape_bytes(instr.shape)))
-      entry["costed"] = False
-    by_key[key] = entry
+      entry.update(_sizes_cost(instr, shapes[comp]))
   return list(by_key.values())
+
+
+def _sizes_cost(instr: hlo.Instruction, shapes: dict[str, str]) -> dict:
+  """The uncosted fallback: no FLOPs, its operands' and result's sizes as bytes, flagged costed=False."""
+  operands = re.findall(r"%([\w.\-]+)", instr.rest[:_matching_paren(instr.rest)])
+  nbytes = sum(sum(hlo.shape_bytes(shapes.get(o, ""))) for o in operands) + sum(hlo.shape_bytes(instr.shape))
+  return {"flops": 0.0, "bytes": float(nbytes), "costed": False}
 
 
 # ---- the prediction --------------------------------------------------------------------------------------

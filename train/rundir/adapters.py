@@ -6,7 +6,10 @@ in PEFT's LoRA layout (lora_A = A^T [r, in], lora_B = B^T [out, r], scaling lora
 `save_merged` writes one Hugging Face directory whose weights are W + (alpha / r) A @ B.
 
 Command line: `python -m train.adapters --workdir RUN [--step N] --output DIR` writes DIR/base (the frozen base
-model, Hugging Face format), DIR/adapter (PEFT) and DIR/merged (adapters merged).
+model, Hugging Face format), DIR/adapter (PEFT) and DIR/merged (adapters merged). base/ and merged/ carry the
+run's tokenizer and chat template as `python -m train.export` writes them (`export.write_tokenizer`), so
+transformers' AutoModelForCausalLM / AutoTokenizer and meshlm's `--hf` commands (train.generate, train.evaluate)
+load them as they are.
 """
 from __future__ import annotations
 
@@ -90,6 +93,8 @@ def main(argv=None) -> int:
   import configs  # pylint: disable=g-import-not-at-top
   from parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from train.core import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from train.rundir import export as export_lib  # pylint: disable=g-import-not-at-top
+  from train.rundir import restore  # pylint: disable=g-import-not-at-top
   from train.rundir import runconfig  # pylint: disable=g-import-not-at-top
   from train.core import step as step_lib  # pylint: disable=g-import-not-at-top
   try:
@@ -108,15 +113,18 @@ def main(argv=None) -> int:
   trainer = step_lib.Trainer(config, mesh_lib.make_mesh(config.mesh, jax.devices()[:1]))
   try:
     _check_lora(trainer)
+    tokenizer = restore.tokenizer_file(args.workdir, config, meta)  # before writing anything
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   state, _ = checkpointer.restore(trainer.abstract_state(), step=args.step)
-  base = os.path.join(args.output, "base")
+  base, merged = os.path.join(args.output, "base"), os.path.join(args.output, "merged")
   save_base(trainer, state, base)
   save_peft(trainer, state, os.path.join(args.output, "adapter"), os.path.abspath(base))
-  save_merged(trainer, state, os.path.join(args.output, "merged"))
-  print(f"wrote {base}, {os.path.join(args.output, 'adapter')} (PEFT) and {os.path.join(args.output, 'merged')}")
+  save_merged(trainer, state, merged)
+  for directory in (base, merged):  # both are models: each carries the tokenizer, as train.export writes it
+    export_lib.write_tokenizer(directory, tokenizer, config, meta)
+  print(f"wrote {base}, {os.path.join(args.output, 'adapter')} (PEFT) and {merged}")
   return 0
 
 

@@ -34,8 +34,6 @@ def export(workdir: str, output: str, step: int | None = None, dtype: str | None
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from data import chat  # pylint: disable=g-import-not-at-top
-  from data import hf_tokenizer  # pylint: disable=g-import-not-at-top
   from model import Transformer  # pylint: disable=g-import-not-at-top
   from model import hf  # pylint: disable=g-import-not-at-top
   from train.core import loop  # pylint: disable=g-import-not-at-top
@@ -65,11 +63,26 @@ def export(workdir: str, output: str, step: int | None = None, dtype: str | None
     hf.save(model, output, dtype=dtype, max_shard_size=max_shard_size, values=restore_one)
   finally:
     checkpointer.close()
-  hf_tokenizer.write(tokenizer, output, model_max_length=config.model.max_seq_len)
-  shutil.copyfile(tokenizer, os.path.join(output, "tokenizer.model"))
-  # generation renders chats alike
-  chat.write_chat_template(output, meta.get(loop.CHAT_TEMPLATE_KEY) or chat.MESHLM_JINJA)
+  write_tokenizer(output, tokenizer, config, meta)
   return output
+
+
+def write_tokenizer(directory: str, tokenizer: str, config, meta: dict[str, Any]) -> None:
+  """Gives the Hugging Face model directory `directory` the run's tokenizer, as every directory meshlm writes as a
+  model carries it (this export, and train.adapters' base/ and merged/): tokenizer.json + tokenizer_config.json +
+  special_tokens_map.json (`data.hf_tokenizer`, for transformers' AutoTokenizer), the SentencePiece
+  tokenizer.model (for meshlm's own --hf commands), and the run's chat template (the checkpoint metadata's, else
+  meshlm's) in tokenizer_config.json, so transformers renders chats as the run was trained.
+
+  tokenizer: the run's SentencePiece file (`restore.tokenizer_file`); config: the run's config; meta: the
+  checkpoint's metadata.
+  """
+  from data import chat  # pylint: disable=g-import-not-at-top
+  from data import hf_tokenizer  # pylint: disable=g-import-not-at-top
+  from train.core import loop  # pylint: disable=g-import-not-at-top
+  hf_tokenizer.write(tokenizer, directory, model_max_length=config.model.max_seq_len)
+  shutil.copyfile(tokenizer, os.path.join(directory, "tokenizer.model"))
+  chat.write_chat_template(directory, meta.get(loop.CHAT_TEMPLATE_KEY) or chat.MESHLM_JINJA)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

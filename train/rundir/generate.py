@@ -1,7 +1,8 @@
 """`python -m train.generate`: text from a trained run or a Hugging Face directory (docs/generate.md).
 
     python -m train.generate --workdir RUN [--step N] --prompt "text" [--prompt ...] [--max_new_tokens 64]
-        [--temperature 0] [--top_k 0] [--top_p 1.0] [--seed 0] [--json] [--config.mesh.data=2 ...]
+        [--temperature 0] [--top_k 0] [--top_p 1.0] [--min_p 0] [--repetition_penalty 1.0] [--seed 0] [--json]
+        [--config.mesh.data=2 ...]
     python -m train.generate --hf DIR --prompt "text"
     python -m train.generate --workdir RUN --chat      (user turns from stdin, one per line; train/rundir/chat.py)
     python -m train.generate --workdir RUN --prefix "def f(x):" --suffix "  return y"   (fill in the middle)
@@ -49,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   p.add_argument("--top_k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
   p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling threshold in (0, 1] (1 = off)")
+  p.add_argument("--min_p", type=float, default=0.0,
+                 help="keep tokens with probability >= min_p x the most likely one's, in [0, 1] (0 = off)")
+  p.add_argument("--repetition_penalty", type=float, default=1.0,
+                 help="> 0: divide the logits of tokens already in the prompt or output by it (multiply negative "
+                      "ones); > 1 discourages repeats, also when greedy (1 = off)")
   p.add_argument("--seed", type=int, default=0, help="sampling seed")
   p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
   return p
@@ -66,6 +72,10 @@ def _check_args(args) -> None:
     raise GenerateError(f"--top_k={args.top_k} must be >= 0 (0 = off)")
   if not 0 < args.top_p <= 1:
     raise GenerateError(f"--top_p={args.top_p} must be in (0, 1] (1 = off)")
+  if not 0 <= args.min_p <= 1:
+    raise GenerateError(f"--min_p={args.min_p} must be in [0, 1] (0 = off)")
+  if not 0 < args.repetition_penalty < float("inf"):
+    raise GenerateError(f"--repetition_penalty={args.repetition_penalty} must be a finite number > 0 (1 = off)")
   if args.step is not None and args.hf:
     raise GenerateError("--step applies to --workdir runs only")
   if not (0 <= args.seed < 2**31):
@@ -209,8 +219,8 @@ def run(args, overrides: Sequence[tuple[str, str]]) -> dict[str, Any]:
     print(args.prompt[0], end="", flush=True)
   with parallel.activate(mesh, rules):
     out = generate_lib.sample(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, stop_ids=(tokenizer.eos_id,), seed=args.seed,
-                              on_tokens=on_tokens if stream else None)
+                              top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                              stop_ids=(tokenizer.eos_id,), seed=args.seed, on_tokens=on_tokens if stream else None)
   stats = out.stats
   seconds = stats["prefill_seconds"] + stats["decode_seconds"]
   summary = {

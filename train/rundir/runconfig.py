@@ -19,12 +19,15 @@ from configs import ConfigError
 from train.core import checkpoint as ckpt_lib
 
 # Model keys that say how the function is computed, not which function: a run may set them freely over a
-# checkpoint's (layer scan and its unrolling, attention kernel and blocks, compute and parameter dtypes, the unused init
-# scale).
+# checkpoint's (layer scan and its unrolling, attention and dropless expert kernels and their blocks, compute and
+# parameter dtypes, the unused init scale).
+_SPLASH = ("splash_block_q", "splash_block_kv", "splash_block_kv_compute", "splash_block_q_bwd", "splash_block_kv_bwd",
+           "pallas_interpret")
+_KERNELS = (*_SPLASH, "moe_impl", "megablox_tile_m", "megablox_tile_k", "megablox_tile_n")
 FUNCTION_PRESERVING = ("scan_layers", "attention_impl", "attention_block_size", "attention_query_block", "dtype",
-                       "param_dtype", "init_std", "scan_unroll")
+                       "param_dtype", "init_std", "scan_unroll", *_KERNELS)
 # Of those, the ones a resumed run may change: the others change the saved state's layout or dtype.
-RESUME_FREE = ("attention_impl", "attention_block_size", "attention_query_block", "dtype", "scan_unroll")
+RESUME_FREE = ("attention_impl", "attention_block_size", "attention_query_block", "dtype", "scan_unroll", *_KERNELS)
 
 
 def is_hf_dir(path: str) -> bool:

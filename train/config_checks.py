@@ -1,0 +1,99 @@
+"""The train package's config checks, registered with configs.validate when train/ is imported (train/__init__.py).
+
+Conditional keys of the sections the training commands own (`train`, `rl`, `log`): keys that act only under a
+condition, refused (or, for train.xla_overlap, warned about) where they cannot act (configs.validate.Conditional).
+Importing this module also imports `data`, so a training command always checks the data section too.
+
+Facts known only later: `stage` and `platform` (the Trainer's mesh, train/core/step.py), `command` ("rl" in
+`python -m train.rl`'s own checks, train/rl/loop.py _check_rl).
+"""
+from __future__ import annotations
+
+import data  # noqa: F401  pylint: disable=unused-import  (registers the data section's checks)
+from configs import validate
+from data import config_checks as data_checks
+
+# The platforms train.core.step.OVERLAP_OPTIONS has options for (a test keeps the two equal).
+OVERLAP_PLATFORMS = ("tpu", "gpu")
+_PIPELINE = ("pipeline_microbatches", "pipeline_repeats", "pipeline_remat")
+_PPO_ONLY = ("gamma", "lam", "value_clip", "vf_coef", "ent_coef", "whiten_advantages")
+
+
+def _stages(config, facts):
+  stage = facts.get("stage", config.mesh.stage)
+  return None if stage == -1 else stage > 1  # -1: all remaining devices, known with the mesh
+
+
+def _platform(config, facts):
+  del config
+  return facts["platform"] in OVERLAP_PLATFORMS if "platform" in facts else None
+
+
+def _loss_scaling(config, facts):
+  del facts
+  mode = config.train.loss_scale
+  if mode not in ("auto", "dynamic", "none"):
+    return None  # the optimizer refuses it, naming the key
+  return mode == "dynamic" or (mode == "auto" and config.model.dtype == "float16")
+
+
+def _evaluates(config, facts, needs_tasks=False, needs_chat=False):
+  """Whether `python -m train`'s evaluations run (train.rl has its own, on rl.* keys), with eval tasks / chat data."""
+  if facts.get("command") == "rl" or config.train.eval_every == 0:
+    return False
+  if needs_tasks and not config.train.eval_tasks:
+    return False
+  if needs_chat:
+    kinds = data_checks.source_kinds(config.data)
+    return None if kinds is None else "chat" in kinds
+  return True
+
+
+def _row(key, condition, acts, why="", **kw):
+  return validate.Conditional(key, condition, acts, why=why, **kw)
+
+
+_EVAL_ROWS = (
+    _row("train.eval_generations", "train.eval_every > 0 and data.sources has a chat source (python -m train; "
+         "train.rl evaluates with rl.eval_*)", lambda c, f: _evaluates(c, f, needs_chat=True),
+         "held-out prompts come from the chat sources' eval split", needs=("command",)),
+    _row("train.eval_tasks", "train.eval_every > 0 (python -m train; train.rl evaluates with rl.eval_*)",
+         _evaluates, "the tasks run at each evaluation", needs=("command",)),
+    _row("train.eval_tasks_limit", "train.eval_tasks is set and train.eval_every > 0 (python -m train)",
+         lambda c, f: _evaluates(c, f, needs_tasks=True), "it caps the documents per eval task",
+         needs=("command",)),
+)
+
+validate.conditional(
+    *(_row(f"train.{k}", "mesh.stage > 1", _stages, "pipeline parallelism (docs/pipeline.md)", needs=("stage",))
+      for k in _PIPELINE),
+    _row("train.xla_overlap", "the devices are TPUs or GPUs", _platform,
+         "XLA's collective-overlap options (train.core.step.OVERLAP_OPTIONS) exist for those only",
+         severity="warn", needs=("platform",)),
+    *(_row(f"train.{k}", "model.num_experts > 0", lambda c, f: c.model.num_experts > 0, "a dense model has no router")
+      for k in ("moe_aux_loss", "router_z_loss")),
+    *(_row(f"train.{k}", "loss scaling is on (train.loss_scale=dynamic, or auto with model.dtype=float16)",
+           _loss_scaling) for k in ("loss_scale_init", "loss_scale_period")),
+    *(_row(f"train.{k}", "train.lora_rank > 0", lambda c, f: c.train.lora_rank > 0, "LoRA adapters are off")
+      for k in ("lora_alpha", "lora_targets")),
+    *(_row(f"train.{k}", "train.objective=dpo", lambda c, f: c.train.objective == "dpo")
+      for k in ("dpo_beta", "dpo_loss", "dpo_label_smoothing")),
+    _row("train.reward_center", "train.objective=reward", lambda c, f: c.train.objective == "reward"),
+    *(_row(f"train.{k}", "train.objective=mlm", lambda c, f: c.train.objective == "mlm")
+      for k in ("mlm_rate", "mlm_mask_fraction", "mlm_random_fraction")),
+    *_EVAL_ROWS,
+    _row("train.decay_fraction", "train.schedule='wsd'", lambda c, f: c.train.schedule == "wsd"),
+    _row("train.min_lr_ratio", "train.schedule is 'cosine' or 'wsd'", lambda c, f: c.train.schedule != "constant",
+         "the constant schedule never decays"),
+    _row("rl.kl_target", "rl.algorithm=ppo", lambda c, f: c.rl.algorithm == "ppo",
+         "it is the target of PPO's adaptive KL controller; grpo keeps rl.kl_coef fixed"),
+    _row("rl.kl_horizon", "rl.algorithm=ppo and rl.kl_target > 0",
+         lambda c, f: c.rl.algorithm == "ppo" and c.rl.kl_target > 0, "the adaptive KL controller's horizon"),
+    *(_row(f"rl.{k}", "rl.algorithm=ppo", lambda c, f: c.rl.algorithm == "ppo", "GRPO and best_of_n have no critic")
+      for k in _PPO_ONLY),
+    *(_row(f"rl.{k}", "rl.algorithm is ppo or grpo", lambda c, f: c.rl.algorithm in ("ppo", "grpo"),
+           "best_of_n fine-tunes on its best samples with the sft objective") for k in ("clip", "kl_coef")),
+    *(_row(f"rl.{k}", "rl.eval_every > 0", lambda c, f: c.rl.eval_every > 0, "held-out evaluation is off")
+      for k in ("eval_prompts", "eval_best_of")),
+    _row("log.wandb_project", "log.wandb=True", lambda c, f: c.log.wandb, "nothing is logged to Weights & Biases"),
+)

@@ -1,0 +1,243 @@
+"""Rollouts of `python -m train.rl` and the updates on them: the `Session` of one run (train/rl/loop.py).
+
+A Session samples completions from the policy with the shared sampler (model.generate.sample), scores them with
+the run's Reward, builds the training rows (`rows`) of the algorithm's objective (PPO / GRPO advantages, or
+best-of-N's kept answers) and trains rl.epochs passes on them. Every random draw of iteration i comes from seeds
+derived from (rl.seed, stream, i) (`seed_for`), so a resumed run repeats an uninterrupted one exactly.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from train.rl.rewards import reward_text
+
+_ROLLOUT, _EPOCHS, _EVAL, _TIES = range(4)  # seed streams
+
+
+def seed_for(base: int, stream: int, iteration: int, extra: int = 0) -> int:
+  """A sampling / shuffling seed in [0, 2^31) for (rl.seed, stream, iteration, extra): independent streams."""
+  return int(np.random.SeedSequence([base, stream, iteration, extra]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], seq_len: int) -> dict[str, np.ndarray]:
+  """Prompt + completion rows of a training batch, each [N, seq_len], right-padded.
+
+  inputs = sequence[:-1], targets = sequence[1:], segment 1 on real tokens (0 = padding), positions 0, 1, ...;
+  loss_mask is 1 where the target is a completion token.
+  """
+  n = len(prompts)
+  batch = {k: np.zeros((n, seq_len), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+  batch["loss_mask"] = np.zeros((n, seq_len), np.float32)
+  for i, (p, c) in enumerate(zip(prompts, completions)):
+    seq = list(p) + list(c)
+    m = len(seq) - 1
+    batch["inputs"][i, :m], batch["targets"][i, :m] = seq[:-1], seq[1:]
+    batch["segment_ids"][i, :m], batch["positions"][i, :m] = 1, np.arange(m)
+    batch["loss_mask"][i, len(p) - 1:m] = 1.0
+  return batch
+
+
+def _scatter(values: Sequence[Sequence[float]], mask_BL: np.ndarray) -> np.ndarray:
+  """Per-completion lists (e.g. the sampler's log-probs) placed on the masked positions of each row [N, L]."""
+  out = np.zeros(mask_BL.shape, np.float32)
+  for i, v in enumerate(values):
+    where = np.flatnonzero(mask_BL[i])
+    out[i, where] = np.asarray(v, np.float32)[:len(where)]
+  return out
+
+
+class Session:
+  """One RL run's pieces: the Trainer and its state, tokenizer, template, prompts and reward (see `run`)."""
+
+  def __init__(self, config, trainer, mesh, tokenizer, template, prompts, reward):
+    self.config, self.trainer, self.mesh = config, trainer, mesh
+    self.tokenizer, self.template, self.prompts, self.reward = tokenizer, template, prompts, reward
+    self.stop_ids = tuple(template.stop_ids())
+    self.state = None
+    self.kl_coef = float(config.rl.kl_coef)
+    self.bad_rewards = 0
+
+  # ---- rollouts ---------------------------------------------------------------------------------------
+  def sample(self, conversations, repeats: int, seed: int) -> dict[str, Any]:
+    """`repeats` completions of each conversation (rows prompt-major), scored: tokens, texts, rewards."""
+    import parallel  # pylint: disable=g-import-not-at-top
+    from model import generate as generate_lib  # pylint: disable=g-import-not-at-top
+    r = self.config.rl
+    prompt_ids = [self.template.prompt(c) for c in conversations for _ in range(repeats)]
+    with parallel.activate(self.mesh, self.trainer.rules):
+      gen = generate_lib.sample(self.trainer.model(self.state), prompt_ids, r.max_new_tokens,
+                                temperature=r.temperature, stop_ids=self.stop_ids, seed=seed)
+    completions = [self.tokenizer.decode([t for t in toks if t not in self.stop_ids]) for toks in gen.tokens]
+    prompt_texts = [c[-1]["content"] for c in conversations for _ in range(repeats)]
+    texts = [reward_text(c, completion) for c, completion in
+             zip([c for c in conversations for _ in range(repeats)], completions)]
+    failures = len(self.reward.failures)
+    raw = self.reward(prompt_texts, completions, texts)
+    ended = np.array([bool(t) and t[-1] in self.stop_ids for t in gen.tokens])
+    lengths = np.array([len(t) for t in gen.tokens], np.float64)
+    shaped = raw - r.length_penalty * lengths - r.missing_eos_penalty * (~ended)
+    bad = int(np.sum(~np.isfinite(raw)))
+    if bad:
+      self.bad_rewards += bad
+      print(f"warning: {bad} reward(s) raised or were not finite (dropped; {self.bad_rewards} so far, halting "
+            f"at rl.max_bad_rewards={r.max_bad_rewards}); first: {self.reward.failures[failures:][:1] or ['NaN']}",
+            file=sys.stderr, flush=True)
+    return {"prompt_ids": prompt_ids, "tokens": gen.tokens, "logprobs": gen.logprobs, "raw": raw,
+            "shaped": shaped, "valid": np.isfinite(raw), "ended": ended, "lengths": lengths, "stats": gen.stats}
+
+  def _mine(self, batch):
+    """This process's consecutive block of a global batch's rows (every process builds the same rollouts)."""
+    n = next(iter(batch.values())).shape[0] // jax.process_count()
+    return {k: v[jax.process_index() * n:(jax.process_index() + 1) * n] for k, v in batch.items()}
+
+  def _full(self, batch):
+    """A batch with every key of the objective (zeros for those not computed yet)."""
+    shape = batch["inputs"].shape
+    return {k: batch[k] if k in batch else np.zeros(shape, dt) for k, dt in self.trainer.batch_keys.items()}
+
+  def score(self, batch) -> dict[str, np.ndarray]:
+    """Per-token rollout scores of the objective's `eval_sums` ([N, L] each), batch_size rows at a time."""
+    B, out = self.config.train.batch_size, {}
+    full = self._full(batch)
+    for start in range(0, batch["inputs"].shape[0], B):
+      chunk = self._mine({k: v[start:start + B] for k, v in full.items()})
+      scores = self.trainer.eval_fn(self.state, self.trainer.batch_to_device(chunk))
+      if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+        scores = multihost_utils.process_allgather(scores, tiled=True)
+      for k, v in jax.device_get(scores).items():
+        out.setdefault(k, []).append(np.asarray(v))
+    return {k: np.concatenate(v) for k, v in out.items()}
+
+  def train(self, batch, iteration: int) -> dict[str, float]:
+    """rl.epochs shuffled passes of train.batch_size-row minibatches; the steps' metrics averaged, plus the
+    first minibatch's ratio deviation (`ratio_dev_first`, 0 up to rounding: old log-probs are recomputed)."""
+    r, B = self.config.rl, self.config.train.batch_size
+    full = self._full(batch)
+    n = full["inputs"].shape[0]
+    collected = []
+    for epoch in range(r.epochs):
+      order = np.random.default_rng(seed_for(r.seed, _EPOCHS, iteration, epoch)).permutation(n)
+      for start in range(0, n, B):
+        idx = order[start:start + B]
+        chunk = self._mine({k: v[idx] for k, v in full.items()})
+        self.state, metrics = self.trainer.step_fn(self.state, self.trainer.batch_to_device(chunk))
+        collected.append(metrics)
+    collected = jax.device_get(collected)
+    out = {k: float(np.mean([m[k] for m in collected])) for k in collected[0]}
+    out["nonfinite"] = float(sum(m["nonfinite"] for m in collected))
+    if "ratio_dev" in collected[0]:
+      out["ratio_dev_first"] = float(collected[0]["ratio_dev"])
+    return out
+
+  # ---- iterations ----------------------------------------------------------------------------------------
+  def _prompts_for(self, iteration: int):
+    """The iteration's training prompts: consecutive slices of a per-pass shuffle of the training split."""
+    r, pool = self.config.rl, self.prompts["train"]
+    per = r.prompts_per_iteration
+    picked = []
+    for j in range(iteration * per, (iteration + 1) * per):
+      epoch, k = divmod(j, len(pool))
+      picked.append(pool[np.random.default_rng(seed_for(r.seed, _ROLLOUT, epoch, 1)).permutation(len(pool))[k]])
+    return picked
+
+  def iterate(self, iteration: int) -> dict[str, float]:
+    """One rollout-and-update iteration of rl.algorithm; returns its metrics (module docstring)."""
+    r = self.config.rl
+    t0 = time.perf_counter()
+    roll = self.sample(self._prompts_for(iteration), r.samples_per_prompt, seed_for(r.seed, _ROLLOUT, iteration))
+    gen_s = time.perf_counter() - t0
+    valid = roll["valid"]
+    metrics = {"reward_mean": float(np.mean(roll["raw"][valid])) if valid.any() else math.nan,
+               "bad_rewards": float(np.sum(~valid)), "bad_rewards_total": float(self.bad_rewards),
+               "completion_length": float(np.mean(roll["lengths"])), "eos_fraction": float(np.mean(roll["ended"])),
+               "generate_seconds": gen_s,
+               # sampler time without compilation (the first iteration compiles the sampler)
+               "rollout_tokens_per_sec": float(np.sum(roll["lengths"])) / max(
+                   roll["stats"]["prefill_seconds"] + roll["stats"]["decode_seconds"], 1e-9)}
+    if r.length_penalty or r.missing_eos_penalty:
+      metrics["reward_shaped_mean"] = float(np.mean(roll["shaped"][valid])) if valid.any() else math.nan
+    t1 = time.perf_counter()
+    if r.algorithm == "best_of_n":
+      batch = self._best_of_n_batch(roll, iteration, metrics)
+    else:
+      batch = self._policy_batch(roll, metrics)
+    metrics.update(self.train(batch, iteration))
+    metrics["train_seconds"] = time.perf_counter() - t1
+    metrics["generate_fraction"] = gen_s / (gen_s + metrics["train_seconds"])
+    if r.algorithm == "ppo" and r.kl_target > 0:  # Ziegler et al. 2019's proportional controller
+      error = float(np.clip(metrics["kl"] / r.kl_target - 1.0, -0.2, 0.2))
+      self.kl_coef *= 1.0 + error * len(roll["tokens"]) / r.kl_horizon
+    metrics["kl_coef"] = self.kl_coef
+    return metrics
+
+  def _policy_batch(self, roll, metrics) -> dict[str, np.ndarray]:
+    """PPO / GRPO batch: rows, recomputed old log-probs, advantages (and returns / values for PPO)."""
+    from train.objectives import policy  # pylint: disable=g-import-not-at-top
+    r = self.config.rl
+    batch = rows(roll["prompt_ids"], roll["tokens"], self.config.train.seq_len)
+    batch["loss_mask"] *= roll["valid"][:, None]
+    mask = batch["loss_mask"]
+    scores = self.score(batch)
+    logp = scores["logp"]
+    sampler = _scatter(roll["logprobs"], mask)
+    metrics["logp_diff"] = float(np.max(np.abs(sampler - logp) * mask))
+    kl_BL = (logp - scores["ref_logp"]) * mask
+    valid = roll["valid"]
+    metrics["kl"] = float(np.mean(kl_BL.sum(axis=1)[valid])) if valid.any() else 0.0
+    batch["old_logp"] = logp
+    if r.algorithm == "ppo":
+      values = scores["values"]
+      rewards_BL = -self.kl_coef * kl_BL
+      last = np.where(mask.any(axis=1), mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1), 0)
+      rewards_BL[np.arange(len(last)), last] += np.where(valid, np.nan_to_num(roll["shaped"]), 0.0)
+      adv, returns = (np.asarray(x) for x in policy.gae(rewards_BL, values, mask, r.gamma, r.lam))
+      if r.whiten_advantages and mask.any():
+        adv = policy.whiten(adv, mask)
+      m = mask > 0
+      residual = returns[m] - values[m]
+      metrics["explained_variance"] = (float(1.0 - np.var(residual) / np.var(returns[m]))
+                                       if m.any() and np.var(returns[m]) > 0 else math.nan)
+      metrics["value_mean"] = float(np.mean(values[m])) if m.any() else math.nan
+      batch.update(advantages=adv, returns=returns, old_values=values * mask)
+    else:
+      G = r.samples_per_prompt
+      adv_NG = policy.group_advantages(np.nan_to_num(roll["shaped"]).reshape(-1, G), valid.reshape(-1, G))
+      batch["advantages"] = np.asarray(adv_NG).reshape(-1)[:, None] * mask
+    return batch
+
+  def _best_of_n_batch(self, roll, iteration: int, metrics) -> dict[str, np.ndarray]:
+    """The best valid sample of each prompt by shaped reward (ties broken by a draw from the iteration's seed)
+    as SFT rows; prompts whose samples were all dropped contribute an all-zero loss mask."""
+    r = self.config.rl
+    K = r.samples_per_prompt
+    shaped = np.where(roll["valid"], roll["shaped"], -np.inf).reshape(-1, K)
+    ties = np.random.default_rng(seed_for(r.seed, _TIES, iteration)).random(shaped.shape)
+    best = np.array([max(range(K), key=lambda k: (row[k], tie[k])) for row, tie in zip(shaped, ties)])
+    pick = np.arange(shaped.shape[0]) * K + best
+    batch = rows([roll["prompt_ids"][i] for i in pick], [roll["tokens"][i] for i in pick],
+                 self.config.train.seq_len)
+    kept = np.isfinite(shaped[np.arange(len(best)), best])
+    batch["loss_mask"] *= kept[:, None]
+    metrics["best_reward_mean"] = float(np.mean(roll["raw"][pick][kept])) if kept.any() else math.nan
+    return batch
+
+  def evaluate(self) -> dict[str, float]:
+    """eval_reward_mean: one sample (temperature rl.temperature) for each of the first rl.eval_prompts held-out
+    prompts, the same seed at every evaluation; with rl.eval_best_of = K also eval_best_of_n_reward_mean, the
+    mean over prompts of the best of K samples' reward."""
+    r = self.config.rl
+    prompts = self.prompts["eval"][:r.eval_prompts]
+    roll = self.sample(prompts, 1, seed_for(r.seed, _EVAL, 0))
+    out = {"eval_reward_mean": float(np.nanmean(roll["raw"])) if roll["valid"].any() else math.nan}
+    if r.eval_best_of:
+      best = self.sample(prompts, r.eval_best_of, seed_for(r.seed, _EVAL, 1))["raw"].reshape(-1, r.eval_best_of)
+      out["eval_best_of_n_reward_mean"] = float(np.mean(np.nanmax(np.where(np.isfinite(best), best, -np.inf),
+                                                                  axis=1)))
+    return out
