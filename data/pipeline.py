@@ -342,14 +342,8 @@ def stats(iterator: DataIterator) -> dict[str, float]:
   return iterator.stats()
 
 
-def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "train",
-                 process_index: int | None = None, process_count: int | None = None,
-                 plan: plan_lib.DataPlan | None = None) -> grain.IterDataset:
-  """The grain IterDataset behind `make_iterator` (same arguments)."""
-  if process_index is None or process_count is None:
-    import jax  # lazy: only to learn this process's place; data never needs jax otherwise
-    process_index = jax.process_index() if process_index is None else process_index
-    process_count = jax.process_count() if process_count is None else process_count
+def _check_layout(config, split: str, process_index: int, process_count: int) -> None:
+  """ValueError naming the key when the split, this process's place or the batch layout cannot be read."""
   d, batch_size, seq_len = config.data, config.train.batch_size, config.train.seq_len
   if split not in ("train", "eval"):
     raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
@@ -362,6 +356,18 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
     raise ValueError(f"config.train.seq_len must be at least 2, got {seq_len}")
   if d.worker_count < 0 or d.prefetch < 0 or d.packing_bins < 1:
     raise ValueError("config.data.worker_count and config.data.prefetch must be >= 0 and packing_bins >= 1")
+
+
+def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "train",
+                 process_index: int | None = None, process_count: int | None = None,
+                 plan: plan_lib.DataPlan | None = None) -> grain.IterDataset:
+  """The grain IterDataset behind `make_iterator` (same arguments)."""
+  if process_index is None or process_count is None:
+    import jax  # lazy: only to learn this process's place; data never needs jax otherwise
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+  d, batch_size, seq_len = config.data, config.train.batch_size, config.train.seq_len
+  _check_layout(config, split, process_index, process_count)
   tokenizer_lib.check_vocab(tokenizer, config)
   plan = plan or plan_lib.resolve(d)
   specs, srcs = list(plan.specs), plan.open()
