@@ -16,6 +16,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv):
+  if {"-h", "--help"} & set(argv):  # the rest of argv goes to python -m train, whose help is not this script's
+    print(__doc__)
+    return 0
   with tempfile.TemporaryDirectory() as tmp:
     workdir = os.path.join(tmp, "run")
     load = os.getloadavg()[0]
