@@ -107,3 +107,19 @@ def gmm(a_AX: jax.Array, w_EXY: jax.Array, sizes_E: jax.Array, opts: MegabloxOpt
   y_AY = megablox_ops.gmm(a_AX, w_EXY, sizes_E, a_AX.dtype, (tm, tk, tn), None, None, False, opts.interpret)
   y_AY = y_AY[:A, :Y]
   return jnp.where(grouped_A[:, None], y_AY, jnp.zeros((), y_AY.dtype))
+
+
+def kernel_cost(kind: str, lhs_shape, rhs_shape, out_shape, itemsize: int) -> tuple[float, float] | None:
+  """(FLOPs, HBM bytes) of one call of a megablox kernel, None for shapes that are not one. `kind` gmm: lhs [M, X]
+  (rows sorted by expert), rhs [E, X, Y] (this call's experts) -> [M, Y]; tgmm (the weights' gradient): lhs
+  [M, X], rhs [M, Y] -> [E, X, Y]. FLOPs 2·M·X·Y: every row belongs to one group, and rows past the last group
+  (other devices' experts under expert parallelism, padding) are an upper bound, since group sizes are values the
+  program learns at run time. Bytes: operands and result once (the tiles stream each of them through VMEM once)."""
+  if kind == "gmm" and len(lhs_shape) == 2 and len(rhs_shape) == 3 and lhs_shape[1] == rhs_shape[1]:
+    (m, x), y = lhs_shape, rhs_shape[2]
+  elif kind == "tgmm" and len(lhs_shape) == 2 and len(rhs_shape) == 2 and lhs_shape[0] == rhs_shape[0]:
+    (m, x), y = lhs_shape, rhs_shape[1]
+  else:
+    return None
+  sizes = (math.prod(lhs_shape), math.prod(rhs_shape), math.prod(out_shape))
+  return float(2 * m * x * y), float(sum(sizes) * itemsize)

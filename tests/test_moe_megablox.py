@@ -2,6 +2,8 @@
 against a per-expert loop (values and gradients) with uneven, empty and partly masked groups across several row,
 contraction and output tiles; a MoE model under expert parallelism on 8 devices against `ragged`; the tiling
 rule; the refusal off TPU; and the ahead-of-time TPU compile holding the Mosaic kernels."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,6 +158,21 @@ def test_ahead_of_time_tpu_compile_holds_the_mosaic_kernels():
   kernels = [line for line in compiled.as_text().splitlines() if 'custom_call_target="tpu_custom_call"' in line]
   assert sum("shard_map/jit(gmm)/pallas_call" in line for line in kernels) == 6
   assert sum("shard_map/jit(tgmm)/pallas_call" in line for line in kernels) == 3
+  # The performance model prices each kernel (XLA sees a Mosaic call as zero work): 2·M·X·Y for the float operands
+  # read here from the call's layout constraints, [M, X] x [E, X, Y] (gmm) or [M, X] x [M, Y] (tgmm).
+  from train.planning import predict  # pylint: disable=g-import-not-at-top
+  costs = {k["name"]: k for k in predict.kernel_costs(compiled.as_text()) if k["opcode"] == "custom-call"}
+  assert not [name for name, k in costs.items() if not k["costed"]]
+  priced = 0
+  for line in kernels:
+    name = line.split("=")[0].strip().lstrip("%")
+    if not name.startswith(("gmm", "tgmm")):
+      continue
+    floats = re.findall(r"f32\[([\d,]+)\]", line.split("operand_layout_constraints={")[1])[:2]  # the operands
+    (m, x), last = (int(d) for d in floats[0].split(",")), [int(d) for d in floats[1].split(",")]
+    assert costs[name]["flops"] == 2 * m * x * last[-1], name
+    priced += 1
+  assert priced == 9
 
 
 def teardown_module():

@@ -222,6 +222,20 @@ def _splash_cost(instr: hlo.Instruction, shapes: dict[str, str]) -> tuple[float,
   return splash.kernel_cost(phase.group(1), q, k, itemsize, block_q, block_kv, mask.group(1) if mask else "full")
 
 
+def _megablox_cost(instr: hlo.Instruction, shapes: dict[str, str]) -> tuple[float, float] | None:
+  """A megablox grouped matmul (model/megablox.py: `gmm`, and `tgmm` for the weights' gradient): the two float
+  operands and the result, priced by the kernel's closed form."""
+  from model import megablox  # pylint: disable=g-import-not-at-top  (the closed form lives next to the kernel)
+  kind = re.match(r"(t?gmm)(\.\d+)?$", instr.name)
+  floats = [(t, dims) for t, dims in _operand_arrays(instr, shapes) if t in _FLOAT_TYPES]
+  out = hlo._ARRAY.search(instr.shape)
+  if not kind or len(floats) != 2 or not out:
+    return None
+  (dtype, lhs), (_, rhs) = floats
+  out_dims = tuple(int(d) for d in out.group(2).split(",") if d)
+  return megablox.kernel_cost(kind.group(1), lhs, rhs, out_dims, hlo.shape_bytes(f"{dtype}[1]")[0])
+
+
 def _online_softmax_cost(instr: hlo.Instruction, shapes: dict[str, str]) -> tuple[float, float] | None:
   """XLA:TPU's own `online-softmax` kernel (a Mosaic call it emits for softmax(scores) @ v): scores [..., M, S]
   and v [..., S, K] -> [..., M, K]; the product's 2·M·S·K plus 4 vector FLOPs per score (max, subtract, exp,
@@ -241,7 +255,7 @@ def _online_softmax_cost(instr: hlo.Instruction, shapes: dict[str, str]) -> tupl
 
 # Closed forms of custom-call kernels: each (instruction, shapes of its computation) -> (FLOPs, HBM bytes) of one
 # execution, or None when the call is not its kernel. A custom call none of them takes counts as uncosted.
-CLOSED_FORMS = (_splash_cost, _online_softmax_cost)
+CLOSED_FORMS = (_splash_cost, _megablox_cost, _online_softmax_cost)
 
 
 def _custom_call_cost(instr: hlo.Instruction, shapes: dict[str, str]) -> dict | None:
