@@ -14,12 +14,13 @@ from model import moe
 T, D, F, E, K = 40, 16, 24, 6, 2
 
 
-def _loop_reference(x_TD, experts_TK, weights_TK, keep_TK, gate_EDF, up_EDF, down_EFD):
-  """Every expert on every token, then each token's output is the weighted sum of its kept choices."""
+def _loop_reference(x_TD, experts_TK, weights_TK, keep_TK, gate_EDF, up_EDF, down_EFD, first=0):
+  """Every expert (ids first .. first + E - 1: one device's share under expert parallelism) on every token, then
+  each token's output is the weighted sum of its kept choices."""
   out_TD = jnp.zeros_like(x_TD)
   for e in range(gate_EDF.shape[0]):
     y_TD = (jax.nn.silu(x_TD @ gate_EDF[e]) * (x_TD @ up_EDF[e])) @ down_EFD[e]
-    coef_T = jnp.sum(weights_TK * (experts_TK == e) * keep_TK, axis=1)
+    coef_T = jnp.sum(weights_TK * (experts_TK == first + e) * keep_TK, axis=1)
     out_TD = out_TD + coef_T[:, None] * y_TD
   return out_TD
 

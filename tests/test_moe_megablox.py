@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import configs
+from test_moe import _loop_reference  # the per-expert loop both files check against
 import parallel
 from configs import validate as config_validate
 from model import megablox
@@ -26,16 +27,6 @@ TOL = 1e-5
 # padded to 256 and 128: two contraction tiles for gate/up, two output tiles for down.
 T, D, F, E, K = 150, 160, 48, 6, 2
 INTERPRET = megablox.MegabloxOptions(tile_m=128, tile_k=128, tile_n=128, interpret=True)
-
-
-def _loop_reference(x_TD, experts_TK, weights_TK, keep_TK, gate_EDF, up_EDF, down_EFD, first=0):
-  """Experts first .. first + E_loc - 1 on every token, each token's output the weighted sum of its kept choices."""
-  out_TD = jnp.zeros_like(x_TD)
-  for e in range(gate_EDF.shape[0]):
-    y_TD = (jax.nn.silu(x_TD @ gate_EDF[e]) * (x_TD @ up_EDF[e])) @ down_EFD[e]
-    coef_T = jnp.sum(weights_TK * (experts_TK == first + e) * keep_TK, axis=1)
-    out_TD = out_TD + coef_T[:, None] * y_TD
-  return out_TD
 
 
 @pytest.fixture(scope="module")
