@@ -376,12 +376,6 @@ def open_source(spec: SourceSpec, text_field: str = "text", strict: bool = False
   raise SpecError(f"unknown source kind {spec.kind!r}; use one of {', '.join(KINDS)}")
 
 
-def open_sources(data_config) -> tuple[list[SourceSpec], list[Source]]:
-  """(specs, sources) for `config.data`."""
-  specs = parse_spec(data_config.sources, tuple(data_config.weights))
-  return specs, [open_source(s, data_config.text_field, data_config.strict) for s in specs]
-
-
 def source_split(src: Source, eval_fraction: float, split: str) -> np.ndarray:
   """A source's `split` indices: its own `split_indices(split)` if it defines one (a generated task keeps
   duplicates on one side), else `split_indices(len(src), eval_fraction, split)`."""
