@@ -289,17 +289,19 @@ def resolve_impl(cfg, platform: str) -> str:
   return impl
 
 
-def auto_inert_keys(cfg, impl: str) -> list[str]:
-  """Warnings for model keys set away from their defaults that act only under another implementation than `impl`,
-  what "auto" runs here: the config checks cannot tell under "auto" (model.config.CONDITIONAL_KEYS rows that
-  return None), so the Trainer says it once the platform is known."""
+def auto_inert_keys(cfg, resolved: dict[str, str]) -> list[str]:
+  """Warnings for model keys set away from their defaults that act only under another kernel than the ones auto
+  runs here (`resolved`: {"attention_impl": ..., "moe_impl": ...}, what model.*_impl=auto chose): the config
+  checks cannot tell under "auto" (model.config.CONDITIONAL_KEYS rows that return None), so the Trainer says it
+  once the platform is known."""
   defaults = model_config.default_model_config()
-  resolved = dict(cfg, attention_impl=impl)
+  settled = ml_collections.ConfigDict(dict(cfg, **{k: v for k, v in resolved.items() if v != "none"}))
+  chose = ", ".join(f"model.{k}={cfg[k]} runs {v}" for k, v in resolved.items() if cfg[k] == "auto" and v != "none")
   out = []
   for key, condition, acts, why in model_config.CONDITIONAL_KEYS:
-    if cfg[key] != defaults[key] and acts(cfg) is None and acts(ml_collections.ConfigDict(resolved)) is False:
-      out.append(f"warning: model.{key}={cfg[key]!r} has no effect: model.attention_impl=auto runs {impl} here, "
-                 f"and it acts only under {condition} ({why})")
+    if cfg[key] != defaults[key] and acts(cfg) is None and acts(settled) is False:
+      out.append(f"warning: model.{key}={cfg[key]!r} has no effect: {chose} here, and it acts only under "
+                 f"{condition} ({why})")
   return out
 
 

@@ -16,7 +16,7 @@ CHOICES = {
     "dtype": tuple(DTYPES),
     "param_dtype": tuple(DTYPES),
     "router": ("topk_softmax", "softmax_topk"),
-    "moe_impl": ("ragged", "tiled", "megablox"),
+    "moe_impl": ("auto", "ragged", "tiled", "megablox"),
     "parametrization": ("sp", "mup"),
     "quant": ("none", "int8", "fp8"),
 }
@@ -60,8 +60,8 @@ CONDITIONAL_KEYS = (
     ("scan_unroll", "model.scan_layers=True", lambda c: c.scan_layers, "it unrolls the layer scan"),
     *((k, "model.attention_impl='splash' (or 'auto' on TPU)", lambda c: _runs_attention(c, "splash"),
        "a tile size of the splash kernel") for k in SPLASH_BLOCK_KEYS),
-    *((k, "model.moe_impl='megablox' and model.num_experts > 0",
-       lambda c: c.moe_impl == "megablox" and c.num_experts > 0, "a tile bound of the megablox kernels")
+    *((k, "model.moe_impl='megablox' (or 'auto' on TPU) and model.num_experts > 0",
+       lambda c: _runs_moe(c, "megablox"), "a tile bound of the megablox kernels")
       for k in MEGABLOX_TILE_KEYS),
     ("pallas_interpret", "model.attention_impl='splash' or model.moe_impl='megablox'", lambda c: uses_pallas(c),
      "it runs the Pallas kernels in interpret mode, and only splash attention and megablox experts are ones"),
@@ -76,9 +76,21 @@ def _runs_attention(c, impl: str) -> bool | None:
   return c.attention_impl == impl
 
 
-def uses_pallas(c) -> bool:
-  """Whether the model runs a Pallas kernel (what model.pallas_interpret applies to)."""
-  return c.attention_impl == "splash" or (c.moe_impl == "megablox" and c.num_experts > 0)
+def _runs_moe(c, impl: str) -> bool | None:
+  """Whether the experts run `impl` (False for a dense model); None under model.moe_impl=auto, which the platform
+  decides (model.moe.resolve_impl: megablox, ragged or tiled)."""
+  if not c.num_experts:
+    return False
+  return None if c.moe_impl == "auto" else c.moe_impl == impl
+
+
+def uses_pallas(c) -> bool | None:
+  """Whether the model runs a Pallas kernel (what model.pallas_interpret applies to); None where model.*_impl=auto
+  leaves it to the platform (the kernels are what auto runs on TPUs, where interpret mode has no use)."""
+  attention, experts = _runs_attention(c, "splash"), _runs_moe(c, "megablox")
+  if attention or experts:
+    return True
+  return None if None in (attention, experts) else False
 
 
 def default_model_config() -> ml_collections.ConfigDict:
@@ -131,8 +143,8 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.expert_mlp_dim = 0  # hidden width of each expert; 0 = mlp_dim
   c.capacity_factor = 0.0  # 0 = dropless; > 0: an expert takes at most ceil(cf * k * seq / E) tokens per sequence
   c.router = "topk_softmax"  # topk_softmax (Mixtral: softmax over the k best logits) | softmax_topk (top k of softmax)
-  c.moe_impl = "ragged"  # grouped expert matmul: ragged (jax.lax.ragged_dot) | tiled (row tiles, batched; small models/CPU)
-  # | megablox (the Pallas TPU kernels; model/megablox.py)
+  c.moe_impl = "auto"  # grouped expert matmul: auto (megablox on TPU, ragged on GPU, tiled on CPU; model.moe.resolve_impl)
+  # | ragged (jax.lax.ragged_dot) | tiled (row tiles, batched; small models/CPU) | megablox (Pallas TPU kernels)
   c.megablox_tile_m = 512  # megablox: most rows (token-expert assignments) per tile; multiple of 128
   c.megablox_tile_k = 1024  # megablox: most contraction columns per tile (a divisor of both padded widths)
   c.megablox_tile_n = 1024  # megablox: most output columns per tile (a divisor of both padded widths)

@@ -57,12 +57,6 @@ def check_platform(interpret: bool, platform: str | None = None) -> None:
                      "model.moe_impl=ragged")
 
 
-def check_model(cfg, platform: str) -> None:
-  """`check_platform` for a model config compiled for `platform`: nothing unless the model's experts use megablox."""
-  if cfg.num_experts and cfg.moe_impl == "megablox":
-    check_platform(cfg.pallas_interpret, platform)
-
-
 def _round_up(n: int, unit: int) -> int:
   return -(-n // unit) * unit
 

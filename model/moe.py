@@ -33,6 +33,10 @@ from model.axes import BATCH, EMBED, EXPERTS, LENGTH, MLP
 from model.config import DTYPES
 
 TILE_ROWS = 128  # rows per tile of the `tiled` grouped matmul (its padding waste is < E * TILE_ROWS rows)
+# moe_impl=auto on CPUs: tiled. One MoE layer forward + backward over 2048 tokens on the 2-core CPU machine
+# (benchmarks/moe.py): tiled 0.12 s against ragged 0.41 s (XLA's CPU ragged_dot multiplies every group with every
+# row); a training step of the MoE benchmark model 1.03 s vs 1.96 s (docs/moe.md).
+AUTO_CPU = "tiled"
 STATS = ("moe_aux_loss", "router_z_loss", "moe_load_max_mean", "moe_dropped_frac", "moe_expert_load")
 
 
@@ -123,6 +127,21 @@ def _tile_layout(sizes_E: jax.Array, rows: int, tile: int):
   tile_start_N = jnp.arange(padded_rows // tile) * tile
   tile_expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_E), tile_start_N, side="right"), E - 1)
   return dest_A, tile_expert_N, padded_rows
+
+
+def resolve_impl(cfg, platform: str) -> str:
+  """The grouped matmul a model config's experts run on `platform` ("cpu", "gpu", "tpu"): for model.moe_impl=auto,
+  megablox on TPUs (the Pallas kernels), ragged on GPUs (`jax.lax.ragged_dot`, XLA's grouped GEMM), tiled on CPUs
+  (AUTO_CPU, measured); else model.moe_impl itself once it is known to run there (ValueError naming the key for
+  megablox off TPU without model.pallas_interpret). "none" for a dense model."""
+  if not cfg.num_experts:
+    return "none"
+  impl = cfg.moe_impl
+  if impl == "auto":
+    return {"tpu": "megablox", "gpu": "ragged"}.get(platform, AUTO_CPU)
+  if impl == "megablox":
+    megablox.check_platform(cfg.pallas_interpret, platform)
+  return impl
 
 
 def grouped_matmul(impl: str | megablox.MegabloxOptions, sizes_E: jax.Array,
@@ -231,8 +250,11 @@ class MoE(nnx.Module):
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     D, E, F = cfg.d_model, cfg.num_experts, cfg.expert_mlp_dim or cfg.mlp_dim
-    self.k, self.kind, self.impl, self.cf = cfg.experts_per_token, cfg.router, cfg.moe_impl, cfg.capacity_factor
-    if cfg.moe_impl == "megablox":  # the kernels' static settings (tiles, interpret mode) travel with the impl
+    self.k, self.kind, self.cf = cfg.experts_per_token, cfg.router, cfg.capacity_factor
+    self.impl = cfg.moe_impl  # an explicit kernel is checked where it is traced (megablox.gmm): the mesh decides
+    if self.impl == "auto":
+      self.impl = resolve_impl(cfg, megablox.target_platform())
+    if self.impl == "megablox":  # the kernels' static settings (tiles, interpret mode) travel with the impl
       self.impl = megablox.options(cfg)
     self.num_experts, self.dtype = E, DTYPES[cfg.dtype]
     self.act = jax.nn.silu if cfg.mlp_type == "swiglu" else lambda g: jax.nn.gelu(g, approximate=True)

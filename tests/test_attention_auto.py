@@ -15,7 +15,7 @@ from flax import nnx
 
 import configs
 import parallel
-from model import attention, splash
+from model import attention, megablox, moe, splash
 from model import layers as layers_lib
 from model.transformer import Transformer
 from parallel import mesh as mesh_lib
@@ -107,9 +107,34 @@ def test_attend_resolves_auto_by_platform_and_dtype(monkeypatch):
 
 def test_settings_auto_does_not_use_are_warned_about():
   cfg = _model(splash_block_q=256)
-  (warning,) = attention.auto_inert_keys(cfg, "xla")
+  (warning,) = attention.auto_inert_keys(cfg, {"attention_impl": "xla", "moe_impl": "none"})
   assert "model.splash_block_q=256 has no effect: model.attention_impl=auto runs xla here" in warning
-  assert attention.auto_inert_keys(cfg, "splash") == []
+  assert attention.auto_inert_keys(cfg, {"attention_impl": "splash", "moe_impl": "none"}) == []
+  moe_cfg = configs.load("tiny_moe", **{"model.moe_impl": "auto", "model.megablox_tile_m": 256}).model
+  (warning,) = attention.auto_inert_keys(moe_cfg, {"attention_impl": "xla", "moe_impl": "tiled"})
+  assert "model.megablox_tile_m=256 has no effect: model.attention_impl=auto runs xla, model.moe_impl=auto runs " \
+         "tiled here" in warning
+  assert attention.auto_inert_keys(moe_cfg, {"attention_impl": "xla", "moe_impl": "megablox"}) == []
+
+
+@pytest.mark.parametrize("platform, expected", [("tpu", "megablox"), ("gpu", "ragged"), ("cpu", "tiled")])
+def test_moe_auto_picks_the_platforms_grouped_matmul(platform, expected):
+  config = configs.load("tiny_moe", **{"model.moe_impl": "auto"}).model
+  assert configs.load("tiny").model.moe_impl == "auto"  # the default
+  assert moe.resolve_impl(config, platform) == expected
+  assert moe.resolve_impl(configs.load("tiny").model, platform) == "none"  # dense: no experts
+  assert moe.resolve_impl(configs.load("tiny_moe").model, platform) == "tiled"  # explicit, portable: kept
+
+
+def test_moe_auto_builds_what_it_picks(monkeypatch):
+  config = configs.load("tiny_moe", **{"model.moe_impl": "auto"}).model
+  monkeypatch.setattr(megablox, "target_platform", lambda: "tpu")
+  (layer,) = {type(m.impl) for _, m in nnx.iter_graph(Transformer(config, rngs=nnx.Rngs(0)))
+              if isinstance(m, moe.MoE)}
+  assert layer is megablox.MegabloxOptions
+  monkeypatch.setattr(megablox, "target_platform", lambda: "cpu")
+  impls = {m.impl for _, m in nnx.iter_graph(Transformer(config, rngs=nnx.Rngs(0))) if isinstance(m, moe.MoE)}
+  assert impls == {"tiled"}
 
 
 def test_the_planner_sizes_what_auto_runs():
@@ -141,9 +166,11 @@ def test_the_trainer_records_and_says_what_it_runs(capsys):
   mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:1])
   trainer = step.Trainer(config, mesh)
   step.Trainer(config, mesh)
-  assert trainer.attention_impl == "xla"
+  assert trainer.attention_impl == "xla" and trainer.moe_impl == "none"
+  assert trainer.runtime() == {"platform": "cpu", "devices": 1, "attention_impl": "xla", "moe_impl": "none",
+                               "jax": jax.__version__}
   err = capsys.readouterr().err
-  assert err.count("attention: model.attention_impl=auto runs xla on cpu") == 1
+  assert err.count("kernels: model.attention_impl=auto runs xla on cpu") == 1
   assert err.count("model.splash_block_q=256 has no effect") == 1
   with pytest.raises(ValueError, match="model.attention_impl='cudnn' runs NVIDIA's cuDNN kernel"):
     step.Trainer(configs.load("tiny", **{"model.attention_impl": "cudnn", "model.dtype": "bfloat16"}), mesh)

@@ -85,8 +85,8 @@ CASES = {
     **{f"model.{k}": (v, {"model.attention_impl": "xla"}, {"model.attention_impl": "splash"}) for k, v in (
         ("splash_block_q", 256), ("splash_block_kv", 1024), ("splash_block_kv_compute", 256),
         ("splash_block_q_bwd", 256), ("splash_block_kv_bwd", 256))},
-    "model.pallas_interpret": (True, {}, {"model.attention_impl": "splash"}),
-    **{f"model.{k}": (256, _MOE, {**_MOE, "model.moe_impl": "megablox"})
+    "model.pallas_interpret": (True, {"model.attention_impl": "xla"}, {"model.attention_impl": "splash"}),
+    **{f"model.{k}": (256, {**_MOE, "model.moe_impl": "ragged"}, {**_MOE, "model.moe_impl": "megablox"})
        for k in ("megablox_tile_m", "megablox_tile_k", "megablox_tile_n")},
 }
 WARNINGS = {"train.xla_overlap"}  # warned about where the platform is known (the Trainer's mesh)

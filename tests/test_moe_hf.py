@@ -36,8 +36,8 @@ def mixtral_dir(tmp_path_factory):
   return ref, path
 
 
-@pytest.mark.parametrize("overrides", [{}, {"scan_layers": False}, {"moe_impl": "tiled"}],
-                         ids=["scan_ragged", "unrolled", "tiled"])
+@pytest.mark.parametrize("overrides", [{"moe_impl": "ragged"}, {"scan_layers": False}, {}],
+                         ids=["scan_ragged", "unrolled", "auto_tiled"])
 def test_mixtral_logits_match_transformers(mixtral_dir, tokens, overrides):
   ref, path = mixtral_dir
   model = hf.load(str(path), dtype="float32", **overrides)

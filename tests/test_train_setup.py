@@ -239,3 +239,12 @@ def test_a_checkpoint_from_before_a_config_key_existed_still_loads(finished, tmp
     json.dump(meta, f)
   with pytest.raises(restore.RunError, match="model.retired_key is unknown"):
     restore.load_run(str(workdir))
+
+
+def test_config_json_says_which_kernels_the_run_ran(finished):
+  """model.*_impl=auto is resolved on the machine: config.json's "runtime" record says what the step ran (auto on
+  this CPU: xla attention; the dense model has no experts), beside the config as given (auto)."""
+  written = json.load(open(finished / "config.json"))
+  assert written["model"]["attention_impl"] == written["model"]["moe_impl"] == "auto"
+  assert {k: written["runtime"][k] for k in ("platform", "attention_impl", "moe_impl")} == {
+      "platform": "cpu", "attention_impl": "xla", "moe_impl": "none"}

@@ -233,6 +233,9 @@ def _run_dir(path: str) -> str:
   return os.path.dirname(directory)
 
 
+KERNEL_CHOICES = ("attention_impl", "moe_impl")  # model keys that pick a kernel, not the function
+
+
 def _make_base_run(recipe: str, base_workdir: str, train_base: TrainBase | None) -> str:
   """Trains (or resumes, or reuses) the recipe `recipe` in `base_workdir` with `train_base`; returns that
   directory."""
@@ -249,8 +252,8 @@ def _make_base_run(recipe: str, base_workdir: str, train_base: TrainBase | None)
     if base.train.base_recipe and not base.train.init_from:  # a chained recipe's run saved its resolved start
       found = dict(found, train=dict(found.get("train", {}), init_from=""))
     # What the weights depend on; logging, checkpoint cadence, mesh and process settings may differ, and so may the
-    # attention kernel (same function; a run saved before model.attention_impl=auto became the default says xla).
-    found = dict(found, model={**found.get("model", {}), "attention_impl": want["model"]["attention_impl"]})
+    # kernels (same function; a run saved before model.*_impl=auto became the defaults says xla / ragged).
+    found = dict(found, model={**found.get("model", {}), **{k: want["model"][k] for k in KERNEL_CHOICES}})
     if any(found.get(section) != want[section] for section in ("model", "train", "data")):
       raise SetupError(f"{base_workdir} holds a run whose model, train or data config differs from the "
                        f"{recipe!r} recipe; remove it, or start from it explicitly with "
@@ -531,9 +534,10 @@ def restore_model_params(checkpointer: ckpt_lib.Checkpointer, step: int | None, 
 
 # ---- writing: only once every check has passed ---------------------------------------------------------------
 def write_config(run: Run) -> None:
-  """WORKDIR/config.json (process 0)."""
+  """WORKDIR/config.json (process 0): the config, and under "runtime" what the step runs on this machine (the
+  kernels model.*_impl=auto chose, the platform; Trainer.runtime)."""
   if run.primary:
-    write_json(os.path.join(run.workdir, "config.json"), run.config_dict)
+    write_json(os.path.join(run.workdir, "config.json"), {**run.config_dict, "runtime": run.trainer.runtime()})
 
 
 def open_checkpoints(run: Run) -> None:

@@ -35,7 +35,7 @@ from configs import validate as config_validate
 import model as model_lib
 from model import lora as lora_lib
 from model import mup as mup_lib
-from model import megablox as megablox_lib
+from model import moe as moe_lib
 from model import attention as attention_lib
 import parallel
 from parallel import pipeline as pipeline_lib
@@ -143,16 +143,26 @@ class Trainer:
     """configs.validate's conditional keys that read the mesh (platform, stage count): ConfigError (a ValueError)
     naming the key, or a warning on stderr (train.xla_overlap off TPU/GPU); and that a Pallas TPU kernel
     (model.attention_impl=splash, model.moe_impl=megablox) compiles for the mesh's platform (ValueError naming the
-    key). Sets `attention_impl`: the attention the step runs (model.attention_impl, auto resolved; said once)."""
+    key). Sets `attention_impl` and `moe_impl`: the kernels the step runs (auto resolved; said once; `runtime`)."""
     facts = {"platform": self.mesh.devices.flat[0].platform, "stage": self.mesh.shape["stage"]}
-    self.attention_impl = attention_lib.resolve_impl(self.config.model, facts["platform"])
-    if self.config.model.attention_impl == "auto":
-      _say_once(f"attention: model.attention_impl=auto runs {self.attention_impl} on {facts['platform']}",
-                *attention_lib.auto_inert_keys(self.config.model, self.attention_impl))
-    megablox_lib.check_model(self.config.model, facts["platform"])
+    m = self.config.model
+    self.attention_impl = attention_lib.resolve_impl(m, facts["platform"])
+    self.moe_impl = moe_lib.resolve_impl(m, facts["platform"])
+    auto = [f"model.{key}=auto runs {impl} on {facts['platform']}" for key, impl in
+            (("attention_impl", self.attention_impl), ("moe_impl", self.moe_impl)) if m[key] == "auto" and
+            impl != "none"]
+    if auto:
+      _say_once(f"kernels: {'; '.join(auto)}", *attention_lib.auto_inert_keys(
+          m, {"attention_impl": self.attention_impl, "moe_impl": self.moe_impl}))
     for warning in config_validate.check_conditional(self.config, **facts):
       if jax.process_index() == 0:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+  def runtime(self) -> dict[str, Any]:
+    """What this step runs, for config.json's "runtime" record: the platform, device count, the attention and
+    expert kernels (model.*_impl with auto resolved; moe_impl "none" for a dense model) and jax's version."""
+    return {"platform": self.mesh.devices.flat[0].platform, "devices": int(self.mesh.devices.size),
+            "attention_impl": self.attention_impl, "moe_impl": self.moe_impl, "jax": jax.__version__}
 
   def _make_objective(self) -> None:
     """The objective and the LoRA settings, checked against config.model (ValueError naming the key)."""
