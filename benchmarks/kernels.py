@@ -1,7 +1,9 @@
-"""Attention kernels: the ahead-of-time table (splash vs xla on a TPU slice) and interpret-mode parity on the CPU.
+"""Accelerator kernels: the ahead-of-time table (splash vs xla attention, megablox vs ragged experts, on a TPU slice)
+and interpret-mode parity on the CPU.
 
-  python benchmarks/kernels.py [--configs llama3_8b] [--rows splash,xla] [--topology v5p-128] [--seq_len 8192]
-      [--batch_size 64] [--remat full] [--layers N] [--set KEY=VALUE,...] [--skip_aot] [--skip_parity]
+  python benchmarks/kernels.py [--configs llama3_8b] [--rows splash,xla] [--moe_configs mixtral_8x7b]
+      [--moe_rows megablox,ragged] [--expert 8] [--topology v5p-128] [--seq_len 8192] [--batch_size 64]
+      [--remat full] [--layers N] [--set KEY=VALUE,...] [--skip_aot] [--skip_parity]
 
 Prints one JSON object:
 - "aot": for each config and row (a model.attention_impl), the real train step compiled for the topology by
@@ -10,6 +12,16 @@ Prints one JSON object:
   closed forms, model/splash.py), uncosted kernels, and the Mosaic kernels in the HLO by kernel name. Defaults: bf16
   compute, FSDP over every chip, one sequence per chip, remat full, the same for every row. A whole 8B program
   compiles for many minutes on a small machine; `--layers` compiles fewer layers (the MFU is then that model's).
+  `--configs ""` compiles no attention rows.
+- "aot" "moe_rows": for each of `--moe_configs` (none by default) and `--moe_rows` (a model.moe_impl), the same
+  report with model.moe_impl set and attention left at `auto` (splash on TPUs; the row says what ran), on a mesh
+  of expert=`--expert` x fsdp over the other chips (the same for every row), plus the megablox kernels (`gmm`,
+  `tgmm`; model/megablox.py, costed by `megablox.kernel_cost`) among the Mosaic kernels. `ragged`'s
+  `jax.lax.ragged_dot` becomes XLA:TPU's own Mosaic kernels (`ragged-dot-none`, with `ragged-dot-metadata`) for the
+  rows' products and an XLA fusion for the weights' gradient. The performance model prices neither XLA's
+  ragged-dot kernels nor megablox's transposed-rhs `gmm` (the rows' gradient when the widths differ): they are in
+  `uncosted_kernels`, timed by their bytes alone. "priced_here" prices them by gmm's closed form and gives the
+  step, MFU and tokens/s with them (`unpriced_grouped_matmuls`); compare the rows by those.
 - "parity": on the CPU, the Pallas splash kernel in interpret mode against the xla reference (max |diff| of the
   output and the q, k, v gradients; float32, causal with packed documents, and a window), and the cudnn path's call
   through XLA's implementation against xla (the kernel itself runs on GPUs only: benchmarks/gpu.py).
@@ -32,17 +44,63 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import configs  # noqa: E402
-from model import attention, splash  # noqa: E402
+from model import attention, megablox, splash  # noqa: E402
 from train.planning import compile as aot  # noqa: E402
 from train.planning import hardware  # noqa: E402
+from train.planning import hlo, predict  # noqa: E402
 
 GIB = 2**30
 _MOSAIC = re.compile(r'%([\w\-]+?)(?:\.\d+)?\s*=[^\n]*custom_call_target="tpu_custom_call"')
+_FLOAT_ARRAY = re.compile(r"\b(?:bf16|f16|f32)\[([\d,]+)\]")
 
 
 def mosaic_kernels(hlo_text: str) -> dict[str, int]:
   """Mosaic (Pallas TPU) custom calls of a compiled program by kernel name, e.g. {"splash_mqa_fwd_...": 1}."""
   return dict(sorted(collections.Counter(_MOSAIC.findall(hlo_text)).items()))
+
+
+def _grouped_matmul_cost(instr) -> tuple[float, float] | None:
+  """(FLOPs, bytes) by megablox gmm's closed form of a grouped-matmul Mosaic call the performance model leaves
+  uncosted: XLA:TPU's own `ragged-dot-none` (what `jax.lax.ragged_dot` compiles to on TPUs) and megablox's `gmm`
+  with a transposed rhs (the backward's rows gradient, lhs [M, Y] x rhs [E, X, Y]), whose shapes
+  `megablox.kernel_cost` does not take; None for any other instruction, or a gmm the model prices itself."""
+  kind = re.fullmatch(r"(ragged-dot-none|gmm)(\.\d+)?", instr.name)
+  if instr.opcode != "custom-call" or not kind:
+    return None
+  operands = _FLOAT_ARRAY.findall(instr.rest.split("operand_layout_constraints={", 1)[-1])[:2]
+  out = _FLOAT_ARRAY.search(instr.shape)
+  if len(operands) < 2 or not out:
+    return None
+  lhs, rhs, dims = ([int(d) for d in text.split(",")] for text in (*operands, out.group(1)))
+  itemsize = 2 if "bf16[" in instr.shape else 4
+  if kind.group(1) == "gmm" and megablox.kernel_cost("gmm", lhs, rhs, dims, itemsize) is not None:
+    return None  # priced by the performance model already
+  if len(lhs) == 2 and len(rhs) == 3 and lhs[1] == rhs[2] != rhs[1]:
+    rhs = [rhs[0], rhs[2], rhs[1]]  # transposed rhs: the same 2·M·X·Y
+  return megablox.kernel_cost("gmm", lhs, rhs, dims, itemsize)
+
+
+def unpriced_grouped_matmuls(hlo_text: str, pred: dict, chip: hardware.Chip, model_flops: float) -> dict | None:
+  """The grouped matmuls among the performance model's `uncosted_kernels` (timed there by their bytes with no
+  FLOPs; `_grouped_matmul_cost`), priced here by gmm's closed form (2·M·X·Y over all M rows: the same upper
+  bound as the megablox kernels the model prices): calls per step by kernel, their FLOPs, the seconds that adds
+  to the model's step, and the step, MFU, tokens/s and hardware FLOPs with them. None when there is none."""
+  calls: dict[str, float] = collections.Counter()
+  flops = added = 0.0
+  for _, instr, mult in hlo.executed(hlo.parse(hlo_text)):
+    cost = _grouped_matmul_cost(instr)
+    if cost is None:
+      continue
+    calls[re.sub(r"\.\d+$", "", instr.name)] += mult
+    flops += cost[0] * mult
+    added += (predict.roofline_seconds(*cost, chip) - predict.roofline_seconds(0.0, cost[1], chip)) * mult
+  if not calls:
+    return None
+  step = pred["step_seconds"] + added
+  tokens = pred["tokens_per_sec_per_chip"] * pred["step_seconds"]
+  return {"calls_per_step": dict(calls), "flops_per_chip": flops, "added_seconds": added, "step_seconds": step,
+          "mfu": model_flops / (step * chip.peak_tflops * 1e12), "tokens_per_sec_per_chip": tokens / step,
+          "hardware_flops_per_chip": pred["hardware_flops_per_chip"] + flops}
 
 
 def _value(text: str):
@@ -54,14 +112,25 @@ def _value(text: str):
   return {"true": True, "false": False}.get(text.lower(), text)
 
 
-def aot_row(name: str, impl: str, args, tpu: hardware.TpuSlice, devices: list) -> dict:
-  """One row of the table: `name`'s train step with model.attention_impl=`impl`, compiled for `tpu`."""
-  overrides = {"model.attention_impl": impl, "model.dtype": "bfloat16", "mesh.data": 1, "mesh.fsdp": -1,
-               "train.seq_len": args.seq_len, "train.batch_size": args.batch_size or len(devices),
-               "train.remat": args.remat, "train.grad_accum": 1}
+def _names(text: str) -> list[str]:
+  return [name for name in text.split(",") if name]
+
+
+def _overrides(args, devices: list, row: dict) -> dict:
+  """The table's settings (bf16 compute, FSDP over every chip, one sequence per chip, ...), then the row's own
+  keys, then `--layers` and `--set`."""
+  overrides = {"model.dtype": "bfloat16", "mesh.data": 1, "mesh.fsdp": -1, "train.seq_len": args.seq_len,
+               "train.batch_size": args.batch_size or len(devices), "train.remat": args.remat, "train.grad_accum": 1,
+               **row}
   if args.layers:
     overrides["model.num_layers"] = args.layers
   overrides.update({k: _value(v) for k, v in (kv.split("=", 1) for kv in args.set.split(",") if kv)})
+  return overrides
+
+
+def compile_row(name: str, overrides: dict, args, tpu: hardware.TpuSlice, devices: list) -> tuple[dict, str]:
+  """`name`'s train step with `overrides`, compiled for `tpu`: (the report's figures of one table row, the compiled
+  program's HLO text; "" when it does not fit)."""
   config = configs.load(name, **overrides)
   if config.model.max_seq_len < args.seq_len:
     config.model.max_seq_len = args.seq_len
@@ -71,13 +140,14 @@ def aot_row(name: str, impl: str, args, tpu: hardware.TpuSlice, devices: list) -
   except jax.errors.JaxRuntimeError as e:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
-    return {"impl": impl, "fits": False, "compile_s": round(time.perf_counter() - start, 1),
-            "error": str(e).strip().splitlines()[0][:300]}
+    return {"fits": False, "compile_s": round(time.perf_counter() - start, 1),
+            "error": str(e).strip().splitlines()[0][:300]}, ""
   report = aot.summarize(config, tpu, trainer, time.perf_counter() - start)
   mem, pred = report["memory"], report["predicted"]
-  kernels = mosaic_kernels(compiled.as_text())
+  hlo_text = compiled.as_text()
+  kernels = mosaic_kernels(hlo_text)
   return {
-      "impl": impl, "runs": trainer.attention_impl, "mesh": report["mesh"], "batch_size": report["batch_size"],
+      "runs": trainer.attention_impl, "mesh": report["mesh"], "batch_size": report["batch_size"],
       "seq_len": report["seq_len"], "remat": report["remat"], "num_layers": config.model.num_layers,
       "compile_s": round(report["compile_seconds"], 1),
       "memory_gib": {k: round(mem[k] / GIB, 2) for k in ("argument_bytes", "temp_bytes", "total_bytes") if k in mem},
@@ -87,7 +157,25 @@ def aot_row(name: str, impl: str, args, tpu: hardware.TpuSlice, devices: list) -
                                          "hardware_flops_per_chip", "uncosted_kernels")},
       "model_flops_per_chip": report["flops"]["model_per_chip"],
       "mosaic_kernels": kernels, "mosaic_kernel_count": sum(kernels.values()),
-  }
+  }, hlo_text
+
+
+def aot_row(name: str, impl: str, args, tpu: hardware.TpuSlice, devices: list) -> dict:
+  """One row of the attention table: `name`'s train step with model.attention_impl=`impl`, compiled for `tpu`."""
+  overrides = _overrides(args, devices, {"model.attention_impl": impl})
+  return {"impl": impl, **compile_row(name, overrides, args, tpu, devices)[0]}
+
+
+def moe_row(name: str, impl: str, args, tpu: hardware.TpuSlice, devices: list) -> dict:
+  """One row of the MoE table: `name`'s train step with model.moe_impl=`impl` (attention `auto`), on expert=
+  `args.expert` x fsdp over the rest, compiled for `tpu`; "megablox_kernels" are the gmm/tgmm Mosaic calls."""
+  overrides = _overrides(args, devices, {"model.moe_impl": impl, "model.attention_impl": "auto",
+                                         "mesh.expert": args.expert})
+  row, hlo_text = compile_row(name, overrides, args, tpu, devices)
+  row["megablox_kernels"] = {k: n for k, n in row.get("mosaic_kernels", {}).items() if re.fullmatch(r"t?gmm", k)}
+  if hlo_text:
+    row["priced_here"] = unpriced_grouped_matmuls(hlo_text, row["predicted"], tpu.chip, row["model_flops_per_chip"])
+  return {"moe_impl": impl, "attention_impl": "auto", **row}
 
 
 def _max_diffs(fn, ref, q, k, v, w) -> float:
@@ -123,6 +211,9 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--configs", default="llama3_8b", help="comma-separated presets (configs/)")
   p.add_argument("--rows", default="splash,xla", help="model.attention_impl values to compile (auto too)")
+  p.add_argument("--moe_configs", default="", help="comma-separated MoE presets for the MoE rows (none by default)")
+  p.add_argument("--moe_rows", default="megablox,ragged", help="model.moe_impl values to compile")
+  p.add_argument("--expert", type=int, default=8, help="mesh.expert of the MoE rows (fsdp takes the other chips)")
   p.add_argument("--topology", default="v5p-128", help="TPU slice, as python -m train.compile --topology")
   p.add_argument("--seq_len", type=int, default=8192)
   p.add_argument("--batch_size", type=int, default=0, help="global sequences per step (0: one per chip)")
@@ -140,11 +231,16 @@ def main() -> None:
     tpu = hardware.tpu_slice(args.topology)
     devices = aot.abstract_devices(tpu)
     result["aot"] = {"topology": args.topology, "chips": len(devices), "chip": tpu.chip.name, "rows": {}}
-    for name in args.configs.split(","):
+    for name in _names(args.configs):
       for impl in args.rows.split(","):
         row = aot_row(name, impl, args, tpu, devices)
         result["aot"]["rows"][f"{name}/{impl}"] = row
         print(json.dumps({f"{name}/{impl}": row}), file=sys.stderr, flush=True)
+    for name in _names(args.moe_configs):
+      for impl in _names(args.moe_rows):
+        row = moe_row(name, impl, args, tpu, devices)
+        result["aot"].setdefault("moe_rows", {})[f"{name}/{impl}"] = row
+        print(json.dumps({f"moe:{name}/{impl}": row}), file=sys.stderr, flush=True)
   print(json.dumps(result, indent=1))
 
 

@@ -106,11 +106,15 @@ def gmm(a_AX: jax.Array, w_EXY: jax.Array, sizes_E: jax.Array, opts: MegabloxOpt
 def kernel_cost(kind: str, lhs_shape, rhs_shape, out_shape, itemsize: int) -> tuple[float, float] | None:
   """(FLOPs, HBM bytes) of one call of a megablox kernel, None for shapes that are not one. `kind` gmm: lhs [M, X]
   (rows sorted by expert), rhs [E, X, Y] (this call's experts) -> [M, Y]; tgmm (the weights' gradient): lhs
-  [M, X], rhs [M, Y] -> [E, X, Y]. FLOPs 2·M·X·Y: every row belongs to one group, and rows past the last group
+  [M, X], rhs [M, Y] -> [E, X, Y]; the rows' gradient is a gmm with rhs transposed ([E, Y, X], told apart by the
+  result's width). FLOPs 2·M·X·Y: every row belongs to one group, and rows past the last group
   (other devices' experts under expert parallelism, padding) are an upper bound, since group sizes are values the
   program learns at run time. Bytes: operands and result once (the tiles stream each of them through VMEM once)."""
-  if kind == "gmm" and len(lhs_shape) == 2 and len(rhs_shape) == 3 and lhs_shape[1] == rhs_shape[1]:
+  gmm = kind == "gmm" and len(lhs_shape) == 2 and len(rhs_shape) == 3 and len(out_shape) == 2
+  if gmm and lhs_shape[1] == rhs_shape[1] and out_shape[1] == rhs_shape[2]:
     (m, x), y = lhs_shape, rhs_shape[2]
+  elif gmm and lhs_shape[1] == rhs_shape[2] and out_shape[1] == rhs_shape[1]:  # transpose_rhs
+    (m, x), y = lhs_shape, rhs_shape[1]
   elif kind == "tgmm" and len(lhs_shape) == 2 and len(rhs_shape) == 2 and lhs_shape[0] == rhs_shape[0]:
     (m, x), y = lhs_shape, rhs_shape[1]
   else:

@@ -170,3 +170,26 @@ ENTRY %main (p0: f32[256,256]) -> f32[256,256] {
   assert not kernel["costed"] and kernel["flops"] == 0 and kernel["bytes"] == 2 * 256 * 256 * 4
   p = predict.predict(text, V4, num_devices=1, model_flops_per_chip=1, tokens_per_chip=1)
   assert p["uncosted_kernels"] == 1
+
+
+def _grouped_call(name: str, rhs: str, out: str) -> str:
+  return f"""HloModule m
+
+ENTRY %main (p0: bf16[512,256], p1: {rhs}, p2: s32[4]) -> {out} {{
+  %p0 = bf16[512,256]{{1,0}} parameter(0)
+  %p1 = {rhs}{{2,1,0}} parameter(1)
+  %p2 = s32[4]{{0}} parameter(2)
+  ROOT %{name} = {out}{{1,0}} custom-call(%p2, %p0, %p1), custom_call_target="tpu_custom_call"
+}}
+"""
+
+
+@pytest.mark.parametrize("name", ["gmm.3", "ragged-dot-none.1"])
+@pytest.mark.parametrize("rhs, out", [("bf16[4,256,128]", "bf16[512,128]"),  # rhs [E, X, Y]
+                                      ("bf16[4,128,256]", "bf16[512,128]")])  # transposed: the rows' gradient
+def test_grouped_matmul_kernels_cost_each_row_against_its_own_group(name, rhs, out):
+  """megablox's gmm and XLA:TPU's ragged-dot kernel, rhs plain or transposed: 2·M·X·Y FLOPs (512 rows of 256
+  against one 256 x 128 matrix each), bytes of the two operands and the result once."""
+  (kernel,) = predict.kernel_costs(_grouped_call(name, rhs, out))
+  assert kernel["costed"] and kernel["flops"] == 2 * 512 * 256 * 128
+  assert kernel["bytes"] == 2 * (512 * 256 + 4 * 256 * 128 + 512 * 128)

@@ -253,9 +253,30 @@ def _online_softmax_cost(instr: hlo.Instruction, shapes: dict[str, str]) -> tupl
   return float(batch * (2 * m * n * k + 4 * m * n)), float(nbytes)
 
 
+def _ragged_dot_cost(instr: hlo.Instruction, shapes: dict[str, str]) -> tuple[float, float] | None:
+  """XLA:TPU's own grouped-matmul kernels for `jax.lax.ragged_dot` (model.moe_impl=ragged): `ragged-dot-*` is a
+  gmm (lhs [M, X] rows sorted by group, rhs [G, X, Y] or transposed -> [M, Y]), priced by megablox's closed form
+  (each row against its own group's matrix); `ragged-dot-metadata` computes the groups' tile offsets: its bytes,
+  no FLOPs."""
+  from model import megablox  # pylint: disable=g-import-not-at-top
+  if not instr.name.startswith("ragged-dot"):
+    return None
+  arrays = _operand_arrays(instr, shapes)
+  out = hlo._ARRAY.search(instr.shape)
+  if instr.name.startswith("ragged-dot-metadata"):
+    return 0.0, float(sum(math.prod(d) * hlo.shape_bytes(f"{t}[1]")[0] for t, d in arrays) +
+                      sum(hlo.shape_bytes(instr.shape)))
+  floats = [(t, dims) for t, dims in arrays if t in _FLOAT_TYPES]
+  if len(floats) != 2 or not out:
+    return None
+  (dtype, lhs), (_, rhs) = floats
+  out_dims = tuple(int(d) for d in out.group(2).split(",") if d)
+  return megablox.kernel_cost("gmm", lhs, rhs, out_dims, hlo.shape_bytes(f"{dtype}[1]")[0])
+
+
 # Closed forms of custom-call kernels: each (instruction, shapes of its computation) -> (FLOPs, HBM bytes) of one
 # execution, or None when the call is not its kernel. A custom call none of them takes counts as uncosted.
-CLOSED_FORMS = (_splash_cost, _megablox_cost, _online_softmax_cost)
+CLOSED_FORMS = (_splash_cost, _megablox_cost, _ragged_dot_cost, _online_softmax_cost)
 
 
 def _custom_call_cost(instr: hlo.Instruction, shapes: dict[str, str]) -> dict | None:
