@@ -9,24 +9,32 @@ Templates (`config.data.chat_template`):
   meshlm  the default, Llama-3-like: BOS, then per message `<|role|> content <|end_of_turn|>`; a generation
           prompt ends with `<|assistant|>`. The markers are the tokenizer's reserved control pieces, inserted by
           id, so no text a user types can produce them (data/tokenizer.py RESERVED).
-  auto    an HF tokenizer's own Jinja `chat_template` (tokenizer_config.json) when it has one, else meshlm.
+  auto    an HF tokenizer's own Jinja `chat_template` (chat_template.jinja or tokenizer_config.json) when it has
+          one, else meshlm.
   PATH    a Jinja file in Hugging Face's chat-template language.
-Jinja templates render text; special tokens (BOS, role headers) are matched in that text by the tokenizer, and
-the assistant spans are found by rendering each prefix of the conversation (the span of assistant turn i is the
-text between the rendering of messages[:i] with the generation prompt and that of messages[:i+1]).
+Jinja templates render text as transformers' apply_chat_template does (same sandbox, globals and filters); the
+whole text is tokenized once with the special tokens matched (the ids apply_chat_template(tokenize=True) gives).
+The assistant spans come from the template's `{% generation %}` blocks when it has them (transformers'
+return_assistant_tokens_mask), else from rendering each prefix of the conversation (the span of assistant turn
+i is the text between the rendering of messages[:i] with the generation prompt and that of messages[:i+1], up
+to and including its end-of-turn token); a token is in the mask when its text overlaps a span.
 
 Loss mask (`config.data.chat_loss`): `assistant` = the tokens of every assistant turn including its end-of-turn
 marker (not the role marker that opens it); `all` = every token. Conversations longer than seq_len + 1 tokens
 are truncated (`config.data.chat_truncation`): `right` drops the end, `left` drops the beginning (keeps the
 last turns); each is counted in `data/chat_truncated`. Bad records (no assistant turn, an unknown role, a role
-the tokenizer has no marker for, no messages) are counted per reason (`data/chat_skipped_<reason>`) and skipped,
-or raise with config.data.strict.
+the tokenizer has no marker for, no messages, a conversation the Jinja template refuses such as a system turn
+for Gemma 2: `template_error`) are counted per reason (`data/chat_skipped_<reason>`) and skipped, or raise with
+config.data.strict.
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import datetime
 import json
 import os
+import re
 from typing import Any, Sequence
 
 import numpy as np
@@ -116,52 +124,119 @@ class MeshlmTemplate:
 
 
 class JinjaTemplate:
-  """A Hugging Face Jinja chat template rendered with jinja2 (sandboxed), tokenized with special-token matching."""
+  """A Hugging Face Jinja chat template rendered as transformers' apply_chat_template renders it (a sandboxed
+  jinja2 environment with its globals, filters and `{% generation %}` tag), tokenized with special-token matching.
+
+  Assistant spans: a template with `{% generation %}` blocks marks them itself (transformers'
+  return_assistant_tokens_mask); otherwise turn i's span is the text between messages[:i] rendered with the
+  generation prompt and messages[:i+1], ending after its end-of-turn token (a stop id; the newline Qwen's and
+  Gemma's templates write after it is template glue the model never generates). A token is flagged when its text
+  overlaps a span, as transformers flags it.
+  """
   name = "jinja"
 
   def __init__(self, tokenizer, source: str):
-    import jinja2  # pylint: disable=g-import-not-at-top
-    from jinja2 import sandbox  # pylint: disable=g-import-not-at-top
     self.tokenizer, self.jinja = tokenizer, source
-    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-    def raise_exception(message):
-      raise jinja2.exceptions.TemplateError(message)
-    env.globals["raise_exception"] = raise_exception
-    self._template = env.from_string(source)
-    self._bos = tokenizer.id_to_piece(tokenizer.bos_id)
-    self._eos = tokenizer.id_to_piece(tokenizer.eos_id)
+    self._env = _jinja_environment()
+    self._template = self._env.from_string(source)
+    self._tagged = bool(re.search(r"\{%-?\s*generation\s*-?%\}", source))
+    self._tokens = dict(getattr(tokenizer, "template_tokens", None) or {
+        "bos_token": tokenizer.id_to_piece(tokenizer.bos_id), "eos_token": tokenizer.id_to_piece(tokenizer.eos_id)})
+    self._stop_pieces = [tokenizer.id_to_piece(i) for i in self.stop_ids()]
+
+  def __getstate__(self):  # grain worker processes rebuild the jinja2 environment from the source
+    return {"tokenizer": self.tokenizer, "source": self.jinja}
+
+  def __setstate__(self, state):
+    self.__init__(state["tokenizer"], state["source"])
 
   def stop_ids(self) -> tuple[int, ...]:
     return tuple(getattr(self.tokenizer, "stop_ids", (self.tokenizer.eos_id,)))
 
-  def text(self, messages, add_generation_prompt: bool = False) -> str:
-    return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                 bos_token=self._bos, eos_token=self._eos)
+  def text(self, messages, add_generation_prompt: bool = False, spans: list | None = None) -> str:
+    """The rendered conversation; `spans` collects the (start, end) of each {% generation %} block in it."""
+    import jinja2  # pylint: disable=g-import-not-at-top
+    blocks = []
+    token = _TRACKER.set((blocks, spans)) if spans is not None else None
+    try:
+      for block in self._template.generate(messages=list(messages), tools=None, documents=None,
+                                           add_generation_prompt=add_generation_prompt, **self._tokens):
+        blocks.append(block)
+    except jinja2.TemplateError as e:  # e.g. Gemma 2's raise_exception('System role not supported')
+      raise ChatError("template_error", f"the chat template refused the conversation: {e}") from e
+    finally:
+      if token is not None:
+        _TRACKER.reset(token)
+    return "".join(blocks)
 
-  def render(self, messages: Sequence[dict[str, str]]) -> tuple[list[int], list[int]]:
-    full = self.text(messages)
-    cuts, spans = {0, len(full)}, []
+  def spans(self, messages: Sequence[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and its assistant spans (class docstring)."""
+    if self._tagged:
+      spans = []
+      return self.text(messages, spans=spans), spans
+    full, spans = self.text(messages), []
     for i, m in enumerate(messages):
       if m["role"] != "assistant":
         continue
-      start, end = len(self.text(messages[:i], True)), len(self.text(messages[:i + 1]))
-      if not (full.startswith(self.text(messages[:i], True)) and full.startswith(self.text(messages[:i + 1]))):
+      before, through = self.text(messages[:i], True), self.text(messages[:i + 1])
+      if not (full.startswith(before) and full.startswith(through)):
         raise ChatError("template_not_prefix", "the chat template does not render conversations prefix by prefix "
-                        "(the rendering of a prefix is not a prefix of the whole); the assistant spans are unknown")
-      spans.append((start, end))
-      cuts |= {start, end}
-    ids, flags = [], []
-    bounds = sorted(cuts)
-    for a, b in zip(bounds[:-1], bounds[1:]):
-      chunk = self.tokenizer.encode_with_specials(full[a:b])
-      flag = int(any(s <= a and b <= e for s, e in spans))
-      ids += chunk
-      flags += [flag] * len(chunk)
+                        "(the rendering of a prefix is not a prefix of the whole); the assistant spans are unknown "
+                        "unless the template marks them with {% generation %}")
+      turn = full[len(before):len(through)]
+      ends = [turn.rfind(p) + len(p) for p in self._stop_pieces if p and p in turn]
+      spans.append((len(before), len(before) + (max(ends) if ends else len(turn))))
+    return full, spans
+
+  def render(self, messages: Sequence[dict[str, str]]) -> tuple[list[int], list[int]]:
+    full, spans = self.spans(messages)
+    ids, offsets = self.tokenizer.encode_with_offsets(full)
+    # Flagged when the token's text overlaps a span; a zero-width token counts as the character it sits on.
+    flags = [int(any(s < end and max(e, s + 1) > start for start, end in spans)) for s, e in offsets]
     return ids, flags
 
   def prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
     return self.tokenizer.encode_with_specials(self.text(messages, True))
+
+
+# The {% generation %} tracker of the render in progress: (blocks rendered so far, spans), or None.
+_TRACKER: contextvars.ContextVar = contextvars.ContextVar("meshlm_chat_generation", default=None)
+
+
+def _jinja_environment():
+  """The sandboxed jinja2 environment transformers renders chat templates in (its chat_template_utils): trim
+  and lstrip blocks, loop controls, raise_exception, strftime_now, a tojson that keeps non-ASCII text, and the
+  {% generation %} tag recording where its body lands in the output."""
+  import jinja2  # pylint: disable=g-import-not-at-top
+  from jinja2 import ext, sandbox  # pylint: disable=g-import-not-at-top
+
+  class Generation(ext.Extension):
+    tags = {"generation"}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+      return jinja2.nodes.CallBlock(self.call_method("_track"), [], [], body).set_lineno(lineno)
+
+    def _track(self, caller):
+      text, tracking = caller(), _TRACKER.get()
+      if tracking is not None and tracking[1] is not None:
+        start = len("".join(tracking[0]))
+        tracking[1].append((start, start + len(text)))
+      return text
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+  env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                              extensions=[Generation, "jinja2.ext.loopcontrols"])
+  env.filters["tojson"] = tojson
+  env.globals.update(raise_exception=raise_exception,
+                     strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+  return env
 
 
 def write_chat_template(directory: str, jinja: str) -> None:

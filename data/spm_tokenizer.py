@@ -80,11 +80,26 @@ class Tokenizer:
   def encode_with_specials(self, text: str) -> list[int]:
     """Token ids of `text` in which BOS/EOS/PAD and the reserved control pieces written out as text become their
     single ids (rendered Jinja chat templates); `encode` never does this, so user text cannot produce them."""
-    specials = [self.id_to_piece(i) for i in (self.bos_id, self.eos_id, self.pad_id)] + list(RESERVED)
-    ids = []
+    return self.encode_with_offsets(text)[0]
+
+  def encode_with_offsets(self, text: str, specials: Sequence[str] | None = None
+                          ) -> tuple[list[int], list[tuple[int, int]]]:
+    """`encode_with_specials`' ids and each id's (start, end) character span in `text` (the bytes of one
+    character share its span). `specials`: the pieces matched as single ids (default BOS/EOS/PAD and RESERVED;
+    the model's user-defined pieces are matched by SentencePiece itself)."""
+    if specials is None:
+      specials = [self.id_to_piece(i) for i in (self.bos_id, self.eos_id, self.pad_id)] + list(RESERVED)
+    ids, offsets, start = [], [], 0
     for part in split_specials(text, specials):
-      ids += [self._sp.piece_to_id(part)] if part in specials else self.encode(part)
-    return ids
+      if part in specials:
+        ids.append(self._sp.piece_to_id(part))
+        offsets.append((start, start + len(part)))
+      else:
+        out = self._sp.encode(part, return_type="offset_mapping")
+        ids += out["ids"]
+        offsets += [(start + a, start + b) for a, b in _char_spans(out["offsets"])]
+      start += len(part)
+    return ids, offsets
 
   def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
     """Token ids of each text (no BOS/EOS)."""
@@ -99,6 +114,16 @@ class Tokenizer:
 
   def id_to_piece(self, i: int) -> str:
     return self._sp.id_to_piece(int(i))
+
+
+def _char_spans(offsets) -> list[tuple[int, int]]:
+  """SentencePiece offsets with the byte pieces of one character, which it gives empty spans before the last,
+  widened to that character's span."""
+  spans = [tuple(o) for o in offsets]
+  for k in range(len(spans) - 2, -1, -1):
+    if spans[k][0] == spans[k][1] and spans[k + 1][0] == spans[k][0]:
+      spans[k] = spans[k + 1]
+  return spans
 
 
 def split_specials(text: str, specials: Sequence[str]) -> list[str]:

@@ -94,6 +94,12 @@ def load(path: str):
   return Tokenizer.load(path)
 
 
+def prompt_ids(tokenizer, ids: list[int]) -> list[int]:
+  """A text's ids as the model sees a prompt: BOS first where the family's tokenizer adds it (meshlm's and Llama's
+  do; Qwen's has no BOS: `add_bos_token` False), as transformers' tokenizer(text) gives them."""
+  return ([tokenizer.bos_id] if getattr(tokenizer, "add_bos_token", True) else []) + list(ids)
+
+
 def expected_vocab_size(config) -> int:
   """The tokenizer vocabulary size a run needs: config.data.tokenizer_vocab_size, or model.vocab_size if 0."""
   return config.data.tokenizer_vocab_size or config.model.vocab_size

@@ -9,7 +9,9 @@ one segment see each other in both directions, the prefix-LM of Raffel et al. 20
 optionally branch_BT (int: 0 = the shared trunk of a row's segment; a token of branch b > 0 sees the trunk and
 branch b only, so several continuations of one prompt are scored in one row without seeing each other: tree
 attention, evals/requests.py).
-They return the context o_BTHK in q's dtype; scores and softmax statistics are float32.
+They return the context o_BTHK in q's dtype; scores and softmax statistics are float32. `softcap` (> 0,
+model.attn_logit_softcap; Gemma 2) turns the scaled scores s into softcap * tanh(s / softcap) before the mask; xla,
+blockwise, splash and the cached decode take it, jax.nn.dot_product_attention (dot_product, cudnn) cannot.
 
 - `xla_attention`: the reference, materialises [B, H, T, S] scores.
 - `dot_product_attention`: `jax.nn.dot_product_attention`; on GPUs in half precision it tries cuDNN and, where
@@ -86,7 +88,7 @@ def _group(q_BTHK, num_kv_heads):
 
 
 def xla_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, causal: bool = True, prefix_BT=None,
-                  branch_BT=None, query_block: int = 0):
+                  branch_BT=None, query_block: int = 0, softcap: float = 0.0):
   """Reference attention with an explicit [B, G, R, T, S] score tensor (R = H // G query heads per kv head).
 
   With `query_block` b > 0 and T > b, causal self-attention without prefixes splits the queries into
@@ -99,7 +101,8 @@ def xla_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, causal: bool
   mask_BTS = mask_fn(jnp.arange(T), jnp.arange(S), segment_ids_BT, segment_ids_BT, window, causal, prefix_BT,
                      prefix_BT, branch_BT, branch_BT)
   whole = not causal or prefix_BT is not None or T != S or axes.mesh_size(axes.LENGTH) > 1
-  return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, None if whole else query_blocks(T, query_block))
+  return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, None if whole else query_blocks(T, query_block),
+                           softcap)
 
 
 def query_blocks(T: int, query_block: int) -> list[int] | None:
@@ -111,7 +114,7 @@ def query_blocks(T: int, query_block: int) -> list[int] | None:
   return [T * i // n for i in range(n + 1)]
 
 
-def cached_attention(q_BTHK, k_BSGK, v_BSGK, index, start_B, window=0):
+def cached_attention(q_BTHK, k_BSGK, v_BSGK, index, start_B, window=0, softcap: float = 0.0):
   """Queries at cache slots [index, index + T) against a KV cache of S slots holding them (see model.kv_cache):
   a decode step (T = 1) or a chunk of a prompt (T > 1, its keys/values already written at those slots).
 
@@ -124,12 +127,20 @@ def cached_attention(q_BTHK, k_BSGK, v_BSGK, index, start_B, window=0):
   slots_S = jnp.arange(S)
   real_BS = (slots_S[None, :] >= start_B[:, None]).astype(jnp.int32)
   mask_BTS = mask_fn(index + jnp.arange(T), slots_S, jnp.ones(q_BTHK.shape[:2], jnp.int32), real_BS, window)
-  return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS)
+  return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, softcap=softcap)
 
 
-def _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, bounds=None):
+def cap_scores(s, softcap: float):
+  """softcap * tanh(s / softcap) (float32 scores; Gemma 2's attention logit soft-capping); s itself for 0."""
+  if not softcap:
+    return s
+  cap = jnp.float32(softcap)
+  return jnp.tanh(s / cap) * cap
+
+
+def _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, bounds=None, softcap: float = 0.0):
   """Masked softmax attention; `bounds` (query block edges 0 = b_0 < ... < b_n = T, T == S, causal masks only):
-  queries [b_i, b_i+1) against keys [0, b_i+1)."""
+  queries [b_i, b_i+1) against keys [0, b_i+1); `softcap` > 0 caps the scaled scores (`cap_scores`)."""
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1:3]
   R = H // G
@@ -145,6 +156,7 @@ def _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, bounds=None):
     q_BGMK = q_BGRTK[:, :, :, a:e].reshape(B, G, R * t, K)
     s_BGMS = jnp.einsum("bgmk,bgsk->bgms", q_BGMK, k_BGSK[:, :, :s], preferred_element_type=jnp.float32) / jnp.sqrt(
         jnp.float32(K))
+    s_BGMS = cap_scores(s_BGMS, softcap)
     s_BGRTS = jnp.where(mask_BTS[:, None, None, a:e, :s], s_BGMS.reshape(B, G, R, t, s), _NEG)
     p_BGMS = softmax(s_BGRTS).reshape(B, G, R * t, s)
     o_BGMK = jnp.einsum("bgms,bgsk->bgmk", p_BGMS.astype(v_BSGK.dtype), v_BGSK[:, :, :s],
@@ -260,12 +272,13 @@ def cudnn_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, causal: bo
 AUTO_CPU = "xla"
 
 
-def auto_impl(platform: str, dtype, head_dim: int) -> str:
+def auto_impl(platform: str, dtype, head_dim: int, softcap: float = 0.0) -> str:
   """`model.attention_impl=auto`'s choice for `platform` ("cpu", "gpu", "tpu"), compute `dtype` and `head_dim`:
-  splash on TPUs, cudnn on GPUs where cuDNN takes the dtype and head_dim (half precision), else xla."""
+  splash on TPUs, cudnn on GPUs where cuDNN takes the dtype and head_dim (half precision) and no `softcap`
+  (model.attn_logit_softcap, which cuDNN cannot apply) is set, else xla."""
   if platform == "tpu":
     return "splash"
-  if platform == "gpu" and cudnn_problem(platform, dtype, head_dim) is None:
+  if platform == "gpu" and not softcap and cudnn_problem(platform, dtype, head_dim) is None:
     return "cudnn"
   return AUTO_CPU if platform == "cpu" else "xla"
 
@@ -279,7 +292,7 @@ def resolve_impl(cfg, platform: str) -> str:
   """
   impl = cfg.attention_impl
   if impl == "auto":
-    return auto_impl(platform, cfg.dtype, cfg.head_dim)
+    return auto_impl(platform, cfg.dtype, cfg.head_dim, cfg.attn_logit_softcap)
   if impl == "splash":
     splash_lib.check_platform(cfg.pallas_interpret, platform)
   elif impl == "cudnn":
@@ -334,7 +347,7 @@ def _block_visible(i, j, bq, bk, window, causal=True):
 
 
 def blockwise_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_size: int = 512,
-                        causal: bool = True, prefix_BT=None, branch_BT=None):
+                        causal: bool = True, prefix_BT=None, branch_BT=None, softcap: float = 0.0):
   """Flash-style attention: O(T * block) memory in forward and backward; same values as `xla_attention`."""
   B, T, H, K = q_BTHK.shape
   blk = min(block_size, T)
@@ -351,7 +364,7 @@ def blockwise_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_
   if has_branch:
     tree = tree + 2 * branch_BT.astype(jnp.int32)
   tree = _pad_to(tree, Tp, 1)
-  o = _flash(q, k, v, seg_BT, window, tree, blk, causal and not has_prefix, has_prefix, has_branch)
+  o = _flash(q, k, v, seg_BT, window, tree, blk, causal and not has_prefix, has_prefix, has_branch, float(softcap))
   return o[:, :T]
 
 
@@ -367,11 +380,12 @@ def _merge_blocks(x):
   return jnp.moveaxis(x, 0, 1).reshape(B, n * blk, *x.shape[3:])
 
 
-def _scores(q_BQGRK, k_BSGK, scale):
-  return jnp.einsum("bqgrk,bsgk->bgrqs", q_BQGRK, k_BSGK, preferred_element_type=jnp.float32) * scale
+def _scores(q_BQGRK, k_BSGK, scale, softcap: float = 0.0):
+  return cap_scores(jnp.einsum("bqgrk,bsgk->bgrqs", q_BQGRK, k_BSGK, preferred_element_type=jnp.float32) * scale,
+                    softcap)
 
 
-def _flash_forward(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch):
+def _flash_forward(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch, softcap):
   """Returns o_BTHK (q dtype) and the row logsumexp lse_BGRT (float32)."""
   B, T, H, K = q.shape
   G = k.shape[2]
@@ -388,7 +402,7 @@ def _flash_forward(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, ha
 
       def compute(carry):
         m, l, acc = carry
-        s = _scores(q_BQGRK, k_BSGK, scale)
+        s = _scores(q_BQGRK, k_BSGK, scale, softcap)
         mask = _block_mask(i, j, blk, segq_BQ, segk_BS, window, causal, has_prefix, has_branch, treeq_BQ, treek_BS)
         s = jnp.where(mask, s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
@@ -423,17 +437,17 @@ def _block_mask(i, j, blk, segq_BQ, segk_BS, window, causal, has_prefix, has_bra
                  *prefixes, *branches)[:, None, None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _flash(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch):
-  return _flash_forward(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _flash(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch, softcap):
+  return _flash_forward(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch, softcap)[0]
 
 
-def _flash_fwd(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch):
-  o, lse = _flash_forward(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch)
+def _flash_fwd(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch, softcap):
+  o, lse = _flash_forward(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch, softcap)
   return o, (q, k, v, seg_BT, window, tree_BT, o, lse)
 
 
-def _flash_bwd(blk, causal, has_prefix, has_branch, res, do_BTHK):
+def _flash_bwd(blk, causal, has_prefix, has_branch, softcap, res, do_BTHK):
   q, k, v, seg_BT, window, tree_BT, o, lse_BGRT = res
   B, T, H, K = q.shape
   G = k.shape[2]
@@ -457,12 +471,14 @@ def _flash_bwd(blk, causal, has_prefix, has_branch, res, do_BTHK):
 
       def compute(carry):
         dk, dv = carry
-        s = _scores(q_BQGRK, k_BSGK, scale)
+        s = _scores(q_BQGRK, k_BSGK, scale, softcap)
         mask = _block_mask(i, j, blk, segq_BQ, segk_BS, window, causal, has_prefix, has_branch, treeq_BQ, treek_BS)
         p = jnp.where(mask, jnp.exp(s - lse_BGRQ[..., None]), 0.0)
         dv = dv + jnp.einsum("bgrqs,bqgrk->bsgk", p, do_BQGRK.astype(jnp.float32))
         dp = jnp.einsum("bqgrk,bsgk->bgrqs", do_BQGRK, v_BSGK, preferred_element_type=jnp.float32)
         ds = p * (dp - d_BGRQ[..., None]) * scale
+        if softcap:  # d(c tanh(u / c)) / du = 1 - tanh^2 = 1 - (s / c)^2 of the capped score s
+          ds = ds * (1 - jnp.square(s / jnp.float32(softcap)))
         dq = jnp.einsum("bgrqs,bsgk->bqgrk", ds, k_BSGK.astype(jnp.float32))
         dk = dk + jnp.einsum("bgrqs,bqgrk->bsgk", ds, q_BQGRK.astype(jnp.float32))
         return (dk, dv), dq
@@ -490,26 +506,32 @@ IMPLEMENTATIONS = {"xla": xla_attention, "dot_product": dot_product_attention, "
 
 def attend(impl: str, q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_size: int = 512,
            causal: bool = True, prefix_BT=None, branch_BT=None, query_block: int = 0,
-           splash_options: splash_lib.SplashOptions | None = None):
+           splash_options: splash_lib.SplashOptions | None = None, softcap: float = 0.0):
   """Dispatches to the implementation named by `model.attention_impl` (`query_block`: `xla_attention`'s;
-  `splash_options`: the splash kernel's, model.splash.options(cfg)).
+  `splash_options`: the splash kernel's, model.splash.options(cfg), whose soft_cap must equal `softcap`).
 
   Splash masks are static, so prefix-LM and tree masks (prefix_BT, branch_BT) run the blockwise kernel instead,
   which says so once. "auto" (models resolve it when built: `resolve_impl`) is `auto_impl` of the platform being
   compiled for and q's dtype and head_dim.
   """
   if impl == "auto":
-    impl = auto_impl(splash_lib.target_platform(), q_BTHK.dtype, q_BTHK.shape[-1])
+    impl = auto_impl(splash_lib.target_platform(), q_BTHK.dtype, q_BTHK.shape[-1], softcap)
   if impl == "splash":
     if prefix_BT is None and branch_BT is None:
-      return splash_lib.splash_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, causal,
-                                         splash_options or splash_lib.SplashOptions())
+      opts = splash_options or splash_lib.SplashOptions(soft_cap=float(softcap) if softcap else None)
+      if (opts.soft_cap or 0.0) != softcap:
+        raise ValueError(f"splash options cap scores at {opts.soft_cap} but model.attn_logit_softcap={softcap}")
+      return splash_lib.splash_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, causal, opts)
     report_once("attention_impl=splash: prefix or tree masks are not static block masks; running blockwise "
                  "attention for them", logging.WARNING)
     impl = "blockwise"
   if impl == "blockwise":
     return blockwise_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, block_size, causal, prefix_BT,
-                               branch_BT)
+                               branch_BT, softcap)
   if impl == "xla":
-    return xla_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, causal, prefix_BT, branch_BT, query_block)
+    return xla_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, causal, prefix_BT, branch_BT, query_block,
+                         softcap)
+  if softcap:
+    raise ValueError(f"model.attn_logit_softcap={softcap} with model.attention_impl={impl!r}: "
+                     "jax.nn.dot_product_attention cannot cap scores; use auto, xla, blockwise or splash")
   return IMPLEMENTATIONS[impl](q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, causal, prefix_BT, branch_BT)

@@ -10,7 +10,9 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 CHOICES = {
     "mlp_type": ("swiglu", "geglu", "gelu"),
     "norm_type": ("rmsnorm", "layernorm"),
-    "rope_scaling": ("none", "llama3"),
+    "rope_scaling": ("none", "llama3", "linear", "dynamic", "yarn"),
+    "qk_norm": ("none", "head", "proj"),
+    "norm_position": ("pre", "sandwich", "post"),
     "block_type": ("sequential", "parallel"),
     "attention_impl": ("auto", "xla", "dot_product", "blockwise", "splash", "cudnn"),
     "dtype": tuple(DTYPES),
@@ -24,7 +26,12 @@ QUANT_LAYERS = ("attn", "mlp")
 _POSITIVE_INTS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
                   "max_seq_len", "attention_block_size", "rope_original_max_len", "mup_base_width", "scan_unroll")
 _POSITIVE_FLOATS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
-                    "rope_high_freq_factor")
+                    "rope_high_freq_factor", "rope_yarn_beta_fast", "rope_yarn_beta_slow")
+# Numbers where 0 means "off" (or "the default rule"), refused below 0.
+_OFF_OR_POSITIVE_FLOATS = ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "rope_local_theta",
+                           "rope_attention_factor")
+_BOOLS = ("qkv_bias", "norm_offset", "embed_scale", "rope_yarn_truncate")
+LAYER_TYPES = ("sliding", "full")  # entries of model.layer_types
 
 _MOE_KEYS = ("experts_per_token", "moe_every", "num_shared_experts", "expert_mlp_dim", "capacity_factor", "router",
              "moe_impl")
@@ -37,7 +44,8 @@ SPLASH_GRANULE = 128  # the TPU's lane width: the kernel's key blocks are multip
 # MEGABLOX_GRANULE.
 MEGABLOX_TILE_KEYS = ("megablox_tile_m", "megablox_tile_k", "megablox_tile_n")
 MEGABLOX_GRANULE = 128  # the TPU's lane width: the kernels' tiles are multiples of it
-_LLAMA3_ROPE_KEYS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
+_LLAMA3_ROPE_KEYS = ("rope_low_freq_factor", "rope_high_freq_factor")
+_YARN_ROPE_KEYS = ("rope_yarn_beta_fast", "rope_yarn_beta_slow", "rope_attention_factor", "rope_yarn_truncate")
 # Keys that act only under a condition: (key, condition, acts(model config) -> bool, or None when the platform
 # decides: model.attention_impl=auto, which the Trainer checks once it is known; why). The config checks
 # (configs/validate.py, which reads this table: the model imports nothing from configs) refuse one set away from
@@ -47,6 +55,14 @@ CONDITIONAL_KEYS = (
       for k in _MOE_KEYS),
     *((k, "model.rope_scaling='llama3'", lambda c: c.rope_scaling == "llama3", "a parameter of Llama 3.1 scaling")
       for k in _LLAMA3_ROPE_KEYS),
+    ("rope_scaling_factor", "model.rope_scaling is llama3, linear, dynamic or yarn",
+     lambda c: c.rope_scaling != "none", "the factor of RoPE scaling"),
+    ("rope_original_max_len", "model.rope_scaling is llama3, dynamic or yarn",
+     lambda c: c.rope_scaling in ("llama3", "dynamic", "yarn"), "the context length RoPE scaling extends"),
+    *((k, "model.rope_scaling='yarn'", lambda c: c.rope_scaling == "yarn", "a parameter of YaRN scaling")
+      for k in _YARN_ROPE_KEYS),
+    ("rope_local_theta", "some layer has a window (model.sliding_window > 0, and a 'sliding' entry in "
+     "model.layer_types when set)", lambda c: any(layer_windows(c)), "it is the RoPE base of the sliding layers"),
     ("mup_base_width", "model.parametrization='mup'", lambda c: c.parametrization == "mup",
      "standard parametrization has no base width"),
     ("attention_block_size", "model.attention_impl='blockwise'", lambda c: c.attention_impl == "blockwise",
@@ -108,15 +124,35 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.norm_type = "rmsnorm"  # rmsnorm | layernorm (pre-norm in both cases)
   c.norm_eps = 1e-5  # epsilon inside the normalisation
   c.use_bias = False  # biases on every projection (off in Llama-style models; on only for comparison)
+  c.qkv_bias = False  # biases on the q, k, v projections only (Qwen2/2.5; params q_bias, k_bias, v_bias)
+  c.qk_norm = "none"  # none | head (RMSNorm of each q/k head over head_dim, one [K] scale: Qwen3, Gemma 3) | proj
+  # (RMSNorm over the whole q and k projections, scales [H, K] and [G, K]: OLMo 2); after the biases, before RoPE
+  c.norm_offset = False  # every norm multiplies by (1 + scale), scales initialised to 0 (Gemma)
+  c.norm_position = "pre"  # pre: x + f(norm x) | sandwich: x + post_norm(f(norm x)) (Gemma 2/3) | post:
+  # x + post_norm(f(x)) (OLMo 2); for both sublayers; the final norm stays in all three
+  c.embed_scale = False  # embedding output times sqrt(d_model), the constant in the compute dtype (Gemma)
+  c.attn_logit_softcap = 0.0  # > 0: attention scores cap * tanh(scores / cap), after scaling (Gemma 2); 0 = off
+  c.final_logit_softcap = 0.0  # > 0: output logits cap * tanh(logits / cap), float32 (Gemma 2); 0 = off
+  c.query_pre_attn_scalar = 0.0  # > 0: scores scaled by 1/sqrt(this) instead of 1/sqrt(head_dim) (Gemma 2/3)
   c.rope_theta = 10000.0  # RoPE base frequency
-  c.rope_scaling = "none"  # none | llama3 (Llama-3.1 frequency scaling; parameters below)
-  c.rope_scaling_factor = 8.0  # llama3 scaling: factor
+  c.rope_scaling = "none"  # none | llama3 (Llama 3.1) | linear (frequencies / factor) | dynamic (NTK: the base
+  # grows once the input is longer than rope_original_max_len) | yarn (YaRN); model/rope.py, parameters below
+  c.rope_scaling_factor = 8.0  # llama3, linear, dynamic, yarn scaling: factor
   c.rope_low_freq_factor = 1.0  # llama3 scaling: low_freq_factor
   c.rope_high_freq_factor = 4.0  # llama3 scaling: high_freq_factor
-  c.rope_original_max_len = 8192  # llama3 scaling: original_max_position_embeddings
+  c.rope_original_max_len = 8192  # llama3, yarn: original_max_position_embeddings; dynamic: the length past which
+  # the base grows (Hugging Face's max_position_embeddings)
+  c.rope_yarn_beta_fast = 32.0  # yarn: beta_fast (rotations where the ramp to interpolation starts)
+  c.rope_yarn_beta_slow = 1.0  # yarn: beta_slow (rotations where it ends)
+  c.rope_attention_factor = 0.0  # yarn: factor on cos and sin; 0 = YaRN's 0.1 * ln(rope_scaling_factor) + 1
+  c.rope_yarn_truncate = True  # yarn: round the ramp's ends to whole dimensions (Hugging Face's `truncate`)
+  c.rope_local_theta = 0.0  # > 0: RoPE base of the layers with a window, unscaled (Gemma 3: 10000); 0 = every layer
+  # uses rope_theta and rope_scaling
   c.max_seq_len = 4096  # longest sequence the model is configured for (HF max_position_embeddings)
   c.sliding_window = 0  # attention window in tokens (a token sees itself and window-1 before it); 0 = full causal; < 0 invalid
   c.global_every = 0  # with a window: every k-th layer (k-1, 2k-1, ...) attends globally; 0 = all layers windowed
+  c.layer_types = ()  # () = sliding_window / global_every decide; else "sliding" | "full" per layer, the tuple
+  # repeated over the layers (its length divides num_layers): sliding layers attend within sliding_window
   c.block_type = "sequential"  # sequential | parallel (GPT-J/PaLM: x + attn(norm x) + mlp(norm x))
   c.tie_embeddings = False  # share the input embedding with the output projection
   c.scan_layers = True  # stack layer parameters and lax.scan over them (compile time independent of depth)
@@ -197,6 +233,7 @@ def validate(cfg: Mapping[str, Any]) -> ml_collections.ConfigDict:
   _validate_splash(c)
   if not isinstance(c.global_every, int) or c.global_every < 0:
     raise ValueError(f"model.global_every={c.global_every!r} must be >= 0 (0 = every layer windowed)")
+  _validate_families(c)
   if c.rope_scaling == "llama3" and c.rope_high_freq_factor <= c.rope_low_freq_factor:
     raise ValueError(f"model.rope_high_freq_factor={c.rope_high_freq_factor} must exceed "
                      f"model.rope_low_freq_factor={c.rope_low_freq_factor} for llama3 rope scaling")
@@ -215,6 +252,47 @@ def validate(cfg: Mapping[str, Any]) -> ml_collections.ConfigDict:
                      "(a token sees window-1 tokens before it); use sliding_window=0 for a bidirectional encoder")
   _validate_moe(c)
   return c
+
+
+def _validate_families(c: ml_collections.ConfigDict) -> None:
+  """The keys that make the one transformer a Qwen, Gemma or OLMo model (softcaps, qk norms, layer types...)."""
+  for k in _OFF_OR_POSITIVE_FLOATS:
+    if not isinstance(c[k], (int, float)) or isinstance(c[k], bool) or not c[k] >= 0:
+      raise ValueError(f"model.{k}={c[k]!r} must be a number >= 0 (0 = off)")
+  for k in _BOOLS:
+    if not isinstance(c[k], bool):
+      raise ValueError(f"model.{k}={c[k]!r} must be True or False")
+  types = c.layer_types
+  if isinstance(types, str) or not isinstance(types, (tuple, list)) or any(t not in LAYER_TYPES for t in types):
+    raise ValueError(f"model.layer_types={types!r} must be a tuple of {' / '.join(LAYER_TYPES)} entries (or () "
+                     "to let model.sliding_window and model.global_every decide)")
+  if types:
+    if c.num_layers % len(types):
+      raise ValueError(f"model.layer_types has {len(types)} entries, which do not divide model.num_layers="
+                       f"{c.num_layers}: the tuple is repeated over the layers (give one entry per layer, or a "
+                       "pattern whose length divides num_layers)")
+    if c.global_every:
+      raise ValueError(f"model.layer_types with model.global_every={c.global_every}: both choose the global layers; "
+                       "mark them 'full' in layer_types and leave global_every=0")
+    if "sliding" in types and not c.sliding_window:
+      raise ValueError("model.layer_types has 'sliding' layers but model.sliding_window=0: set the window they "
+                       "attend within (tokens)")
+  if c.attn_logit_softcap and c.attention_impl in ("cudnn", "dot_product"):
+    raise ValueError(f"model.attn_logit_softcap={c.attn_logit_softcap} with model.attention_impl="
+                     f"{c.attention_impl!r}: jax.nn.dot_product_attention (and cuDNN through it) cannot cap scores; "
+                     "use auto (xla on GPUs then), xla, blockwise or splash")
+  if c.query_pre_attn_scalar and c.parametrization == "mup":
+    raise ValueError(f"model.query_pre_attn_scalar={c.query_pre_attn_scalar} with model.parametrization='mup': "
+                     "both set the score scale (muP: 1/head_dim); drop one")
+  if c.norm_position != "pre" and c.block_type == "parallel":
+    raise ValueError(f"model.norm_position={c.norm_position!r} with model.block_type='parallel': the parallel block "
+                     "shares one pre-norm; use norm_position='pre' or block_type='sequential'")
+  if c.rope_scaling == "yarn" and c.rope_yarn_beta_fast < c.rope_yarn_beta_slow:
+    raise ValueError(f"model.rope_yarn_beta_fast={c.rope_yarn_beta_fast} must be >= model.rope_yarn_beta_slow="
+                     f"{c.rope_yarn_beta_slow}: the ramp runs from the fast to the slow boundary")
+  if c.rope_scaling == "dynamic" and c.head_dim == 2:
+    raise ValueError("model.rope_scaling='dynamic' with model.head_dim=2: the NTK exponent head_dim/(head_dim-2) "
+                     "is undefined; use a larger head_dim")
 
 
 def _validate_splash(c: ml_collections.ConfigDict) -> None:
@@ -268,7 +346,12 @@ def layers_per_unit(c: ml_collections.ConfigDict) -> int:
 
 
 def layer_windows(c: ml_collections.ConfigDict) -> tuple[int, ...]:
-  """Attention window per layer in tokens (0 = global/full causal), from sliding_window and global_every."""
+  """Attention window per layer in tokens (0 = global/full causal): sliding_window on the "sliding" layers of
+  layer_types (repeated over the layers) when set, else on every layer but the global_every-th ones."""
+  if c.layer_types:
+    types = tuple(c.layer_types) * (c.num_layers // len(c.layer_types))
+    return tuple(c.sliding_window if t == "sliding" else 0 for t in types)
+
   def window(i):
     if c.sliding_window == 0 or (c.global_every and (i + 1) % c.global_every == 0):
       return 0

@@ -15,7 +15,8 @@ def count_params(cfg_model: Mapping[str, Any]) -> dict[str, int]:
   Embedding matrices (Kaplan et al. 2020) are the input table [V, D] and, when untied, the output projection
   [D, V]. "active" = parameters used per token: total minus the (E - k) unchosen experts' weights
   (3 * D * expert_mlp_dim each) in every MoE layer. Shapes come from `nnx.eval_shape` of the real model, so
-  nothing is allocated.
+  nothing is allocated, and every parameter the options create is counted: biases (use_bias, qkv_bias), q/k norms
+  (qk_norm), the post norms of norm_position sandwich/post (and no pre-norms under post).
   """
   from model.transformer import Transformer  # local: transformer imports this package's siblings
   cfg = config_lib.validate(cfg_model)

@@ -1,10 +1,16 @@
-"""Hugging Face interchange for Llama, Mistral and Mixtral: `load(path)`, `save(model, path)`, `config_from_hf`.
+"""Hugging Face interchange for the decoder families meshlm's one transformer expresses: Llama (2, 3.x), Mistral,
+Mixtral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 and OLMo 2. `load(path)`, `save(model, path)`, `config_from_hf`,
+`config_to_hf`.
 
 A Hugging Face directory holds config.json and model.safetensors (or shards listed in model.safetensors.index.json).
-Weights map one to one through one two-way name table (`name_table`): HF Linear weights are [out, in] and are
-transposed/reshaped into meshlm's einsum kernels; Mixtral's per-expert matrices stack into [E, D, F] kernels;
-RoPE uses the same rotate-half convention, so q/k need no permutation. Fields meshlm cannot represent are refused
-with a ValueError naming them. Neither torch nor transformers is needed.
+A family is configuration of the one transformer (`FAMILIES`: the model keys each fixes, e.g. Qwen2's q/k/v
+biases, Gemma's (1 + w) norms, scaled embedding and sandwich norms, OLMo 2's post-norms). `config_from_hf` maps
+every config.json field that changes the function (transformers' defaults for omitted ones) or refuses it with a
+ValueError naming it; `config_to_hf` writes the family's own model_type and architectures. Gemma 3's multimodal
+directories (model_type gemma3) load their text decoder. Weights map one to one through one two-way name table
+(`name_table`): HF Linear weights are [out, in] and are transposed/reshaped into meshlm's einsum kernels;
+Mixtral's per-expert matrices stack into [E, D, F] kernels; RoPE uses the same rotate-half convention, so q/k need
+no permutation. Neither torch nor transformers is needed.
 
 Both directions stream (docs/hf.md): `load` with a mesh builds every parameter sharded, each device's block read
 alone from the memory-mapped files (`model.safetensors_io`); `save` gathers and writes one tensor at a time into
@@ -13,6 +19,7 @@ Hugging Face's sharded layout.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
@@ -28,116 +35,395 @@ from model import safetensors_io
 from model.transformer import Transformer
 
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
-_SUPPORTED_TYPES = ("llama", "mistral", "mixtral")
+
+
+class Family(NamedTuple):
+  """A Hugging Face decoder family as configuration of meshlm's transformer."""
+  architecture: str  # the transformers class written to config.json's `architectures` (AutoModelForCausalLM's)
+  keys: Mapping[str, Any]  # the meshlm keys the family fixes; the other _FAMILY_KEYS keep their defaults
+  windows: str  # "none": no sliding window; "uniform": one window on every layer (or none); "per_layer": layer_types
+  defaults: Mapping[str, Any]  # transformers' defaults of the fields read, for a config.json that omits them
+
+
+# The keys that tell the families apart, at their defaults (Llama's layout).
+_FAMILY_KEYS = {"qkv_bias": False, "qk_norm": "none", "norm_offset": False, "embed_scale": False,
+                "norm_position": "pre"}
+_GEMMA = {"norm_offset": True, "embed_scale": True, "norm_position": "sandwich"}
+# Defaults of transformers 5's config classes (a nested config, as Gemma 3's text_config, is written sparsely).
+_LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "hidden_act": "silu", "max_position_embeddings": 2048,
+                   "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "initializer_range": 0.02,
+                   "rope_theta": 10000.0}
+_MISTRAL_DEFAULTS = {**_LLAMA_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8,
+                     "max_position_embeddings": 131072, "sliding_window": 4096}
+_QWEN_DEFAULTS = {**_LLAMA_DEFAULTS, "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
+                  "max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
+                  "max_window_layers": 28}
+_GEMMA_DEFAULTS = {**_LLAMA_DEFAULTS, "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
+                   "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                   "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192,
+                   "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                   "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0}
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM", {}, "none", _LLAMA_DEFAULTS),
+    "mistral": Family("MistralForCausalLM", {}, "uniform", _MISTRAL_DEFAULTS),
+    "mixtral": Family("MixtralForCausalLM", {}, "uniform",
+                      {**_MISTRAL_DEFAULTS, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "sliding_window": None,
+                       "num_local_experts": 8, "num_experts_per_tok": 2}),
+    "qwen2": Family("Qwen2ForCausalLM", {"qkv_bias": True}, "per_layer", _QWEN_DEFAULTS),
+    "qwen3": Family("Qwen3ForCausalLM", {"qk_norm": "head"}, "per_layer", {**_QWEN_DEFAULTS, "head_dim": 128}),
+    "gemma2": Family("Gemma2ForCausalLM", _GEMMA, "per_layer", _GEMMA_DEFAULTS),
+    "gemma3_text": Family("Gemma3ForCausalLM", {**_GEMMA, "qk_norm": "head"}, "per_layer",
+                          {**_GEMMA_DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072,
+                           "final_logit_softcapping": None, "attn_logit_softcapping": None, "rope_theta": 1e6,
+                           "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6}),
+    "olmo2": Family("Olmo2ForCausalLM", {"norm_position": "post", "qk_norm": "proj"}, "none",
+                    {**_LLAMA_DEFAULTS, "vocab_size": 50304, "rms_norm_eps": 1e-5}),
+}
+_WRAPPERS = {"gemma3": "gemma3_text"}  # multimodal model_type -> its text decoder's, nested under text_config
+_HF_KINDS = {"sliding_attention": "sliding", "full_attention": "full"}  # layer_types entries -> meshlm's
 
 
 def _refuse(field, value, why):
   raise ValueError(f"Hugging Face config field {field}={value!r} is not supported by meshlm: {why}")
 
 
-def _rope_fields(hf: Mapping[str, Any]) -> dict:
-  """meshlm rope keys from transformers 5 `rope_parameters` or the 4.x `rope_theta` + `rope_scaling` fields."""
-  params = dict(hf.get("rope_parameters") or {})
-  legacy = dict(hf.get("rope_scaling") or {})
-  merged = {**legacy, **params}
-  theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
-  kind = merged.get("rope_type", merged.get("type", "default"))
-  out = {"rope_theta": float(theta), "rope_scaling": "none"}
-  if kind == "llama3":
-    out.update(rope_scaling="llama3", rope_scaling_factor=float(merged["factor"]),
-               rope_low_freq_factor=float(merged["low_freq_factor"]),
-               rope_high_freq_factor=float(merged["high_freq_factor"]),
-               rope_original_max_len=int(merged["original_max_position_embeddings"]))
-  elif kind != "default":
-    field = "rope_parameters.rope_type" if params else "rope_scaling.rope_type"
-    _refuse(field, kind, "only default RoPE and llama3 scaling exist in meshlm (model.rope_scaling)")
-  if merged.get("partial_rotary_factor", 1.0) != 1.0:
-    _refuse("partial_rotary_factor", merged["partial_rotary_factor"], "RoPE rotates the whole head")
-  return out
+def _decoder_config(hf: Mapping[str, Any]) -> tuple[dict, str]:
+  """(the decoder's config dict, its model_type); Gemma 3's multimodal config nests it under text_config, tied to
+  the embedding as the top level says (transformers ties by the outer config)."""
+  model_type = hf.get("model_type")
+  if model_type in _WRAPPERS:
+    text = dict(hf.get("text_config") or {})
+    if text.get("model_type", _WRAPPERS[model_type]) != _WRAPPERS[model_type]:
+      _refuse("text_config.model_type", text["model_type"], f"{model_type}'s decoder is {_WRAPPERS[model_type]}")
+    text["tie_word_embeddings"] = hf.get("tie_word_embeddings", True)
+    return text, _WRAPPERS[model_type]
+  if model_type not in FAMILIES:
+    _refuse("model_type", model_type, f"meshlm reads {', '.join([*FAMILIES, *_WRAPPERS])}")
+  return dict(hf), model_type
+
+
+def _refuse_unsupported(hf: Mapping[str, Any], model_type: str, get: Callable[[str], Any]) -> None:
+  """ValueError naming a field that changes the function in a way meshlm's transformer cannot follow."""
+  if get("attention_bias") and model_type != "qwen2":  # Qwen2's q/k/v biases are always there (qkv_bias)
+    _refuse("attention_bias", hf["attention_bias"], "meshlm has biases on q, k and v only (Qwen2's layout, "
+            "model.qkv_bias), not on the output projection")
+  if hf.get("mlp_bias"):
+    _refuse("mlp_bias", hf["mlp_bias"], "meshlm's MLPs have no biases")
+  if get("attention_dropout"):
+    _refuse("attention_dropout", hf["attention_dropout"], "meshlm has no dropout")
+  if hf.get("use_bidirectional_attention"):
+    _refuse("use_bidirectional_attention", hf["use_bidirectional_attention"], "meshlm's decoder attends causally")
+  if model_type == "mixtral" and hf.get("router_jitter_noise", 0.0):
+    _refuse("router_jitter_noise", hf["router_jitter_noise"], "meshlm's router has no jitter")
+  if model_type == "gemma3_text" and hf.get("attn_logit_softcapping") is not None:
+    _refuse("attn_logit_softcapping", hf["attn_logit_softcapping"], "transformers' Gemma 3 does not apply it, so "
+            "no model.attn_logit_softcap would give its logits")
+  if hf.get("partial_rotary_factor", 1.0) != 1.0:
+    _refuse("partial_rotary_factor", hf["partial_rotary_factor"], "RoPE rotates the whole head")
+  field = "hidden_activation" if model_type.startswith("gemma") else "hidden_act"
+  if get(field) not in _ACTIVATIONS:
+    _refuse(field, get(field), f"supported: {', '.join(_ACTIVATIONS)}")
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> ml_collections.ConfigDict:
-  """The meshlm `config.model` for a Hugging Face Llama/Mistral config.json dict (validated)."""
-  model_type = hf.get("model_type")
-  if model_type not in _SUPPORTED_TYPES:
-    _refuse("model_type", model_type, f"meshlm reads {', '.join(_SUPPORTED_TYPES)}")
-  for field in ("attention_bias", "mlp_bias"):
-    if hf.get(field):
-      _refuse(field, hf[field], "meshlm's projections have no biases in Llama layout")
-  if hf.get("attention_dropout", 0.0):
-    _refuse("attention_dropout", hf["attention_dropout"], "meshlm has no dropout")
-  act = hf.get("hidden_act", "silu")
-  if act not in _ACTIVATIONS:
-    _refuse("hidden_act", act, f"supported: {', '.join(_ACTIVATIONS)}")
-  layer_types = hf.get("layer_types")
-  if layer_types and len(set(layer_types)) > 1:
-    _refuse("layer_types", layer_types, "mixed sliding/full layers are not mapped from HF configs")
-  heads = int(hf["num_attention_heads"])
+  """The meshlm `config.model` (validated) for a Hugging Face config.json dict of a family in FAMILIES, or of
+  Gemma 3's multimodal model (its text decoder). A field meshlm cannot represent raises ValueError naming it."""
+  hf, model_type = _decoder_config(hf)
+  family = FAMILIES[model_type]
+  get = lambda field: hf.get(field, family.defaults.get(field))
+  _refuse_unsupported(hf, model_type, get)
+  heads, d_model, num_layers = int(get("num_attention_heads")), int(get("hidden_size")), int(get("num_hidden_layers"))
   cfg = config_lib.default_model_config()
-  window = hf.get("sliding_window") if model_type in ("mistral", "mixtral") else None
+  cfg.update(family.keys)
   if model_type == "mixtral":
-    if hf.get("router_jitter_noise", 0.0):
-      _refuse("router_jitter_noise", hf["router_jitter_noise"], "meshlm's router has no jitter")
-    cfg.update(num_experts=int(hf.get("num_local_experts", 8)), experts_per_token=int(hf.get("num_experts_per_tok", 2)),
-               expert_mlp_dim=int(hf["intermediate_size"]), moe_every=1, num_shared_experts=0, capacity_factor=0.0,
+    cfg.update(num_experts=int(get("num_local_experts")), experts_per_token=int(get("num_experts_per_tok")),
+               expert_mlp_dim=int(get("intermediate_size")), moe_every=1, num_shared_experts=0, capacity_factor=0.0,
                router="topk_softmax")
+  if model_type.startswith("gemma"):
+    cfg.update(query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
+               final_logit_softcap=float(get("final_logit_softcapping") or 0.0),
+               attn_logit_softcap=float(get("attn_logit_softcapping") or 0.0))  # Gemma 3's is refused when set
+  kinds, window = _layer_kinds(hf, model_type, get, num_layers)
   cfg.update(
-      vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
-      num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-      head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads), mlp_dim=int(hf["intermediate_size"]),
-      mlp_type=_ACTIVATIONS[act], norm_type="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      use_bias=False, max_seq_len=int(hf.get("max_position_embeddings", 4096)),
-      sliding_window=int(window or 0), global_every=0, block_type="sequential",
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      init_std=float(hf.get("initializer_range", 0.02)), **_rope_fields(hf))
+      vocab_size=int(get("vocab_size")), d_model=d_model, num_layers=num_layers, num_heads=heads,
+      num_kv_heads=int(get("num_key_value_heads") or heads), head_dim=int(get("head_dim") or d_model // heads),
+      mlp_dim=int(get("intermediate_size")),
+      mlp_type=_ACTIVATIONS[get("hidden_activation" if model_type.startswith("gemma") else "hidden_act")],
+      norm_type="rmsnorm", norm_eps=float(get("rms_norm_eps")), use_bias=False,
+      max_seq_len=int(get("max_position_embeddings")), global_every=0, block_type="sequential",
+      tie_embeddings=bool(get("tie_word_embeddings")), init_std=float(get("initializer_range")),
+      **_window_keys(kinds, window), **_rope_keys(hf, model_type, get, kinds))
   return config_lib.validate(cfg)
 
 
+def _layer_kinds(hf: Mapping[str, Any], model_type: str, get: Callable[[str], Any],
+                 num_layers: int) -> tuple[list[str], int | None]:
+  """Each layer's attention ("sliding" / "full") and the window, as transformers builds them for the family:
+  `layer_types`, else Qwen's use_sliding_window + max_window_layers (layers from max_window_layers on slide), Gemma
+  2's alternation (even layers slide) or Gemma 3's sliding_window_pattern (every pattern-th layer is full)."""
+  windows, qwen = FAMILIES[model_type].windows, model_type in ("qwen2", "qwen3")
+  window = None if windows == "none" else get("sliding_window")
+  if qwen and not get("use_sliding_window"):
+    window = None  # Qwen's config drops the window unless use_sliding_window
+  if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+    _refuse("sliding_window", window, "a window is a positive number of tokens")
+  types = hf.get("layer_types")
+  if windows != "per_layer":
+    if types and len(set(types)) > 1:
+      _refuse("layer_types", types, f"transformers' {model_type} gives every layer the same attention")
+    return ["sliding" if window else "full"] * num_layers, window
+  if types is None and qwen:
+    first = int(get("max_window_layers"))
+    types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(num_layers)]
+  elif types is None:
+    pattern = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern",
+                                                     hf.get("_sliding_window_pattern", get("sliding_window_pattern")))
+    if not isinstance(pattern, int) or pattern < 1:
+      _refuse("sliding_window_pattern", pattern, "a positive number of layers")
+    types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+  if len(types) != num_layers or any(t not in _HF_KINDS for t in types):
+    _refuse("layer_types", types, f"one of {', '.join(_HF_KINDS)} per layer ({num_layers} layers)")
+  kinds = [_HF_KINDS[t] for t in types]
+  if "sliding" in kinds and window is None:
+    _refuse("sliding_window", window, "layer_types has sliding_attention layers but no window is set"
+            + (" (use_sliding_window is false)" if qwen else ""))
+  return kinds, window
+
+
+def _period(kinds: Sequence[str]) -> tuple[str, ...]:
+  """The shortest prefix of `kinds` whose repetition gives `kinds` (model.layer_types repeats its tuple)."""
+  n = len(kinds)
+  return next(tuple(kinds[:p]) for p in range(1, n + 1) if n % p == 0 and list(kinds) == list(kinds[:p]) * (n // p))
+
+
+def _window_keys(kinds: Sequence[str], window: int | None) -> dict:
+  """meshlm sliding_window / layer_types for per-layer kinds: one window everywhere needs no layer_types."""
+  if "sliding" not in kinds:
+    return {"sliding_window": 0, "layer_types": ()}
+  return {"sliding_window": int(window), "layer_types": _period(kinds) if "full" in kinds else ()}
+
+
+def _rope_type(rope: Mapping[str, Any]) -> str:
+  return rope.get("rope_type", rope.get("type", "default"))
+
+
+def _rope_keys(hf: Mapping[str, Any], model_type: str, get: Callable[[str], Any], kinds: Sequence[str]) -> dict:
+  """meshlm rope keys from transformers 5's `rope_parameters` (nested per layer type for Gemma 3) or the 4.x fields
+  (`rope_theta`, `rope_scaling`; Gemma 3's `rope_local_base_freq`), resolved as transformers 5 resolves them."""
+  params = dict(hf.get("rope_parameters") or {})
+  nested = [k for k in params if k in _HF_KINDS]
+  if model_type != "gemma3_text":
+    if nested:
+      _refuse("rope_parameters", params, "RoPE per layer type is Gemma 3's (model.rope_local_theta)")
+    rope = dict(hf.get("rope_scaling") or params)  # transformers 5 takes the 4.x rope_scaling over rope_parameters
+    rope.setdefault("rope_theta", get("rope_theta"))
+    return _scaled_rope(rope, hf, get, "rope_scaling" if hf.get("rope_scaling") else "rope_parameters", flat=True)
+  if params and not nested:
+    _refuse("rope_parameters", params, "Gemma 3's RoPE is nested per layer type ({'full_attention': {...}, "
+            "'sliding_attention': {...}})")
+  full = dict(params.get("full_attention") or {"rope_type": "default"})
+  full.update(hf.get("rope_scaling") or {})  # the 4.x field scales the full layers
+  full.setdefault("rope_theta", get("rope_theta"))
+  local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+  local.setdefault("rope_theta", get("rope_local_base_freq"))
+  out = {"rope_theta": float(full["rope_theta"]), "rope_scaling": "none"}
+  if "full" in kinds:
+    out = _scaled_rope(full, hf, get, "rope_parameters.full_attention", flat=False)
+  if "sliding" in kinds:
+    if _rope_type(local) != "default":
+      _refuse("rope_parameters.sliding_attention.rope_type", _rope_type(local),
+              "meshlm's sliding layers (model.rope_local_theta) use unscaled RoPE")
+    if local.get("partial_rotary_factor", 1.0) != 1.0:
+      _refuse("rope_parameters.sliding_attention.partial_rotary_factor", local["partial_rotary_factor"],
+              "RoPE rotates the whole head")
+    out["rope_local_theta"] = float(local["rope_theta"])
+  return out
+
+
+def _scaled_rope(rope: Mapping[str, Any], hf: Mapping[str, Any], get: Callable[[str], Any], field: str,
+                 flat: bool) -> dict:
+  """meshlm rope_theta / rope_scaling keys for one transformers RoPE dict (`field` names it in errors; `flat`: not
+  nested per layer type, where a top-level original_max_position_embeddings wins, as transformers 5 has it)."""
+  kind = _rope_type(rope)
+  if rope.get("partial_rotary_factor", 1.0) != 1.0:
+    _refuse(f"{field}.partial_rotary_factor", rope["partial_rotary_factor"], "RoPE rotates the whole head")
+  max_len = int(get("max_position_embeddings"))
+  original = int(hf["original_max_position_embeddings"] if flat and "original_max_position_embeddings" in hf
+                 else rope.get("original_max_position_embeddings") or max_len)
+  out = {"rope_theta": float(rope["rope_theta"]), "rope_scaling": "none"}
+  if kind == "linear":
+    out.update(rope_scaling="linear", rope_scaling_factor=float(rope["factor"]))
+  elif kind == "dynamic":  # transformers grows the base past max_position_embeddings (not the original length)
+    out.update(rope_scaling="dynamic", rope_scaling_factor=float(rope["factor"]), rope_original_max_len=max_len)
+  elif kind == "llama3":
+    out.update(rope_scaling="llama3", rope_scaling_factor=float(rope["factor"]),
+               rope_low_freq_factor=float(rope["low_freq_factor"]),
+               rope_high_freq_factor=float(rope["high_freq_factor"]), rope_original_max_len=original)
+  elif kind == "yarn":
+    out.update(_yarn_keys(rope, original, max_len, field, truncate=rope.get("truncate", True) if flat else True))
+  elif kind != "default":
+    _refuse(f"{field}.rope_type", kind, "meshlm's RoPE is default, linear, dynamic, yarn or llama3 "
+            "(model.rope_scaling)")
+  return out
+
+
+def _yarn_keys(rope: Mapping[str, Any], original: int, max_len: int, field: str, truncate: bool) -> dict:
+  """meshlm yarn keys as transformers' `_compute_yarn_parameters` reads its dict (truncate: transformers reads it
+  from the top level of rope_parameters, so a dict nested per layer type always truncates)."""
+  factor = float(rope.get("factor") or max_len / original)  # no factor: the ratio of the two lengths
+  attention = rope.get("attention_factor")
+  if attention is None and rope.get("mscale") and rope.get("mscale_all_dim"):  # DeepSeek's form
+    mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    attention = mscale(rope["mscale"]) / mscale(rope["mscale_all_dim"])
+  if attention is not None and not attention > 0:
+    _refuse(f"{field}.attention_factor", attention, "a positive factor on cos and sin")
+  return dict(rope_scaling="yarn", rope_scaling_factor=factor, rope_original_max_len=original,
+              rope_yarn_beta_fast=float(rope.get("beta_fast") or 32),
+              rope_yarn_beta_slow=float(rope.get("beta_slow") or 1),
+              rope_attention_factor=float(attention or 0.0), rope_yarn_truncate=bool(truncate))
+
+
+def family_of(cfg: Mapping[str, Any]) -> str:
+  """The Hugging Face model_type that holds the model config `cfg`: the family whose keys (FAMILIES) it has; with
+  Llama's layout, Mixtral with experts, Mistral with one window on every layer, else Llama."""
+  have = {k: cfg[k] for k in _FAMILY_KEYS}
+  fits = [t for t, f in FAMILIES.items() if have == {**_FAMILY_KEYS, **f.keys}]
+  if not fits:
+    layouts = "; ".join(f"{t}: {dict(f.keys) or 'the defaults'}" for t, f in FAMILIES.items() if t != "mistral")
+    raise ValueError(f"model {', '.join(f'{k}={v!r}' for k, v in have.items())}: no Hugging Face family has this "
+                     f"layout ({layouts})")
+  if fits[0] != "llama":
+    if cfg["num_experts"]:
+      raise ValueError(f"model.num_experts={cfg['num_experts']} with {fits[0]}'s layout: only Mixtral's (Llama's "
+                       "layout) holds experts in a Hugging Face directory")
+    return fits[0]
+  if cfg["num_experts"]:
+    return "mixtral"
+  return "mistral" if all(config_lib.layer_windows(cfg)) else "llama"
+
+
 def config_to_hf(cfg: Mapping[str, Any]) -> dict:
-  """The config.json dict (Llama; Mistral when a sliding window is set; Mixtral with experts) for a model config."""
+  """The config.json dict for a model config, in the family `family_of` picks, with its model_type and
+  architectures (so AutoModelForCausalLM loads that class). Keys the family cannot hold raise ValueError."""
   cfg = config_lib.validate(cfg)
-  checks = {"norm_type": "rmsnorm", "block_type": "sequential", "use_bias": False, "global_every": 0}
+  checks = {"norm_type": "rmsnorm", "block_type": "sequential", "use_bias": False}
   for key, want in checks.items():
     if cfg[key] != want:
-      raise ValueError(f"model.{key}={cfg[key]!r} has no Hugging Face Llama/Mistral equivalent (needs {want!r})")
+      raise ValueError(f"model.{key}={cfg[key]!r} has no Hugging Face equivalent (needs {want!r})")
   if cfg.mlp_type == "gelu":
-    raise ValueError("model.mlp_type='gelu' has no Hugging Face Llama/Mistral equivalent (swiglu or geglu)")
-  rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-  if cfg.rope_scaling == "llama3":
-    rope.update(rope_type="llama3", factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
-                high_freq_factor=cfg.rope_high_freq_factor,
-                original_max_position_embeddings=cfg.rope_original_max_len)
-  if cfg.num_experts:
+    raise ValueError("model.mlp_type='gelu' has no Hugging Face equivalent (swiglu or geglu)")
+  model_type = family_of(cfg)
+  gemma = model_type.startswith("gemma")
+  _check_family_extras(cfg, model_type)
+  kinds = ["sliding" if w else "full" for w in config_lib.layer_windows(cfg)]
+  hf = {
+      "architectures": [FAMILIES[model_type].architecture], "model_type": model_type,
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_dim,
+      "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+      "hidden_activation" if gemma else "hidden_act": "silu" if cfg.mlp_type == "swiglu" else "gelu_pytorch_tanh",
+      "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+      "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
+      "attention_bias": False, "attention_dropout": 0.0,
+      "torch_dtype": cfg.param_dtype, "dtype": cfg.param_dtype,
+      **_windows_to_hf(cfg, model_type, kinds), **_rope_to_hf(cfg, model_type, kinds),
+  }
+  if gemma:
+    hf.update(query_pre_attn_scalar=_number(cfg.query_pre_attn_scalar or cfg.head_dim),
+              final_logit_softcapping=cfg.final_logit_softcap or None,
+              attn_logit_softcapping=cfg.attn_logit_softcap or None, use_bidirectional_attention=False)
+  if model_type == "llama":
+    hf["mlp_bias"] = False
+  if model_type == "mixtral":
     mixtral = {"moe_every": 1, "num_shared_experts": 0, "capacity_factor": 0.0, "router": "topk_softmax",
                "mlp_type": "swiglu"}
     for key, want in mixtral.items():
       if cfg[key] != want:
         raise ValueError(f"model.{key}={cfg[key]!r} has no Hugging Face Mixtral equivalent (needs {want!r})")
-  model_type = "mixtral" if cfg.num_experts else "mistral" if cfg.sliding_window else "llama"
-  hf = {
-      "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                         "mixtral": "MixtralForCausalLM"}[model_type]],
-      "model_type": model_type, "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-      "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
-      "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-      "hidden_act": "silu" if cfg.mlp_type == "swiglu" else "gelu_pytorch_tanh",
-      "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-      "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
-      "attention_bias": False, "attention_dropout": 0.0,
-      "rope_theta": cfg.rope_theta, "rope_parameters": rope,
-      "torch_dtype": cfg.param_dtype, "dtype": cfg.param_dtype,
-  }
-  if cfg.rope_scaling != "none":
-    hf["rope_scaling"] = rope
-  if model_type == "llama":
-    hf["mlp_bias"] = False
-  else:
-    hf["sliding_window"] = cfg.sliding_window or None
-  if model_type == "mixtral":
     hf.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
               intermediate_size=cfg.expert_mlp_dim or cfg.mlp_dim, router_jitter_noise=0.0,
               output_router_logits=False)
   return hf
+
+
+def _number(x: float) -> int | float:
+  """x as an int when whole (transformers' strict configs type some of these fields int)."""
+  return int(x) if float(x).is_integer() else float(x)
+
+
+def _check_family_extras(cfg, model_type: str) -> None:
+  """ValueError for a key the family's config.json has no field for: Gemma's score scale and softcaps (the
+  attention softcap is Gemma 2's: transformers' Gemma 3 ignores it), Gemma 3's RoPE base of the sliding layers."""
+  gemma = model_type.startswith("gemma")
+  fields = {"attn_logit_softcap": model_type == "gemma2", "final_logit_softcap": gemma,
+            "query_pre_attn_scalar": gemma or cfg.query_pre_attn_scalar == cfg.head_dim}
+  for key, held in fields.items():
+    if cfg[key] and not held:
+      owners = "Gemma 2's" if key == "attn_logit_softcap" else "Gemma 2's and Gemma 3's"
+      raise ValueError(f"model.{key}={cfg[key]} has no field in Hugging Face {model_type}'s config (it is "
+                       f"{owners}); set it to 0 or use that family's layout")
+  if cfg.rope_local_theta and any(config_lib.layer_windows(cfg)) and model_type != "gemma3_text":
+    raise ValueError(f"model.rope_local_theta={cfg.rope_local_theta} has no field in Hugging Face {model_type}'s "
+                     "config: only Gemma 3 gives its sliding layers their own RoPE base")
+  if model_type == "gemma3_text" and cfg.rope_scaling == "yarn" and not cfg.rope_yarn_truncate:
+    raise ValueError("model.rope_yarn_truncate=False has no Hugging Face Gemma 3 equivalent (transformers reads "
+                     "`truncate` from the top of rope_parameters, which Gemma 3 nests per layer type)")
+
+
+def _windows_to_hf(cfg, model_type: str, kinds: Sequence[str]) -> dict:
+  """config.json's window fields for per-layer kinds: Mistral/Mixtral hold one window on every layer, Qwen and
+  Gemma a layer_types list; Llama and OLMo 2 have no window."""
+  windows, sliding = FAMILIES[model_type].windows, "sliding" in kinds
+  if windows != "per_layer" and sliding and ("full" in kinds or windows == "none"):
+    raise ValueError(f"model.sliding_window={cfg.sliding_window} (layer_types={tuple(cfg.layer_types)}, "
+                     f"global_every={cfg.global_every}): Hugging Face {model_type} cannot hold these windows (Llama "
+                     "and OLMo 2 have none, Mistral and Mixtral one on every layer; Qwen and Gemma take a "
+                     "layer_types list)")
+  if windows == "none":
+    return {}
+  if windows == "uniform":
+    return {"sliding_window": cfg.sliding_window if sliding else None}
+  qwen = model_type.startswith("qwen")
+  out = {"layer_types": [f"{k}_attention" for k in kinds],
+         # Gemma builds the sliding mask even with no sliding layer, so it needs some window.
+         "sliding_window": cfg.sliding_window if sliding else None if qwen else cfg.max_seq_len}
+  if qwen:  # transformers 4.x's form (layers from max_window_layers on slide)
+    out.update(use_sliding_window=sliding, max_window_layers=kinds.index("sliding") if sliding else cfg.num_layers)
+  return out
+
+
+def _rope_dict(cfg) -> dict:
+  """transformers' RoPE dict (rope_parameters) for rope_theta and rope_scaling."""
+  rope = {"rope_type": cfg.rope_scaling if cfg.rope_scaling != "none" else "default", "rope_theta": cfg.rope_theta}
+  if cfg.rope_scaling != "none":
+    rope["factor"] = cfg.rope_scaling_factor
+  if cfg.rope_scaling == "llama3":
+    rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                original_max_position_embeddings=cfg.rope_original_max_len)
+  elif cfg.rope_scaling == "yarn":
+    rope.update(original_max_position_embeddings=cfg.rope_original_max_len, beta_fast=cfg.rope_yarn_beta_fast,
+                beta_slow=cfg.rope_yarn_beta_slow, truncate=cfg.rope_yarn_truncate)
+    if cfg.rope_attention_factor:
+      rope["attention_factor"] = cfg.rope_attention_factor
+  elif cfg.rope_scaling == "dynamic" and cfg.rope_original_max_len != cfg.max_seq_len:
+    raise ValueError(f"model.rope_scaling='dynamic' with model.rope_original_max_len={cfg.rope_original_max_len} != "
+                     f"model.max_seq_len={cfg.max_seq_len}: transformers' dynamic scaling grows the base past "
+                     "max_position_embeddings (written from max_seq_len); set them equal")
+  return rope
+
+
+def _rope_to_hf(cfg, model_type: str, kinds: Sequence[str]) -> dict:
+  """config.json's RoPE fields: rope_parameters (and the 4.x rope_theta / rope_scaling); Gemma 3's nested per
+  layer type, its sliding layers on rope_local_theta unscaled (or, without it, like the full ones)."""
+  rope = _rope_dict(cfg)
+  if model_type == "gemma3_text":
+    local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta} if cfg.rope_local_theta else rope
+    return {"rope_parameters": {"full_attention": rope, "sliding_attention": dict(local)}}
+  out = {"rope_theta": cfg.rope_theta, "rope_parameters": rope}
+  if cfg.rope_scaling != "none":
+    out["rope_scaling"] = rope
+  return out
 
 
 def _ranges(index: tuple, shape: Sequence[int]) -> list[range]:
@@ -157,26 +443,34 @@ def _flat_index(ranges: Sequence[range], shape: Sequence[int]):
 class Entry(NamedTuple):
   """One tensor of the two-way name table. `hf` may hold `{i}` (layer) and `{j}` (expert); `path` is the meshlm
   parameter path inside the model (`layers/...` paths: inside one layer; `{j}` entries: one expert's slice).
-  `n_in` = 0: the HF tensor has meshlm's layout; n_in > 0: meshlm's einsum kernel [n_in input dims..., output
+  `n_in` = 0: the HF tensor has meshlm's layout, or with `flat` is it flattened row-major (Qwen2's q/k/v biases,
+  OLMo 2's q/k norms: HF [H*K] for meshlm [H, K]); n_in > 0: meshlm's einsum kernel [n_in input dims..., output
   dims...] is the HF Linear weight [out, in] (the dims of each side flattened row-major)."""
   hf: str
   path: str
   n_in: int
+  flat: bool = False
 
   def hf_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
     """The HF tensor's shape for a meshlm tensor of `shape`."""
+    if self.flat:
+      return (int(np.prod(shape)),)
     if not self.n_in:
       return tuple(shape)
     return (int(np.prod(shape[self.n_in:])), int(np.prod(shape[:self.n_in])))
 
   def to_hf(self, w: np.ndarray) -> np.ndarray:
     """meshlm array -> HF tensor."""
+    if self.flat:
+      return w.reshape(-1)
     return w.reshape(int(np.prod(w.shape[:self.n_in])), -1).T if self.n_in else w
 
   def read(self, reader: safetensors_io.Reader, name: str, shape: Sequence[int], index: tuple) -> np.ndarray:
     """The block `index` (one slice per dim) of the meshlm tensor of `shape` stored as HF tensor `name`, read
     from the files without reading the rest of the tensor (stored dtype)."""
     ranges = _ranges(index, shape)
+    if self.flat:
+      return reader.read(name, (_flat_index(ranges, shape),)).reshape([len(r) for r in ranges])
     if not self.n_in:
       return reader.read(name, tuple(slice(r.start, r.stop, r.step) for r in ranges))
     rows = _flat_index(ranges[self.n_in:], shape[self.n_in:])
@@ -189,43 +483,82 @@ class Entry(NamedTuple):
     return w.T.reshape([len(r) for r in ranges])
 
 
-def name_table(cfg) -> list[Entry]:
+# Per model.norm_position: (HF norm of each layer, meshlm norm). Llama's post_attention_layernorm is the MLP's
+# pre-norm; Gemma's and OLMo 2's normalises the attention output (a post-norm) -- hence one list per position.
+_LAYER_NORMS = {
+    "pre": (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm")),
+    "sandwich": (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "attn_post_norm"),
+                 ("pre_feedforward_layernorm", "mlp_norm"), ("post_feedforward_layernorm", "mlp_post_norm")),
+    "post": (("post_attention_layernorm", "attn_post_norm"), ("post_feedforward_layernorm", "mlp_post_norm")),
+}
+
+
+class Layout(NamedTuple):
+  """Where a checkpoint keeps the decoder: the prefix of its tensors' names and the output projection's name."""
+  prefix: str
+  head: str
+
+
+CAUSAL_LM = Layout("model.", "lm_head.weight")  # *ForCausalLM: what `save` writes
+# Gemma 3's multimodal checkpoints hold the decoder beside a vision tower, which `load` leaves out: the Hub's (and
+# transformers 5's) language_model.model.*, or model.language_model.* as transformers 4.52-4.57 wrote them.
+_LAYOUTS = (CAUSAL_LM, Layout("model.language_model.", "lm_head.weight"),
+            Layout("language_model.model.", "language_model.lm_head.weight"))
+
+
+def name_table(cfg, layout: Layout = CAUSAL_LM) -> list[Entry]:
   """The one table from Hugging Face names to meshlm parameters, used by both `load` and `save`.
 
-  Llama/Mistral MLPs are `mlp.{gate,up,down}_proj`; Mixtral's MoE is `block_sparse_moe.gate` (router [E, D]) and
+  Attention is `self_attn.{q,k,v,o}_proj` (+ `.bias` on q/k/v with model.qkv_bias, `self_attn.{q,k}_norm` with
+  model.qk_norm), the layer norms by model.norm_position (_LAYER_NORMS). Llama/Mistral MLPs are
+  `mlp.{gate,up,down}_proj`; Mixtral's MoE is `block_sparse_moe.gate` (router [E, D]) and
   `block_sparse_moe.experts.{j}.w1/w3/w2` (gate/up [F, D], down [D, F]).
   """
+  layer = layout.prefix + "layers.{i}."
+  attn = layer + "self_attn."
   table = [
-      Entry("model.embed_tokens.weight", "embed/embedding", 0),
-      Entry("model.norm.weight", "final_norm/scale", 0),
-      Entry("model.layers.{i}.self_attn.q_proj.weight", "layers/attn/q", 1),
-      Entry("model.layers.{i}.self_attn.k_proj.weight", "layers/attn/k", 1),
-      Entry("model.layers.{i}.self_attn.v_proj.weight", "layers/attn/v", 1),
-      Entry("model.layers.{i}.self_attn.o_proj.weight", "layers/attn/o", 2),
-      Entry("model.layers.{i}.input_layernorm.weight", "layers/attn_norm/scale", 0),
-      Entry("model.layers.{i}.post_attention_layernorm.weight", "layers/mlp_norm/scale", 0),
+      Entry(layout.prefix + "embed_tokens.weight", "embed/embedding", 0),
+      Entry(layout.prefix + "norm.weight", "final_norm/scale", 0),
+      Entry(attn + "q_proj.weight", "layers/attn/q", 1),
+      Entry(attn + "k_proj.weight", "layers/attn/k", 1),
+      Entry(attn + "v_proj.weight", "layers/attn/v", 1),
+      Entry(attn + "o_proj.weight", "layers/attn/o", 2),
   ]
+  table += [Entry(f"{layer}{theirs}.weight", f"layers/{ours}/scale", 0) for theirs, ours in
+            _LAYER_NORMS[cfg.norm_position]]
+  if cfg.qkv_bias:
+    table += [Entry(f"{attn}{p}_proj.bias", f"layers/attn/{p}_bias", 0, flat=True) for p in "qkv"]
+  if cfg.qk_norm != "none":  # "head": one [K] scale; "proj": [H, K] / [G, K] over the whole projection
+    table += [Entry(f"{attn}{p}_norm.weight", f"layers/attn/{p}_norm/scale", 0, flat=cfg.qk_norm == "proj")
+              for p in "qk"]
   if not cfg.tie_embeddings:
-    table.append(Entry("lm_head.weight", "unembed", 1))
+    table.append(Entry(layout.head, "unembed", 1))
   if cfg.num_experts:
-    moe = "model.layers.{i}.block_sparse_moe"
+    moe = layer + "block_sparse_moe"
     table += [Entry(f"{moe}.gate.weight", "layers/moe/router", 1),
               Entry(f"{moe}.experts.{{j}}.w1.weight", "layers/moe/gate", 1),
               Entry(f"{moe}.experts.{{j}}.w3.weight", "layers/moe/up", 1),
               Entry(f"{moe}.experts.{{j}}.w2.weight", "layers/moe/down", 1)]
   else:
-    table += [Entry("model.layers.{i}.mlp.up_proj.weight", "layers/mlp/up", 1),
-              Entry("model.layers.{i}.mlp.down_proj.weight", "layers/mlp/down", 1)]
+    table += [Entry(layer + "mlp.up_proj.weight", "layers/mlp/up", 1),
+              Entry(layer + "mlp.down_proj.weight", "layers/mlp/down", 1)]
     if cfg.mlp_type != "gelu":
-      table.append(Entry("model.layers.{i}.mlp.gate_proj.weight", "layers/mlp/gate", 1))
+      table.append(Entry(layer + "mlp.gate_proj.weight", "layers/mlp/gate", 1))
   return table
+
+
+def layout_of(reader: safetensors_io.Reader) -> Layout:
+  """The layout whose embedding the files hold (the plain *ForCausalLM one when none: then named as missing)."""
+  return next((lay for lay in _LAYOUTS if lay.prefix + "embed_tokens.weight" in reader), CAUSAL_LM)
 
 
 # meshlm model keys that fix parameter shapes, with the Hugging Face config field of each.
 SHAPE_FIELDS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "num_layers": "num_hidden_layers",
                 "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
                 "mlp_dim": "intermediate_size", "tie_embeddings": "tie_word_embeddings",
-                "num_experts": "num_local_experts", "expert_mlp_dim": "intermediate_size"}
+                "num_experts": "num_local_experts", "expert_mlp_dim": "intermediate_size",
+                # which parameters exist: q/k/v biases (Qwen2), q/k norms (Qwen3, Gemma 3, OLMo 2), post-norms
+                "qkv_bias": "model_type", "qk_norm": "model_type", "norm_position": "model_type"}
 
 
 def shape_mismatch(want: Mapping[str, Any], have: Mapping[str, Any]) -> list[str]:
@@ -255,11 +588,11 @@ def _layer_slots(model, cfg) -> list[tuple[Any, int | None]]:
   return [(model.layers.blocks[i % unit], i // unit) for i in range(cfg.num_layers)]
 
 
-def _entries(model, cfg):
+def _entries(model, cfg, layout: Layout = CAUSAL_LM):
   """Yields (table entry, HF name, variable, index of the tensor inside the variable) for every HF tensor; the
   index selects the layer in stacked parameters and the expert for `{j}` names (() = the whole variable)."""
   slots = _layer_slots(model, cfg)
-  for e in name_table(cfg):
+  for e in name_table(cfg, layout):
     if not e.path.startswith("layers/"):
       yield e, e.hf, _get(model, e.path), ()
       continue
@@ -295,20 +628,23 @@ def _progress(desc: str, enabled: bool, total: int | None = None) -> Callable[[I
 def _plan_reads(path: str, reader: safetensors_io.Reader, model, cfg) -> dict[int, tuple[Any, list]]:
   """id(variable) -> (variable, [(index inside the variable, table entry, HF name)]) for every parameter,
   checked against the files' headers before any data is read: a missing tensor, a shape that disagrees with
-  config.json or a tensor meshlm does not map raises ValueError naming it."""
+  config.json or a tensor meshlm does not map raises ValueError naming it. Of a multimodal checkpoint only the
+  decoder's tensors count (the other towers are not loaded)."""
   plan: dict[int, tuple[Any, list]] = {}
   used = set()
-  for entry, name, var, index in _entries(model, cfg):
+  layout = layout_of(reader)
+  for entry, name, var, index in _entries(model, cfg, layout):
     if name not in reader:
       raise ValueError(f"{path}: tensor {name!r} missing from the safetensors files")
     used.add(name)
     want = entry.hf_shape(var.shape[len(index):])
     if tuple(reader.shape(name)) != want:
-      fields = ", ".join(f"{h}={cfg[k]}" for k, h in SHAPE_FIELDS.items())
+      fields = ", ".join(f"{h}={cfg[k]}" for k, h in SHAPE_FIELDS.items() if h != "model_type")
       raise ValueError(f"{path}: tensor {name!r} has shape {list(reader.shape(name))} but config.json implies "
                        f"{list(want)} ({fields}); the weights and config.json disagree")
     plan.setdefault(id(var), (var, []))[1].append((index, entry, name))
-  unused = sorted(set(reader.names()) - used - {"lm_head.weight"})
+  decoder = lambda n: layout == CAUSAL_LM or n.startswith(layout.prefix)
+  unused = sorted(n for n in set(reader.names()) - used - {layout.head} if decoder(n))  # tied: head may be there
   if unused:
     raise ValueError(f"{path}: tensors meshlm does not map: {', '.join(unused[:5])}"
                      f"{' ...' if len(unused) > 5 else ''}")
@@ -353,8 +689,8 @@ def _sharded(shape: tuple, sharding, read: Callable[[tuple], np.ndarray]) -> jax
 
 def load(path: str, dtype: str = "float32", compute_dtype: str | None = None, *, mesh=None, rules=None,
          progress: bool = True, **model_overrides) -> Transformer:
-  """Reads a Hugging Face Llama/Mistral/Mixtral directory (model.safetensors or sharded files + index) into a
-  meshlm Transformer.
+  """Reads a Hugging Face directory of a family in FAMILIES (model.safetensors or sharded files + index) into a
+  meshlm Transformer; of Gemma 3's multimodal directories, the text decoder.
 
   dtype: parameter dtype ("float32", "bfloat16"); compute_dtype: activation dtype (default: dtype). Other
   `config.model` keys (scan_layers, attention_impl, moe_impl, ...) may be overridden by keyword.
@@ -420,7 +756,7 @@ def save(model: Transformer, path: str, dtype: str | None = None, *,
   cfg = ml_collections.ConfigDict(model.cfg.to_dict())
   if not cfg.causal or cfg.parametrization != "sp":
     raise ValueError(f"model.causal={cfg.causal}, model.parametrization={cfg.parametrization!r}: a Hugging Face "
-                     "Llama/Mistral directory holds a causal decoder in the standard parametrization only (the "
+                     "directory holds a causal decoder in the standard parametrization only (the "
                      "encoder's attention and muP's multipliers would be lost)")
   hf = config_to_hf(cfg)
   out_dtype = np.dtype(config_lib.DTYPES[dtype or cfg.param_dtype])

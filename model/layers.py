@@ -1,9 +1,16 @@
 """Building blocks: norms, the embedding, attention and the transformer block (parameters with logical names and
-the MLP: model/dense.py)."""
+the MLP: model/dense.py).
+
+cos, sin (RoPE) reach the blocks as `model.rope.tables` makes them: [B, L, K/2], or [2, B, L, K/2] (global and
+local sets, model.rope_local_theta), of which Attention takes its layer's with `rope.for_window`.
+"""
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from model import attention as attention_lib
@@ -22,19 +29,33 @@ from model.dense import Mlp, _value, param  # noqa: F401  pylint: disable=unused
 
 
 class Norm(nnx.Module):
-  """RMSNorm or LayerNorm over the last axis (statistics in float32), pre-norm style."""
+  """RMSNorm or LayerNorm over the trailing axes its scale covers (statistics in float32).
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs):
-    self.kind, self.eps, self.dtype = cfg.norm_type, cfg.norm_eps, DTYPES[cfg.dtype]
-    self.scale = param(rngs, (cfg.d_model,), (EMBED,), cfg, "ones")
-    self.bias = param(rngs, (cfg.d_model,), (EMBED,), cfg, "zeros") if cfg.use_bias else None
+  Default: the block and final norms, scale [d_model] on `embed`, model.norm_type, a bias with model.use_bias.
+  `shape`/`names` give another scale (the q/k norms of model.qk_norm: [K] on head_dim, or [H, K] over a whole
+  projection); `rms=True` makes it RMSNorm without bias whatever norm_type says. With model.norm_offset the scale
+  enters as (1 + scale) and starts at 0, multiplied in float32 before the cast (Gemma's RMSNorm); otherwise the
+  normalised input is cast first and multiplied in the compute dtype (Llama's).
+  """
 
-  def __call__(self, x_BLD: jax.Array) -> jax.Array:
-    x = x_BLD.astype(jnp.float32)
+  def __init__(self, cfg, *, rngs: nnx.Rngs, shape: tuple[int, ...] | None = None, names=(EMBED,),
+               rms: bool = False):
+    self.kind, self.eps, self.dtype = "rmsnorm" if rms else cfg.norm_type, cfg.norm_eps, DTYPES[cfg.dtype]
+    shape = (cfg.d_model,) if shape is None else tuple(shape)
+    self.over, self.offset = tuple(range(-len(shape), 0)), cfg.norm_offset  # the axes normalised
+    self.scale = param(rngs, shape, names, cfg, "zeros" if cfg.norm_offset else "ones")
+    self.bias = param(rngs, shape, names, cfg, "zeros") if cfg.use_bias and not rms else None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x [..., *scale shape] (x_BLD for the block norms) -> normalised, in the compute dtype."""
+    x = x.astype(jnp.float32)
     if self.kind == "layernorm":
-      x = x - x.mean(-1, keepdims=True)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + self.eps)
-    y = x.astype(self.dtype) * _value(self.scale, self.dtype)
+      x = x - x.mean(self.over, keepdims=True)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, self.over, keepdims=True) + self.eps)
+    if self.offset:
+      y = (x * (1.0 + self.scale[...].astype(jnp.float32))).astype(self.dtype)
+    else:
+      y = x.astype(self.dtype) * _value(self.scale, self.dtype)
     if self.bias is not None:
       y = y + _value(self.bias, self.dtype)
     return y
@@ -52,7 +73,12 @@ def _attention_impl(cfg) -> str:
 
 
 class Attention(nnx.Module):
-  """Multi-head / grouped-query / multi-query self-attention with RoPE; returns the output projection."""
+  """Multi-head / grouped-query / multi-query self-attention with RoPE; returns the output projection.
+
+  q, k, v projections (+ biases with model.use_bias or model.qkv_bias) -> q/k norms (model.qk_norm) -> RoPE
+  (the layer's set of cos/sin) -> attention with scores scaled by 1/sqrt(head_dim), or 1/sqrt(query_pre_attn_scalar),
+  soft-capped with model.attn_logit_softcap -> output projection.
+  """
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     D, H, G, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -63,19 +89,31 @@ class Attention(nnx.Module):
     self.k = param(rngs, (D, G, K), (EMBED, KV_HEADS, HEAD_DIM), cfg)
     self.v = param(rngs, (D, G, K), (EMBED, KV_HEADS, HEAD_DIM), cfg)
     self.o = param(rngs, (H, K, D), (HEADS, HEAD_DIM, EMBED), cfg)
-    if cfg.use_bias:
+    self.qkv_bias = cfg.use_bias or cfg.qkv_bias
+    if self.qkv_bias:
       self.q_bias = param(rngs, (H, K), (HEADS, HEAD_DIM), cfg, "zeros")
       self.k_bias = param(rngs, (G, K), (KV_HEADS, HEAD_DIM), cfg, "zeros")
       self.v_bias = param(rngs, (G, K), (KV_HEADS, HEAD_DIM), cfg, "zeros")
+    if cfg.use_bias:
       self.o_bias = param(rngs, (D,), (EMBED,), cfg, "zeros")
-    self.use_bias, self.causal = cfg.use_bias, cfg.causal
-    self.query_multiplier = mup.query_multiplier(cfg)
+    if cfg.qk_norm == "head":  # one [K] scale shared by the heads (Qwen3, Gemma 3)
+      self.q_norm = Norm(cfg, rngs=rngs, shape=(K,), names=(HEAD_DIM,), rms=True)
+      self.k_norm = Norm(cfg, rngs=rngs, shape=(K,), names=(HEAD_DIM,), rms=True)
+    elif cfg.qk_norm == "proj":  # statistics over the whole projection (OLMo 2)
+      self.q_norm = Norm(cfg, rngs=rngs, shape=(H, K), names=(HEADS, HEAD_DIM), rms=True)
+      self.k_norm = Norm(cfg, rngs=rngs, shape=(G, K), names=(KV_HEADS, HEAD_DIM), rms=True)
+    self.use_bias, self.causal, self.qk_norm = cfg.use_bias, cfg.causal, cfg.qk_norm != "none"
+    self.softcap = float(cfg.attn_logit_softcap)
+    # The kernels scale scores by 1/sqrt(K): a factor on q turns that into muP's 1/K or 1/sqrt(query_pre_attn_scalar).
+    scalar = cfg.query_pre_attn_scalar
+    self.query_multiplier = mup.query_multiplier(cfg) * (math.sqrt(K / scalar) if scalar else 1.0)
     self.quant = cfg.quant if "attn" in cfg.quant_layers else "none"
 
-  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None,
+  def __call__(self, x_BLD, segment_ids_BL, cos, sin, window, cache: kv_cache.KVCache | None = None,
                prefix_BL=None, branch_BL=None):
     """-> y_BLD, or (y_BLD, this layer's updated cache) when `cache` (one layer's slice) is given; `prefix_BL`
     (1 = bidirectional prefix token) and `branch_BL` (tree attention) apply without a cache (model/attention.py).
+    cos, sin: `rope.tables` (this layer's set is picked by its window, which may be traced).
 
     With a cache the L new keys/values are stored at slots [cache.index, cache.index + L). Into a cache known to
     be empty (`kv_cache.is_empty`: a whole prompt) the tokens attend among themselves with `model.attention_impl`,
@@ -92,12 +130,15 @@ class Attention(nnx.Module):
     q_BLHK = quant_lib.einsum("bld,dhk->blhk", x_BLD, _value(self.q, dt), self.quant)
     k_BLGK = quant_lib.einsum("bld,dgk->blgk", x_BLD, _value(self.k, dt), self.quant)
     v_BLGK = quant_lib.einsum("bld,dgk->blgk", x_BLD, _value(self.v, dt), self.quant)
-    if self.use_bias:
+    if self.qkv_bias:
       q_BLHK, k_BLGK = q_BLHK + _value(self.q_bias, dt), k_BLGK + _value(self.k_bias, dt)
       v_BLGK = v_BLGK + _value(self.v_bias, dt)
-    q_BLHK = rope.apply(q_BLHK, cos_BLF, sin_BLF)
-    if self.query_multiplier != 1.0:  # muP: scores q.k / head_dim
-      q_BLHK = q_BLHK * jnp.asarray(self.query_multiplier, q_BLHK.dtype)
+    if self.qk_norm:
+      q_BLHK, k_BLGK = self.q_norm(q_BLHK), self.k_norm(k_BLGK)
+    cos_BLF, sin_BLF = rope.for_window(cos, sin, window)
+    m = self.query_multiplier  # muP (q.k / head_dim) or query_pre_attn_scalar: on the float32 rotation of q, so
+    # that a factor like sqrt(128/144) is not rounded to bfloat16 first
+    q_BLHK = rope.apply(q_BLHK, cos_BLF * m, sin_BLF * m) if m != 1.0 else rope.apply(q_BLHK, cos_BLF, sin_BLF)
     k_BLGK = rope.apply(k_BLGK, cos_BLF, sin_BLF)
     q_BLHK = remat.tag(axes.constrain(q_BLHK, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.QUERY_PROJ)
     # K/V on `kv_length`: under sequence parallelism they are gathered while queries stay sharded.
@@ -107,10 +148,11 @@ class Attention(nnx.Module):
     if cache is not None:
       cache = kv_cache.write(cache, k_BLGK, v_BLGK)
     if cached:
-      o_BLHK = attention_lib.cached_attention(q_BLHK, cache.k, cache.v, cache.index, cache.start, window)
+      o_BLHK = attention_lib.cached_attention(q_BLHK, cache.k, cache.v, cache.index, cache.start, window,
+                                              self.softcap)
     else:
       o_BLHK = attention_lib.attend(self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window, self.block_size,
-                                    self.causal, prefix_BL, branch_BL, self.query_block, self.splash)
+                                    self.causal, prefix_BL, branch_BL, self.query_block, self.splash, self.softcap)
     o_BLHK = remat.tag(axes.constrain(o_BLHK, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTN_CONTEXT)
     y_BLD = quant_lib.einsum("blhk,hkd->bld", o_BLHK, _value(self.o, dt), self.quant)
     if self.use_bias:
@@ -120,22 +162,37 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-  """One pre-norm layer: sequential x += attn(norm x); x += mlp(norm x), or parallel x + attn(n x) + mlp(n x)."""
+  """One layer: sequential x += attn(norm x); x += mlp(norm x), or parallel x + attn(n x) + mlp(n x).
+
+  model.norm_position places the norms of each sublayer f (attention, then MLP or MoE): pre x + f(norm x) (norms
+  `attn_norm`, `mlp_norm`), sandwich x + post_norm(f(norm x)) (adds `attn_post_norm`, `mlp_post_norm`; Gemma 2/3),
+  post x + post_norm(f(x)) (only the post norms; OLMo 2). Parallel blocks are pre-norm only.
+  """
 
   def __init__(self, cfg, *, rngs: nnx.Rngs, moe: bool = False):
     self.parallel = cfg.block_type == "parallel"
-    self.attn_norm = Norm(cfg, rngs=rngs)
+    pre, post = cfg.norm_position != "post", cfg.norm_position != "pre"
+    if pre:
+      self.attn_norm = Norm(cfg, rngs=rngs)
     self.attn = Attention(cfg, rngs=rngs)
-    if not self.parallel:
+    if not self.parallel and pre:
       self.mlp_norm = Norm(cfg, rngs=rngs)
     if moe:  # a Mixture-of-Experts feed-forward (model/moe.py) in place of the MLP
       self.moe = moe_lib.MoE(cfg, rngs=rngs)
     else:
       self.mlp = Mlp(cfg, rngs=rngs)
+    if post:
+      self.attn_post_norm = Norm(cfg, rngs=rngs)
+      self.mlp_post_norm = Norm(cfg, rngs=rngs)
 
-  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache: kv_cache.KVCache | None = None,
+  def _norm(self, name: str, x_BLD):
+    """The norm `name` applied to x_BLD, or x_BLD itself where model.norm_position has no such norm."""
+    return getattr(self, name)(x_BLD) if hasattr(self, name) else x_BLD
+
+  def __call__(self, x_BLD, segment_ids_BL, cos, sin, window, cache: kv_cache.KVCache | None = None,
                prefix_BL=None, branch_BL=None):
-    """-> (x_BLD, stats), or (x_BLD, updated layer cache) when `cache` is given (see Attention).
+    """-> (x_BLD, stats), or (x_BLD, updated layer cache) when `cache` is given (see Attention; cos, sin:
+    `rope.tables`).
 
     stats are the MoE layer's router statistics (model.moe.router_stats), {} for a dense block; decoding with a
     cache drops them.
@@ -146,21 +203,23 @@ class Block(nnx.Module):
       raise ValueError("model.capacity_factor > 0 (capacity-limited MoE) cannot prefill a prompt in chunks through "
                        "a filled KV cache; prefill it in one call into an empty cache, or use capacity_factor=0 "
                        "(dropless)")
-    h_BLD = self.attn_norm(x_BLD)
+    h_BLD = self._norm("attn_norm", x_BLD)
     if cache is None:
-      attn_BLD = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, prefix_BL=prefix_BL, branch_BL=branch_BL)
+      attn_BLD = self.attn(h_BLD, segment_ids_BL, cos, sin, window, prefix_BL=prefix_BL, branch_BL=branch_BL)
     else:
-      attn_BLD, cache = self.attn(h_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, cache)
+      attn_BLD, cache = self.attn(h_BLD, segment_ids_BL, cos, sin, window, cache)
+    attn_BLD = self._norm("attn_post_norm", attn_BLD)
     stats = {}
     if self.parallel:
       x_BLD = x_BLD + attn_BLD + self.mlp(h_BLD)
     else:
       x_BLD = x_BLD + attn_BLD
+      h_BLD = self._norm("mlp_norm", x_BLD)
       if hasattr(self, "moe"):
-        y_BLD, stats = self.moe(self.mlp_norm(x_BLD), segment_ids_BL > 0)
+        y_BLD, stats = self.moe(h_BLD, segment_ids_BL > 0)
       else:
-        y_BLD = self.mlp(self.mlp_norm(x_BLD))
-      x_BLD = x_BLD + y_BLD
+        y_BLD = self.mlp(h_BLD)
+      x_BLD = x_BLD + self._norm("mlp_post_norm", y_BLD)
     x_BLD = axes.constrain(x_BLD, (BATCH, LENGTH, EMBED))
     return (x_BLD, stats) if cache is None else (x_BLD, cache)
 
@@ -169,14 +228,21 @@ class Block(nnx.Module):
 
 
 class Embed(nnx.Module):
-  """Token embedding table [V, D]; `attend` is the tied output projection."""
+  """Token embedding table [V, D]; `attend` is the tied output projection (of the unscaled table).
+
+  With model.embed_scale the looked-up rows are multiplied by sqrt(d_model), rounded to float32 and then to the
+  compute dtype first, as Gemma's `normalizer` (in bfloat16 sqrt(3072) becomes 55.5).
+  """
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     self.dtype = DTYPES[cfg.dtype]
     self.embedding = param(rngs, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED), cfg)
+    self.scale = float(np.float32(math.sqrt(cfg.d_model))) if cfg.embed_scale else None
 
   def __call__(self, tokens_BL) -> jax.Array:
     x_BLD = jnp.take(_value(self.embedding, self.dtype), tokens_BL, axis=0)
+    if self.scale is not None:
+      x_BLD = x_BLD * jnp.asarray(np.float32(self.scale)).astype(self.dtype)
     return axes.constrain(x_BLD, (BATCH, LENGTH, EMBED))
 
   def attend(self, x_BLD) -> jax.Array:
@@ -192,17 +258,17 @@ class LayerGroup(nnx.Module):
     n = cfg.moe_every
     self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=j == n - 1) for j in range(n)])
 
-  def __call__(self, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U, cache: kv_cache.KVCache | None = None,
+  def __call__(self, x_BLD, segment_ids_BL, cos, sin, windows_U, cache: kv_cache.KVCache | None = None,
                prefix_BL=None, branch_BL=None):
     """-> (x_BLD, the MoE block's stats), or (x_BLD, updated cache) when `cache` (k/v: [moe_every, ...]) is given."""
     stats, ks, vs = {}, [], []
     for j, block in enumerate(self.blocks):
       if cache is None:
-        x_BLD, block_stats = block(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U[j], prefix_BL=prefix_BL,
+        x_BLD, block_stats = block(x_BLD, segment_ids_BL, cos, sin, windows_U[j], prefix_BL=prefix_BL,
                                    branch_BL=branch_BL)
         stats = block_stats or stats
       else:
-        x_BLD, layer = block(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, windows_U[j],
+        x_BLD, layer = block(x_BLD, segment_ids_BL, cos, sin, windows_U[j],
                              cache._replace(k=cache.k[j], v=cache.v[j]))
         ks.append(layer.k)
         vs.append(layer.v)

@@ -7,7 +7,8 @@
   meshlm's padding, id 0, attends within padding as in the other implementations).
 - GQA / MQA: the kernel's MQA form (q [R, T, K] against k, v [S, K]) for each kv head, vmapped over kv heads and
   rows, so K/V are never repeated in memory.
-- The kernel does not scale the scores: q is multiplied by 1/sqrt(head_dim) before it.
+- The kernel does not scale the scores: q is multiplied by 1/sqrt(head_dim) before it (so the kernel's soft cap,
+  model.attn_logit_softcap, applies to the scaled scores, as in the other implementations).
 - Lengths are padded to a multiple of the tile (`SPLASH_GRANULE`, 128, at least); padded tokens get segment id -1,
   which no real token has, and see only each other.
 - A window traced through the layer scan chooses, with `lax.switch`, among kernels built for the model's distinct
@@ -48,7 +49,8 @@ class SplashOptions:
 
   Block sizes are tokens (multiples of SPLASH_GRANULE); `windows` the model's distinct per-layer windows (0 =
   global), the kernels a traced window chooses among (needed only when the window is traced); `soft_cap` caps the
-  scaled scores at +-soft_cap with tanh (Gemma 2) when set (no model key sets it yet).
+  scaled scores at +-soft_cap with tanh (Gemma 2; model.attn_logit_softcap) when set: the kernel's
+  attn_logits_soft_cap, forward and backward.
   """
   block_q: int = 512
   block_kv: int = 512
@@ -63,7 +65,8 @@ class SplashOptions:
 def options(cfg) -> SplashOptions:
   """The SplashOptions of a validated model config (`model.splash_*`, `model.pallas_interpret`, the windows)."""
   return SplashOptions(cfg.splash_block_q, cfg.splash_block_kv, cfg.splash_block_kv_compute, cfg.splash_block_q_bwd,
-                       cfg.splash_block_kv_bwd, cfg.pallas_interpret, tuple(sorted(set(layer_windows(cfg)))))
+                       cfg.splash_block_kv_bwd, cfg.pallas_interpret, tuple(sorted(set(layer_windows(cfg)))),
+                       float(cfg.attn_logit_softcap) if cfg.attn_logit_softcap else None)
 
 
 def target_platform() -> str:

@@ -96,14 +96,14 @@ class Transformer(nnx.Module):
     segment_ids_BL = segment_ids_BL.astype(jnp.int32)
     if positions_BL is None:
       positions_BL = positions_from_segments(segment_ids_BL)
-    cos_BLF, sin_BLF = rope.cos_sin(positions_BL, rope.inv_frequencies(self.cfg))
+    cos, sin = rope.tables(self.cfg, positions_BL)  # [B, L, K/2], or [2, ...]: global and local sets
     x_BLD = self.embed(tokens_BL)
     windows = config_lib.layer_windows(self.cfg)
 
     def apply_block(graphdef, state, x_BLD, window, *layer_cache):
       if layer_cache:
-        return nnx.merge(graphdef, state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, *layer_cache)
-      return nnx.merge(graphdef, state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, prefix_BL=prefix_BL,
+        return nnx.merge(graphdef, state)(x_BLD, segment_ids_BL, cos, sin, window, *layer_cache)
+      return nnx.merge(graphdef, state)(x_BLD, segment_ids_BL, cos, sin, window, prefix_BL=prefix_BL,
                                         branch_BL=branch_BL)
 
     if cache is not None:
@@ -115,8 +115,8 @@ class Transformer(nnx.Module):
       if self.pipeline is not None and axes.mesh_size(LAYERS) > 1:
         x_BLD, stats = self._pipelined(x_BLD, windows_U, segment_ids_BL, positions_BL, prefix_BL, branch_BL)
       else:
-        x_BLD, stats = self._stack(nnx.split(self.layers), windows_U, x_BLD, segment_ids_BL, cos_BLF, sin_BLF,
-                                   prefix_BL, branch_BL)
+        x_BLD, stats = self._stack(nnx.split(self.layers), windows_U, x_BLD, segment_ids_BL, cos, sin, prefix_BL,
+                                   branch_BL)
     else:
       stats = []
       for block, window in zip(self.layers, windows):
@@ -130,12 +130,13 @@ class Transformer(nnx.Module):
     x_BLD = self.final_norm(x_BLD)
     return (x_BLD, aux) if return_aux else x_BLD
 
-  def _stack(self, split_layers, windows_U, x_BLD, segment_ids_BL, cos_BLF, sin_BLF, prefix_BL=None, branch_BL=None):
-    """The scanned stack (or a stage's slice of it): -> (x_BLD, stats with a leading [units] dimension)."""
+  def _stack(self, split_layers, windows_U, x_BLD, segment_ids_BL, cos, sin, prefix_BL=None, branch_BL=None):
+    """The scanned stack (or a stage's slice of it): -> (x_BLD, stats with a leading [units] dimension); cos, sin:
+    `rope.tables`, each layer taking its set by its window."""
     graphdef, state = split_layers
     def body(x_BLD, xs):
       layer_state, window = xs
-      return nnx.merge(graphdef, layer_state)(x_BLD, segment_ids_BL, cos_BLF, sin_BLF, window, prefix_BL=prefix_BL,
+      return nnx.merge(graphdef, layer_state)(x_BLD, segment_ids_BL, cos, sin, window, prefix_BL=prefix_BL,
                                               branch_BL=branch_BL)
     units = windows_U.shape[0]
     if self.cfg.scan_unroll == 1 or self.cfg.scan_unroll < units:
@@ -154,15 +155,17 @@ class Transformer(nnx.Module):
   def _pipelined(self, x_BLD, windows_U, segment_ids_BL, positions_BL, prefix_BL=None, branch_BL=None):
     """The stack split over the `stage` mesh axis (parallel.pipeline); stats averaged like the plain scan's."""
     graphdef, state = nnx.split(self.layers)
-    inv_freq = rope.inv_frequencies(self.cfg)
     def stage(weights, x_bLD, side):
       (state_U, windows_u), (segment_ids_bL, positions_bL, masks) = weights, side
-      cos_bLF, sin_bLF = rope.cos_sin(positions_bL, inv_freq)
-      x_bLD, stats = self._stack((graphdef, state_U), windows_u, x_bLD, segment_ids_bL, cos_bLF, sin_bLF,
+      seq_len = masks["rope_len"][0] if "rope_len" in masks else None
+      cos, sin = rope.tables(self.cfg, positions_bL, seq_len)
+      x_bLD, stats = self._stack((graphdef, state_U), windows_u, x_bLD, segment_ids_bL, cos, sin,
                                  masks.get("prefix"), masks.get("branch"))
       return x_bLD, jax.tree.map(lambda v: jnp.mean(v, axis=0), stats)
     s = self.pipeline
     masks = {k: v for k, v in (("prefix", prefix_BL), ("branch", branch_BL)) if v is not None}  # optional rows
+    if self.cfg.rope_scaling == "dynamic":  # the whole batch's length (as unpipelined), on every row
+      masks["rope_len"] = jnp.full(positions_BL.shape[:1], jnp.max(positions_BL) + 1, jnp.int32)
     side = (segment_ids_BL, positions_BL, masks)
     x_BLD, stats = pipeline_lib.run(stage, (state, windows_U), x_BLD, side, s)
     visits = s.stages * s.repeats * s.microbatches
@@ -195,7 +198,8 @@ class Transformer(nnx.Module):
     return x_BLD, cache._replace(k=axes.constrain(k, kv_cache.NAMES), v=axes.constrain(v, kv_cache.NAMES))
 
   def logits(self, x_BLD: jax.Array) -> jax.Array:
-    """float32 logits_BLV of the output projection (the tied embedding or `unembed`)."""
+    """float32 logits_BLV of the output projection (the tied embedding or `unembed`), soft-capped in float32 with
+    model.final_logit_softcap."""
     if self.cfg.tie_embeddings:
       logits_BLV = self.embed.attend(x_BLD)
     else:
@@ -204,4 +208,7 @@ class Transformer(nnx.Module):
     logits_BLV = logits_BLV.astype(jnp.float32)
     if mup.enabled(self.cfg):  # muP's output multiplier 1 / width_mult
       logits_BLV = logits_BLV * mup.output_multiplier(self.cfg)
+    if self.cfg.final_logit_softcap:  # Gemma 2: cap * tanh(logits / cap)
+      cap = jnp.float32(self.cfg.final_logit_softcap)
+      logits_BLV = jnp.tanh(logits_BLV / cap) * cap
     return axes.constrain(logits_BLV, (BATCH, LENGTH, VOCAB))

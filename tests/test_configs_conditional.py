@@ -75,6 +75,10 @@ CASES = {
     "model.rope_low_freq_factor": (2.0, {}, _LLAMA3),
     "model.rope_high_freq_factor": (8.0, {}, _LLAMA3),
     "model.rope_original_max_len": (4096, {}, _LLAMA3),
+    **{f"model.{k}": (v, {}, {"model.rope_scaling": "yarn"}) for k, v in (
+        ("rope_yarn_beta_fast", 16.0), ("rope_yarn_beta_slow", 2.0), ("rope_attention_factor", 1.2),
+        ("rope_yarn_truncate", False))},
+    "model.rope_local_theta": (10000.0, {}, {"model.sliding_window": 16}),
     "model.mup_base_width": (64, {}, {"model.parametrization": "mup"}),
     "model.attention_block_size": (64, {}, {"model.attention_impl": "blockwise"}),
     "model.attention_query_block": (64, {"model.attention_impl": "dot_product"}, {}),

@@ -93,12 +93,18 @@ def test_one_prompt_streams_its_text(run, capsys):
     (["--workdir", "RUN", "--repetition_penalty", "-2"], "--repetition_penalty=-2.0 must be a finite number > 0"),
     (["--workdir", "RUN", "--max_new_tokens", "80"], "exceeds model.max_seq_len=64"),
     (["--workdir", "RUN", "--config.mesh.tensor=3"], "config.mesh"),
-    (["--hf", "HFJSON"], "only tokenizer.json"),
+    (["--hf", "HFJSON"], "its tokenizer does not load"),
+    (["--hf", "HFBARE"], "no tokenizer.json or tokenizer.model there"),
 ])
 def test_bad_arguments_exit_2_with_a_message(run, capsys, tmp_path, argv, message):
-  (tmp_path / "config.json").write_text("{}")
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+                                                    "intermediate_size": 64, "num_hidden_layers": 1,
+                                                    "num_attention_heads": 2}))
   (tmp_path / "tokenizer.json").write_text("{}")
-  argv = [run[0] if a == "RUN" else str(tmp_path) if a == "HFJSON" else a for a in argv]
+  (tmp_path / "bare").mkdir()
+  (tmp_path / "bare" / "config.json").write_text("{}")
+  paths = {"RUN": run[0], "HFJSON": str(tmp_path), "HFBARE": str(tmp_path / "bare")}
+  argv = [paths.get(a, a) for a in argv]
   assert cli.main(argv + ["--prompt", "hello"]) == 2
   err = capsys.readouterr().err
   assert err.startswith("error: ") and len(err.strip().splitlines()) == 1

@@ -94,7 +94,7 @@ def test_config_fields_map(tmp_path):
 
 @pytest.mark.parametrize("field,value", [
     ("attention_bias", True), ("mlp_bias", True), ("hidden_act", "relu"), ("model_type", "gpt2"),
-    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}), ("attention_dropout", 0.1)])
+    ("rope_scaling", {"rope_type": "longrope", "factor": 2.0}), ("attention_dropout", 0.1)])
 def test_unsupported_fields_are_refused(field, value):
   hf_cfg = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 12,
             "num_hidden_layers": 1, "num_attention_heads": 2, field: value}

@@ -30,7 +30,7 @@ def make_cfg(**overrides):
     (dict(dtype="float8"), "model.dtype"),
     (dict(num_layers=0), "model.num_layers=0"),
     (dict(global_every=-2), "model.global_every=-2"),
-    (dict(rope_scaling="yarn"), "model.rope_scaling"),
+    (dict(rope_scaling="longrope"), "model.rope_scaling"),
 ])
 def test_bad_config_fails_at_construction_naming_the_key(overrides, needle):
   with pytest.raises(ValueError, match=re.escape(needle)):

@@ -114,7 +114,7 @@ def attention_impl(m: ml_collections.ConfigDict, platform: str) -> str:
   """The attention a model config runs on `platform` ("cpu", "gpu", "tpu"): model.attention_impl, "auto" resolved
   (model.attention.auto_impl); an explicit choice is taken as it is (the Trainer refuses one that cannot run)."""
   if m.attention_impl == "auto":
-    return attention.auto_impl(platform, m.dtype, m.head_dim)
+    return attention.auto_impl(platform, m.dtype, m.head_dim, m.attn_logit_softcap)
   return m.attention_impl
 
 

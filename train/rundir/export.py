@@ -5,7 +5,9 @@ Writes config.json + model.safetensors, or Hugging Face's sharded layout (model-
 model.safetensors.index.json) when the weights exceed --max_shard_size (`model.hf.save`), the run's tokenizer as
 tokenizer.json + tokenizer_config.json + special_tokens_map.json (`data.hf_tokenizer`, BOS added by default as
 Llama's tokenizer does) and the SentencePiece tokenizer.model, so `transformers.AutoModelForCausalLM` /
-`AutoTokenizer` and lm-evaluation-harness's `hf` backend load the model with meshlm's logits and token ids.
+`AutoTokenizer` and lm-evaluation-harness's `hf` backend load the model with meshlm's logits and token ids. A run
+started from a Hugging Face model's directory writes that family back (`model.hf.family_of`) with the tokenizer
+files it trained with (tokenizer.json ...) copied as they are.
 The checkpoint is read one parameter at a time through orbax onto this host's first device, whatever mesh it was
 trained on, so a model that fits on disk exports on one CPU host.
 Exit codes: 0 written, 2 bad arguments or run directory (nothing written).
@@ -74,12 +76,23 @@ def write_tokenizer(directory: str, tokenizer: str, config, meta: dict[str, Any]
   tokenizer.model (for meshlm's own --hf commands), and the run's chat template (the checkpoint metadata's, else
   meshlm's) in tokenizer_config.json, so transformers renders chats as the run was trained.
 
-  tokenizer: the run's SentencePiece file (`restore.tokenizer_file`); config: the run's config; meta: the
-  checkpoint's metadata.
+  A run that trained with a Hugging Face tokenizer directory (started from a Hugging Face model's tokenizer.json)
+  gets that directory's tokenizer files copied as they are, with the run's chat template when it had chat data.
+
+  tokenizer: the run's SentencePiece file or Hugging Face tokenizer directory (`restore.tokenizer_file`); config:
+  the run's config; meta: the checkpoint's metadata.
   """
   from data import chat  # pylint: disable=g-import-not-at-top
   from data import hf_tokenizer  # pylint: disable=g-import-not-at-top
+  from data import hf_tokenizer_load  # pylint: disable=g-import-not-at-top
   from train.core import loop  # pylint: disable=g-import-not-at-top
+  if os.path.isdir(tokenizer):
+    for name in hf_tokenizer_load.FILES:
+      if os.path.isfile(os.path.join(tokenizer, name)):
+        shutil.copyfile(os.path.join(tokenizer, name), os.path.join(directory, name))
+    if meta.get(loop.CHAT_TEMPLATE_KEY):  # else the tokenizer's own template (meshlm's needs meshlm's tokens)
+      chat.write_chat_template(directory, meta[loop.CHAT_TEMPLATE_KEY])
+    return
   hf_tokenizer.write(tokenizer, directory, model_max_length=config.model.max_seq_len)
   shutil.copyfile(tokenizer, os.path.join(directory, "tokenizer.model"))
   chat.write_chat_template(directory, meta.get(loop.CHAT_TEMPLATE_KEY) or chat.MESHLM_JINJA)

@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
              "done, 2 bad arguments or directory.")
   src = p.add_mutually_exclusive_group(required=True)
   src.add_argument("--workdir", help="meshlm run directory (holding checkpoints/)")
-  src.add_argument("--hf", help="Hugging Face Llama/Mistral directory with a SentencePiece tokenizer.model")
+  src.add_argument("--hf", help="Hugging Face model directory (a family docs/hf.md lists) with its tokenizer")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
   p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
   p.add_argument("--chat", action="store_true",
@@ -115,18 +115,16 @@ def _run_source(workdir: str, step: int | None):
 
 
 def _hf_source(directory: str):
-  """(config, tokenizer, restore) of a Hugging Face Llama/Mistral directory with a SentencePiece tokenizer."""
+  """(config, tokenizer, restore, chat template) of a Hugging Face model directory of a family model.hf reads,
+  with its tokenizer (tokenizer.json or tokenizer.model: the one tokenizer layer, data.tokenizer.load)."""
   from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   from model import hf  # pylint: disable=g-import-not-at-top
   if not os.path.isfile(os.path.join(directory, "config.json")):
     raise GenerateError(f"--hf {directory}: no config.json there (expected a Hugging Face model directory)")
-  sp_path = os.path.join(directory, "tokenizer.model")
-  if not os.path.isfile(sp_path):
-    has_json = os.path.isfile(os.path.join(directory, "tokenizer.json"))
-    raise GenerateError(f"--hf {directory}: " + (
-        "only tokenizer.json is there; train.generate reads SentencePiece tokenizer.model files (tokenizer.json "
-        "is not supported yet): add the model's tokenizer.model" if has_json else
-        "no tokenizer.model there; add the model's SentencePiece tokenizer.model"))
+  from data import hf_tokenizer_load  # pylint: disable=g-import-not-at-top
+  if not hf_tokenizer_load.is_hf_dir(directory):
+    raise GenerateError(f"--hf {directory}: no tokenizer.json or tokenizer.model there; add the model's tokenizer "
+                        "files")
   with open(os.path.join(directory, "config.json")) as f:
     model_cfg = hf.config_from_hf(json.load(f))
   config = configs.load_config_file("base")
@@ -144,12 +142,11 @@ def _hf_source(directory: str):
     params = nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
     return jax.device_put(params, jax.tree.map(lambda a: a.sharding, abstract_params))
 
-  chat_template = None  # the model's own Jinja chat template, used by --chat
-  config_path = os.path.join(directory, "tokenizer_config.json")
-  if os.path.isfile(config_path):
-    with open(config_path) as f:
-      chat_template = json.load(f).get("chat_template")
-  return config, tokenizer_lib.Tokenizer.load(sp_path), restore, chat_template
+  try:
+    tokenizer = tokenizer_lib.load(directory)  # tokenizer.json or tokenizer.model, with its chat template
+  except Exception as e:  # pylint: disable=broad-except  (tokenizers' and sentencepiece's own errors)
+    raise GenerateError(f"--hf {directory}: its tokenizer does not load ({type(e).__name__}: {e})") from None
+  return config, tokenizer, restore, tokenizer.chat_template  # the model's own Jinja chat template, for --chat
 
 
 def _load_model(config, restore):
@@ -195,13 +192,15 @@ def run(args, overrides: Sequence[tuple[str, str]]) -> dict[str, Any]:
       messages = chat.converse(model, tokenizer, template, sys.stdin, lambda text: print(text, flush=True),
                                args.max_new_tokens, args.temperature, args.seed)
     return {"messages": messages}
+  from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   infill = args.prefix is not None or args.suffix is not None
   if infill:
     from data import fim  # pylint: disable=g-import-not-at-top
     args.prompt = [args.prefix or ""]  # shown before the middle, as a prompt is before its continuation
-    prompts = [[tokenizer.bos_id] + fim.infill_prompt(tokenizer, args.prefix or "", args.suffix or "", args.spm)]
+    prompts = [tokenizer_lib.prompt_ids(tokenizer, fim.infill_prompt(tokenizer, args.prefix or "", args.suffix or "",
+                                                                      args.spm))]
   else:
-    prompts = [[tokenizer.bos_id] + tokenizer.encode(text) for text in args.prompt]
+    prompts = [tokenizer_lib.prompt_ids(tokenizer, tokenizer.encode(text)) for text in args.prompt]
 
   stream = len(prompts) == 1 and not args.json
   ids: list[int] = []

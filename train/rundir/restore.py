@@ -121,16 +121,21 @@ def load_run(workdir: str, step: int | None = None, mesh_overrides: Mapping[str,
 
 
 def tokenizer_file(workdir: str, config, meta: Mapping[str, Any]) -> str:
-  """The run's SentencePiece model: config.data.tokenizer, WORKDIR/tokenizer.model, or the checkpoint's copy."""
+  """The run's SentencePiece model (config.data.tokenizer, WORKDIR/tokenizer.model, or the checkpoint's copy), or
+  the Hugging Face tokenizer directory it trained with (a run started from a Hugging Face model's tokenizer.json;
+  the checkpoint records its path)."""
+  from data import hf_tokenizer_load  # pylint: disable=g-import-not-at-top
   candidates = [config.data.tokenizer] if config.data.get("tokenizer") else []
   run_dir = workdir if os.path.isdir(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)) else None
   if run_dir:
     candidates.append(os.path.join(run_dir, "tokenizer.model"))
   for path in candidates:
-    if path and os.path.isfile(path):
+    if path and (os.path.isfile(path) or hf_tokenizer_load.is_hf_dir(path)):
       return path
   entry = meta.get(TOKENIZER_KEY)
-  if not entry:
+  if entry and "directory" in entry and hf_tokenizer_load.is_hf_dir(entry["directory"]):
+    return entry["directory"]
+  if not entry or "base64" not in entry:
     raise RunError(f"no tokenizer for {workdir}: neither {' nor '.join(candidates) or 'a file'} exists nor does "
                    "the checkpoint hold one")
   return ckpt_lib.decode_file(entry, tempfile.mkdtemp(prefix="meshlm-tokenizer-"))

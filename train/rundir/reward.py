@@ -34,6 +34,7 @@ class ScoreError(ValueError):
 def _encode(text: str, tokenizer, template) -> list[int]:
   """Token ids of one text (module docstring)."""
   from data import chat as chat_lib  # pylint: disable=g-import-not-at-top
+  from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   record = None
   if text.lstrip().startswith("{"):
     try:
@@ -42,7 +43,7 @@ def _encode(text: str, tokenizer, template) -> list[int]:
       record = None
   if isinstance(record, dict) and ("messages" in record or "prompt" in record):
     return template.render(chat_lib.parse_record(record))[0]
-  return [tokenizer.bos_id] + tokenizer.encode(text)
+  return tokenizer_lib.prompt_ids(tokenizer, tokenizer.encode(text))
 
 
 def load_scorer(workdir: str, step: int | None = None, batch_size: int = 32) -> Callable[[list[str]], list[float]]:
