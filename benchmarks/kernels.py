@@ -18,10 +18,9 @@ Prints one JSON object:
   of expert=`--expert` x fsdp over the other chips (the same for every row), plus the megablox kernels (`gmm`,
   `tgmm`; model/megablox.py, costed by `megablox.kernel_cost`) among the Mosaic kernels. `ragged`'s
   `jax.lax.ragged_dot` becomes XLA:TPU's own Mosaic kernels (`ragged-dot-none`, with `ragged-dot-metadata`) for the
-  rows' products and an XLA fusion for the weights' gradient. The performance model prices neither XLA's
-  ragged-dot kernels nor megablox's transposed-rhs `gmm` (the rows' gradient when the widths differ): they are in
-  `uncosted_kernels`, timed by their bytes alone. "priced_here" prices them by gmm's closed form and gives the
-  step, MFU and tokens/s with them (`unpriced_grouped_matmuls`); compare the rows by those.
+  rows' products and an XLA fusion for the weights' gradient. The performance model prices the megablox kernels
+  and XLA's ragged-dot kernels by gmm's closed form (train/planning/predict.py); what stays in `uncosted_kernels`
+  on v5p is the SparseCore scatter-offload wrappers (a few MB per step).
 - "parity": on the CPU, the Pallas splash kernel in interpret mode against the xla reference (max |diff| of the
   output and the q, k, v gradients; float32, causal with packed documents, and a window), and the cudnn path's call
   through XLA's implementation against xla (the kernel itself runs on GPUs only: benchmarks/gpu.py).
@@ -44,63 +43,17 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import configs  # noqa: E402
-from model import attention, megablox, splash  # noqa: E402
+from model import attention, splash  # noqa: E402
 from train.planning import compile as aot  # noqa: E402
 from train.planning import hardware  # noqa: E402
-from train.planning import hlo, predict  # noqa: E402
 
 GIB = 2**30
 _MOSAIC = re.compile(r'%([\w\-]+?)(?:\.\d+)?\s*=[^\n]*custom_call_target="tpu_custom_call"')
-_FLOAT_ARRAY = re.compile(r"\b(?:bf16|f16|f32)\[([\d,]+)\]")
 
 
 def mosaic_kernels(hlo_text: str) -> dict[str, int]:
   """Mosaic (Pallas TPU) custom calls of a compiled program by kernel name, e.g. {"splash_mqa_fwd_...": 1}."""
   return dict(sorted(collections.Counter(_MOSAIC.findall(hlo_text)).items()))
-
-
-def _grouped_matmul_cost(instr) -> tuple[float, float] | None:
-  """(FLOPs, bytes) by megablox gmm's closed form of a grouped-matmul Mosaic call the performance model leaves
-  uncosted: XLA:TPU's own `ragged-dot-none` (what `jax.lax.ragged_dot` compiles to on TPUs) and megablox's `gmm`
-  with a transposed rhs (the backward's rows gradient, lhs [M, Y] x rhs [E, X, Y]), whose shapes
-  `megablox.kernel_cost` does not take; None for any other instruction, or a gmm the model prices itself."""
-  kind = re.fullmatch(r"(ragged-dot-none|gmm)(\.\d+)?", instr.name)
-  if instr.opcode != "custom-call" or not kind:
-    return None
-  operands = _FLOAT_ARRAY.findall(instr.rest.split("operand_layout_constraints={", 1)[-1])[:2]
-  out = _FLOAT_ARRAY.search(instr.shape)
-  if len(operands) < 2 or not out:
-    return None
-  lhs, rhs, dims = ([int(d) for d in text.split(",")] for text in (*operands, out.group(1)))
-  itemsize = 2 if "bf16[" in instr.shape else 4
-  if kind.group(1) == "gmm" and megablox.kernel_cost("gmm", lhs, rhs, dims, itemsize) is not None:
-    return None  # priced by the performance model already
-  if len(lhs) == 2 and len(rhs) == 3 and lhs[1] == rhs[2] != rhs[1]:
-    rhs = [rhs[0], rhs[2], rhs[1]]  # transposed rhs: the same 2·M·X·Y
-  return megablox.kernel_cost("gmm", lhs, rhs, dims, itemsize)
-
-
-def unpriced_grouped_matmuls(hlo_text: str, pred: dict, chip: hardware.Chip, model_flops: float) -> dict | None:
-  """The grouped matmuls among the performance model's `uncosted_kernels` (timed there by their bytes with no
-  FLOPs; `_grouped_matmul_cost`), priced here by gmm's closed form (2·M·X·Y over all M rows: the same upper
-  bound as the megablox kernels the model prices): calls per step by kernel, their FLOPs, the seconds that adds
-  to the model's step, and the step, MFU, tokens/s and hardware FLOPs with them. None when there is none."""
-  calls: dict[str, float] = collections.Counter()
-  flops = added = 0.0
-  for _, instr, mult in hlo.executed(hlo.parse(hlo_text)):
-    cost = _grouped_matmul_cost(instr)
-    if cost is None:
-      continue
-    calls[re.sub(r"\.\d+$", "", instr.name)] += mult
-    flops += cost[0] * mult
-    added += (predict.roofline_seconds(*cost, chip) - predict.roofline_seconds(0.0, cost[1], chip)) * mult
-  if not calls:
-    return None
-  step = pred["step_seconds"] + added
-  tokens = pred["tokens_per_sec_per_chip"] * pred["step_seconds"]
-  return {"calls_per_step": dict(calls), "flops_per_chip": flops, "added_seconds": added, "step_seconds": step,
-          "mfu": model_flops / (step * chip.peak_tflops * 1e12), "tokens_per_sec_per_chip": tokens / step,
-          "hardware_flops_per_chip": pred["hardware_flops_per_chip"] + flops}
 
 
 def _value(text: str):
@@ -171,10 +124,8 @@ def moe_row(name: str, impl: str, args, tpu: hardware.TpuSlice, devices: list) -
   `args.expert` x fsdp over the rest, compiled for `tpu`; "megablox_kernels" are the gmm/tgmm Mosaic calls."""
   overrides = _overrides(args, devices, {"model.moe_impl": impl, "model.attention_impl": "auto",
                                          "mesh.expert": args.expert})
-  row, hlo_text = compile_row(name, overrides, args, tpu, devices)
+  row, _ = compile_row(name, overrides, args, tpu, devices)
   row["megablox_kernels"] = {k: n for k, n in row.get("mosaic_kernels", {}).items() if re.fullmatch(r"t?gmm", k)}
-  if hlo_text:
-    row["priced_here"] = unpriced_grouped_matmuls(hlo_text, row["predicted"], tpu.chip, row["model_flops_per_chip"])
   return {"moe_impl": impl, "attention_impl": "auto", **row}
 
 
