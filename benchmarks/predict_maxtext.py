@@ -1,13 +1,22 @@
 """Calibration of the performance model (train/planning/predict.py) against MaxText's published TPU v5e-256 MFUs.
 
   python benchmarks/predict_maxtext.py [--rows 16b,32b,64b,128b] [--hlo_dir DIR] [--fit] [--layers A,B]
+      [--set KEY=VALUE,...]
 
-(docs/planning.md's table: `--rows 16b,32b,64b --fit --hlo_dir DIR`, then `--rows 128b --layers 2,4 --hlo_dir DIR`.)
+(docs/planning.md's table: `--rows 16b,32b,64b --fit --hlo_dir DIR`, then `--rows 128b --layers 2,4 --hlo_dir DIR`;
+its splash-vs-xla section: `--rows 16b,32b --layers 2,4 --set model.attention_impl=splash`, then `=xla`.)
 
 For each row, compiles meshlm's step for the MaxText-equivalent preset (configs/maxtext_*.py: MaxText's
 global_parameter_scale model, per-device batch and remat of MaxText/configs/v5e/*.sh) on an abstract v5e-256
-(libtpu, no TPU needed) and predicts its step time. `--hlo_dir` keeps each compiled program's HLO text there and
-reuses it on the next run (a 16B-64B compile takes minutes on a small CPU machine). With `--fit`, the matmul
+(libtpu, no TPU needed) and predicts its step time. `--set` applies config overrides (comma-separated KEY=VALUE,
+values parsed as benchmarks/kernels.py's `--set`: int, float, true/false, else text) to every row, e.g.
+`--set model.attention_impl=splash` (the presets run meshlm's blockwise attention). Each row records the attention
+the compiled step ran (the Trainer's resolved `attention_impl`) and the Mosaic (Pallas TPU) kernels in its program.
+`--hlo_dir` keeps each compiled program's HLO text there and reuses it on the next run (a 16B-64B compile takes
+minutes on a small CPU machine); the file name carries the requested attention and a digest of everything that
+decides the program (the whole resolved config, overrides and depth included; the jax and libtpu versions; the
+source of the packages the step is built from), which the report beside it repeats and a read checks, so a program
+compiled with other overrides, by another compiler or from other code is never read back. With `--fit`, the matmul
 efficiency is fitted on the 16B row (bisection on the predicted MFU in MaxText's convention, capped at 1.0) and
 then used unchanged on every row; otherwise train.planning.predict.MATMUL_EFFICIENCY is used. With `--layers A,B` each
 row is compiled at depths A and B instead of its own and every step-time term is extrapolated linearly in depth to
@@ -20,13 +29,20 @@ MFU is shown in two FLOP conventions, both over the 197 TFLOP/s bf16 peak of a v
 - meshlm's (model.flops_per_token): 6 x (non-embedding parameters + d_model x vocab) + 12 x heads x head_dim x
   the mean attended length (seq + 1) / 2, per layer and token.
 Prints one JSON object: the rows (published MFU, predicted MFU in both conventions, relative error, step-time
-terms, the dominant term) and the efficiency used.
+terms, the dominant term, the attention requested and run, the Mosaic kernels, the overrides; per compiled program
+its memory, compile time, whether it was read from --hlo_dir, and the digest of the step's source it was compiled
+from) and the efficiency used.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
+import hashlib
+import importlib.metadata
 import json
 import os
+import re
 import sys
 import time
 
@@ -34,11 +50,7 @@ import configs
 import model
 from train.planning import compile as aot
 from train.planning import hardware
-
-# MaxText/configs/v5e/README.md, one v5e-256 slice (MFU) and the recipes' layouts (MaxText/configs/v5e/*.sh).
 from train.planning import mfu
-
-# MaxText/configs/v5e/README.md, one v5e-256 slice (MFU) and the recipes' layouts (MaxText/configs/v5e/*.sh).
 from train.planning import predict
 
 # MaxText/configs/v5e/README.md, one v5e-256 slice (MFU) and the recipes' layouts (MaxText/configs/v5e/*.sh).
@@ -64,30 +76,107 @@ def maxtext_flops_per_chip(c) -> float:
   return weights + attention
 
 
-def compiled_hlo(name: str, config, hlo_dir: str | None, devices) -> tuple[str, dict | None]:
-  """(HLO text, compile report) of `config`; with `hlo_dir` read from / written to DIR/maxtext_<name>.hlo (and
-  the report's memory fields to .json; None when an HLO file has no report beside it)."""
-  path = os.path.join(hlo_dir, f"maxtext_{name}.hlo") if hlo_dir else None
-  if path and os.path.exists(path):
-    with open(path) as f:
-      text = f.read()
+# Kept local rather than imported: benchmarks/kernels.py is a script (benchmarks/ is no package; importing it sets
+# JAX_PLATFORMS and sys.path) and its parser is private. Both copy kernels.py's definitions exactly.
+_MOSAIC = re.compile(r'%([\w\-]+?)(?:\.\d+)?\s*=[^\n]*custom_call_target="tpu_custom_call"')
+
+
+def mosaic_kernels(hlo_text: str) -> dict[str, int]:
+  """Mosaic (Pallas TPU) custom calls of a compiled program by kernel name (benchmarks/kernels.py's count)."""
+  return dict(sorted(collections.Counter(_MOSAIC.findall(hlo_text)).items()))
+
+
+def _value(text: str):
+  """A `--set` value: int, float, true/false, else the text (benchmarks/kernels.py's `--set`)."""
+  for cast in (int, float):
+    try:
+      return cast(text)
+    except ValueError:
+      pass
+  return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def _overrides(text: str) -> dict:
+  """`--set KEY=VALUE,...` as config overrides."""
+  out = {}
+  for kv in (kv for kv in text.split(",") if kv):
+    if "=" not in kv:
+      raise argparse.ArgumentTypeError(f"--set {kv!r}: KEY=VALUE, e.g. model.attention_impl=splash")
+    key, value = kv.split("=", 1)
+    out[key.strip()] = _value(value.strip())
+  return out
+
+
+# Packages the compiled step is built from (train.core.step.Trainer and what it imports); configs are keyed by the
+# resolved config itself.
+_SOURCES = ("model", "parallel", "train/core", "train/objectives", "common")
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest() -> str:
+  """sha256 of the step's source files, taken once per process: main() imports the step's modules first, so the
+  digest is of the code this process compiles with even if the files change while it runs."""
+  h = hashlib.sha256()
+  for top in _SOURCES:
+    for root, dirs, files in os.walk(os.path.join(_REPO, top)):
+      dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+      for f in sorted(f for f in files if f.endswith(".py")):
+        path = os.path.join(root, f)
+        h.update(os.path.relpath(path, _REPO).encode() + b"\0")
+        with open(path, "rb") as fh:
+          h.update(fh.read() + b"\0")
+  return h.hexdigest()
+
+
+def _version(dist: str) -> str:
+  try:
+    return importlib.metadata.version(dist)
+  except importlib.metadata.PackageNotFoundError:
+    return ""
+
+
+def program_key(config) -> dict:
+  """What decides a compiled program, beyond the abstract v5e-256: the resolved config (overrides and depth
+  included), the compiler and jax versions, and the step's source code."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return {"config": json.loads(json.dumps(config.to_dict(), sort_keys=True, default=str)),
+          "topology": V5E_256.topology, "jax": jax.__version__,
+          "libtpu": _version("libtpu") or _version("libtpu-nightly"), "source": _source_digest()}
+
+
+def compiled_hlo(name: str, config, hlo_dir: str | None, devices) -> tuple[str, dict]:
+  """(HLO text, compile report) of `config`; with `hlo_dir` read from / written to
+  DIR/maxtext_<name>_<attention>_<digest>.hlo and the report (memory, fits, the attention the step ran, the key) to
+  .json beside it. A file is read back only when its report's key equals this config's (program_key), so a
+  program compiled with other overrides, compiler or code is compiled afresh, never re-read."""
+  key = program_key(config)
+  path = None
+  if hlo_dir:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = os.path.join(hlo_dir, f"maxtext_{name}_{config.model.attention_impl}_{digest}.hlo")
     saved = path[:-len(".hlo")] + ".json"
-    if os.path.exists(saved):
+    if os.path.exists(path) and os.path.exists(saved):
       with open(saved) as f:
-        return text, json.load(f)
-    return text, None
+        report = json.load(f)
+      if report.get("key") == key and "attention_impl_runs" in report:
+        with open(path) as f:
+          text = f.read()
+        report.pop("key")
+        return text, dict(report, cached=True, hlo_file=path, source=key["source"])
   start = time.perf_counter()
   trainer, compiled = aot.compile_trainer(config, devices)
   text = compiled.as_text()
   report = aot.summarize(config, V5E_256, trainer, time.perf_counter() - start)
   report = {k: report[k] for k in ("memory", "fits", "compile_seconds", "mesh", "remat")}
+  report["attention_impl_runs"] = trainer.attention_impl
   if path:
     os.makedirs(hlo_dir, exist_ok=True)
-    with open(path, "w") as f:
-      f.write(text)
-    with open(path[:-len(".hlo")] + ".json", "w") as f:
-      json.dump(report, f)
-  return text, report
+    for target, payload in ((path, text), (saved, json.dumps(dict(report, key=key)))):
+      with open(target + ".tmp", "w") as f:  # whole files only: an interrupted write leaves no readable pair
+        f.write(payload)
+      os.replace(target + ".tmp", target)
+  return text, dict(report, cached=False, hlo_file=path, source=key["source"])
 
 
 TERMS = ("step_seconds", "compute_seconds", "memory_bound_seconds", "collective_seconds",
@@ -106,6 +195,7 @@ def predict_terms(programs: list[tuple[int, str]], c, efficiency: float) -> dict
   else:
     (a, pa), (b, pb) = preds
     out = {k: pa[k] + (pb[k] - pa[k]) * (c.model.num_layers - a) / (b - a) for k in TERMS}
+  out["uncosted_kernels"] = max(p["uncosted_kernels"] for _, p in preds)
   terms = {"compute": out["compute_seconds"], "memory": out["memory_bound_seconds"],
            "collective": out["exposed_collective_seconds"]}
   out["dominant"] = max(terms, key=terms.get)
@@ -141,23 +231,30 @@ def main(argv=None) -> int:
   p.add_argument("--hlo_dir", default="")
   p.add_argument("--fit", action="store_true", help="fit the matmul efficiency on the 16B row")
   p.add_argument("--layers", type=_depths, help="compile at depths A,B and extrapolate to each preset's depth")
+  p.add_argument("--set", type=_overrides, default={}, metavar="KEY=VALUE,...",
+                 help="config overrides for every row, e.g. model.attention_impl=splash")
   args = p.parse_args(argv)
   names = [r for r in args.rows.split(",") if r]
   if args.fit and "16b" not in names:
     p.error("--fit fits on the 16b row: include it in --rows")
+  overrides_ = {name: dict(ROWS[name]["overrides"], **args.set) for name in names}
+  from train.core import step  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import  (then the digest)
+  _source_digest()
   devices = aot.abstract_devices(V5E_256)
   programs, reports = {}, {}
   for name in names:
     row = ROWS[name]
     programs[name] = []
     for depth in args.layers or (None,):
-      overrides = dict(row["overrides"], **({"model.num_layers": depth} if depth else {}))
+      overrides = dict(overrides_[name], **({"model.num_layers": depth} if depth else {}))
       c = configs.load(row["config"], **overrides)
+      start = time.perf_counter()
       text, report = compiled_hlo(name + (f"_L{depth}" if depth else ""), c, args.hlo_dir or None, devices)
       programs[name].append((c.model.num_layers, text))
       reports.setdefault(name, []).append(report)
-      print(f"compiled {name} at {c.model.num_layers} layers", file=sys.stderr)
-  configs_ = {name: configs.load(ROWS[name]["config"], **ROWS[name]["overrides"]) for name in names}
+      print(f"{'read' if report['cached'] else 'compiled'} {name} at {c.model.num_layers} layers "
+            f"(attention {report['attention_impl_runs']}) in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+  configs_ = {name: configs.load(ROWS[name]["config"], **overrides_[name]) for name in names}
   efficiency, reached = predict.MATMUL_EFFICIENCY, None
   if args.fit:
     efficiency, reached = fit_efficiency(programs["16b"], configs_["16b"], ROWS["16b"]["published_mfu"])
@@ -165,8 +262,10 @@ def main(argv=None) -> int:
   for name in names:
     row, c = ROWS[name], configs_[name]
     pr = predict_terms(programs[name], c, efficiency)
-    totals = [r["memory"]["total_bytes"] if r else None for r in reports[name]]
-    if len(totals) == 2 and None not in totals:  # per-chip memory, linear in depth like the step time
+    runs = sorted({r["attention_impl_runs"] for r in reports[name]})
+    kernels = [mosaic_kernels(text) for _, text in programs[name]]
+    totals = [r["memory"]["total_bytes"] for r in reports[name]]
+    if len(totals) == 2:  # per-chip memory, linear in depth like the step time
       (a, _), (b, _) = programs[name]
       total = totals[0] + (totals[1] - totals[0]) * (c.model.num_layers - a) / (b - a)
     else:
@@ -180,11 +279,18 @@ def main(argv=None) -> int:
             maxtext_flops_per_chip(c) / (row["published_mfu"] * V5E_256.chip.peak_tflops * 1e12),
         **{k: pr[k] for k in TERMS}, "dominant": pr["dominant"],
         "compiled_depths": [d for d, _ in programs[name]], "num_layers": c.model.num_layers,
-        "compiled": [{k: r[k] for k in ("fits", "compile_seconds")} | {"total_bytes": r["memory"]["total_bytes"]}
-                     if r else None for r in reports[name]],
+        "attention_impl": c.model.attention_impl, "attention_impl_runs": runs[0] if len(runs) == 1 else runs,
+        # Mosaic kernels by name in the deepest compiled program (each program's under "compiled"), and the
+        # kernels the performance model could not price (0: every kernel's work is in the prediction).
+        "mosaic_kernels": kernels[-1], "mosaic_kernel_count": sum(kernels[-1].values()),
+        "uncosted_kernels": pr["uncosted_kernels"],
+        "compiled": [{k: r[k] for k in ("fits", "compile_seconds", "cached", "attention_impl_runs", "hlo_file", "source")}
+                     | {"total_bytes": r["memory"]["total_bytes"], "mosaic_kernels": kern,
+                        "mosaic_kernel_count": sum(kern.values())}
+                     for r, kern in zip(reports[name], kernels)],
         "total_bytes_per_chip": total,
-        "fits": None if total is None else total <= V5E_256.chip.hbm_bytes,
-        "overrides": row["overrides"], "batch_size": c.train.batch_size, "remat": c.train.remat,
+        "fits": total <= V5E_256.chip.hbm_bytes,
+        "overrides": overrides_[name], "batch_size": c.train.batch_size, "remat": c.train.remat,
     })
   print(json.dumps({"matmul_efficiency": efficiency, "fitted_on_16b": args.fit, "fit_reached_target": reached,
                     "rows": rows}, indent=1))

@@ -1,0 +1,404 @@
+"""The performance model (train/planning/predict.py) on MaxText's own compiled train step, beside meshlm's program
+for the same recipe: MaxText's v5e-256 recipes (MaxText configs/tpu/v5e/{16b,32b,64b}.sh), no TPU needed.
+
+  python benchmarks/predict_vs_maxtext.py --maxtext_venv VENV [--row 16b] [--layers 2,4] [--hlo_dir DIR]
+      [--set KEY=VALUE,...] [--maxtext_mask causal|full]
+
+MaxText runs in its own virtual environment (Python 3.12, its own jax), as a subprocess: VENV must hold the PyPI
+`maxtext` package and the libtpu wheel its jax pairs with (`bash shared/peers/maxtext/install.sh VENV`, then
+`VENV/bin/pip install "libtpu==<jax[tpu]'s pin>"`, e.g. 0.0.50.* for jax 0.12.0). Without them this script says
+what is missing and exits 0. MaxText's `train_compile` (its ahead-of-time compile for `compile_topology=v5e-256`)
+is run with the recipe's flags and LIBTPU_INIT_ARGS, `base_num_decoder_layers` chosen for each depth of
+`--layers` (global_parameter_scale multiplies it: x2 for 16b and 32b, x4 for 64b), and XLA's dump of the train
+step; its optimised HLO (`*.jit_train_step*.after_optimizations.txt`) is the program predicted. meshlm's program is
+benchmarks/predict_maxtext.py's (configs/maxtext_<row>.py at the same depths, compiled on this process's libtpu;
+`--set` overrides, default `model.attention_impl=splash` like MaxText's flash attention).
+
+Both programs go through the same predictor (predict.MATMUL_EFFICIENCY, the v5e-256 of hardware.py) and every
+figure is extrapolated linearly in depth from the two compiled depths to the recipe's (predict_maxtext's rule).
+Two adaptations of MaxText's text, both printed in the output:
+- newer XLA prints a tuple element operand as `%name#i` (no get-tuple-element); the predictor looks operands up by
+  name, so the text is rewritten with explicit get-tuple-element instructions first (`untuple_refs`); without it
+  every kernel fed by a multi-output fusion, a while loop's parameter or an async collective is left uncosted;
+- MaxText's splash kernels carry no meshlm mask scope, so the predictor would price them with every tile visible;
+  `--maxtext_mask causal` (default; MaxText's llama2 decoder is causal) adds the scope `splash_mask_causal`.
+
+Prints a summary on stderr and one JSON object on stdout: per side the step-time terms, MFU in MaxText's FLOP
+convention (published 16b: 61.10%), per-chip memory (arguments + outputs + temporaries - aliased, as the TPU
+compiler reports it), collective bytes and predicted seconds by kind, the time by kernel category, the top ops of
+the deepest compiled program, the Mosaic kernels; and the ratio MaxText / meshlm of each step-time term.
+`--hlo_dir DIR` keeps MaxText's HLO and report (maxtext_native_<row>_L<depth>_<digest>.{hlo,json}, the digest of
+the command, the libtpu flags and the versions) and meshlm's (predict_maxtext's files) and reads them back.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import configs
+import predict_maxtext as pm  # benchmarks/predict_maxtext.py (this script's folder is on sys.path)
+from train.planning import compile as aot
+from train.planning import hlo
+from train.planning import predict
+
+# MaxText configs/tpu/v5e/<row>.sh: the recipe's flags and libtpu flags (16b/32b/64b share them but for the scale
+# and the per-device batch). gcs_metrics is off here (no cloud); the rest decide the program.
+RECIPES = {"16b": {"global_parameter_scale": 16, "per_device_batch_size": 6},
+           "32b": {"global_parameter_scale": 32, "per_device_batch_size": 4},
+           "64b": {"global_parameter_scale": 64, "per_device_batch_size": 2}}
+RECIPE_FLAGS = ("steps=15", "enable_checkpointing=false", "remat_policy=full", "max_target_length=2048",
+                "use_iota_embed=true", "reuse_example_batch=1", "dataset_type=synthetic", "attention=flash",
+                "gcs_metrics=false", "enable_goodput_recording=false", "monitor_goodput=false", "jax_cache_dir=")
+RECIPE_LIBTPU_ARGS = (
+    "--xla_tpu_enable_data_parallel_all_reduce_opt=true --xla_tpu_data_parallel_opt_different_sized_ops=true "
+    "--xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true "
+    "--xla_enable_async_all_gather=true")
+TERMS = pm.TERMS
+
+
+def say(*args) -> None:
+  print(*args, file=sys.stderr, flush=True)
+
+
+# ---- MaxText's side ----------------------------------------------------------------------------------------
+_PROBE = r"""
+import importlib.metadata as m, json
+out = {}
+for d in ("maxtext", "jax", "jaxlib", "libtpu"):
+  try:
+    out[d] = m.version(d)
+  except m.PackageNotFoundError:
+    out[d] = None
+req = [r for r in (m.requires("jax") or []) if r.startswith("libtpu") and "tpu" in r.split(";", 1)[-1]]
+out["libtpu_pin"] = req[0].split(";")[0].strip() if req else None
+print(json.dumps(out))
+"""
+
+
+def maxtext_versions(venv: str) -> tuple[dict | None, str]:
+  """({maxtext, jax, jaxlib, libtpu, libtpu_pin}, "") of VENV's Python, or (None, why not)."""
+  python = os.path.join(venv, "bin", "python")
+  if not os.path.exists(python):
+    return None, f"{venv} has no bin/python"
+  try:
+    done = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120,
+                          env=_clean_env())
+  except (OSError, subprocess.TimeoutExpired) as e:
+    return None, f"{python} does not run: {e}"
+  if done.returncode != 0:
+    return None, f"{python} failed: {done.stderr.strip()[-500:]}"
+  return json.loads(done.stdout.strip().splitlines()[-1]), ""
+
+
+def _clean_env() -> dict:
+  """This process's environment less what would steer MaxText's interpreter at meshlm's packages or settings:
+  importing jax here sets TPU_LIBRARY_PATH to this environment's libtpu, which MaxText's jax would then load
+  instead of its own (an older libtpu rejects its Pallas kernels: "no such field: 'debug_locations'")."""
+  return {k: v for k, v in os.environ.items()
+          if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "XLA_FLAGS", "LIBTPU_INIT_ARGS",
+                       "TPU_LIBRARY_PATH")
+          and not k.startswith("JAX_")}
+
+
+def maxtext_command(venv: str, row: str, depth: int, out_dir: str) -> list[str]:
+  """MaxText's train_compile of `row`'s recipe at `depth` decoder layers for one v5e-256 slice."""
+  recipe = RECIPES[row]
+  per_base = 2**pm_layer_scale(recipe["global_parameter_scale"])
+  if depth % per_base:
+    raise SystemExit(f"--layers: global_parameter_scale={recipe['global_parameter_scale']} builds multiples of "
+                     f"{per_base} layers; {depth} is not one")
+  return [os.path.join(venv, "bin", "python"), "-m", "maxtext.trainers.pre_train.train_compile",
+          f"run_name=predict_vs_maxtext_{row}_L{depth}", f"base_output_directory={out_dir}/out",
+          "compile_topology=v5e-256", "compile_topology_num_slices=1",
+          f"global_parameter_scale={recipe['global_parameter_scale']}",
+          f"per_device_batch_size={recipe['per_device_batch_size']}",
+          f"base_num_decoder_layers={depth // per_base}", *RECIPE_FLAGS]
+
+
+def pm_layer_scale(scale: int) -> int:
+  """MaxText's get_individual_scales: layers grow by 2^(log2(scale) // 3) (configs/_maxtext.py's rule)."""
+  return (scale.bit_length() - 1) // 3
+
+
+_MEMORY = re.compile(r"Memory analysis: CompiledMemoryStats\(([^)]*)\)")
+
+
+def parse_memory(log: str) -> dict:
+  """MaxText's printed CompiledMemoryStats as meshlm's memory dict (bytes per chip)."""
+  m = _MEMORY.search(log)
+  if not m:
+    return {}
+  stats = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))}
+  out = {"argument_bytes": stats["argument_size_in_bytes"], "output_bytes": stats["output_size_in_bytes"],
+         "temp_bytes": stats["temp_size_in_bytes"], "alias_bytes": stats["alias_size_in_bytes"],
+         "generated_code_bytes": stats["generated_code_size_in_bytes"]}
+  out["total_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"]
+  return out
+
+
+def maxtext_program(venv: str, versions: dict, row: str, depth: int, hlo_dir: str | None) -> tuple[str, dict]:
+  """(optimised HLO text, report) of MaxText's train step for `row` at `depth` layers: compiled by MaxText's
+  train_compile in `venv`, or read back from `hlo_dir` when a report there has the same key."""
+  with tempfile.TemporaryDirectory(prefix="maxtext_compile_") as tmp:
+    cmd = maxtext_command(venv, row, depth, tmp)
+    key = {"args": cmd[3:], "libtpu_init_args": RECIPE_LIBTPU_ARGS,
+           "versions": {k: versions[k] for k in ("maxtext", "jax", "jaxlib", "libtpu")}}
+    key["args"] = [a for a in key["args"] if not a.startswith("base_output_directory=")]
+    path = saved = None
+    if hlo_dir:
+      digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+      path = os.path.join(hlo_dir, f"maxtext_native_{row}_L{depth}_{digest}.hlo")
+      saved = path[:-len(".hlo")] + ".json"
+      if os.path.exists(path) and os.path.exists(saved):
+        with open(saved) as f:
+          report = json.load(f)
+        if report.get("key") == key:
+          with open(path) as f:
+            return f.read(), dict(report, cached=True, hlo_file=path)
+    dump = os.path.join(tmp, "xla_dump")
+    env = dict(_clean_env(), DECOUPLE_GCLOUD="TRUE", JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+               LIBTPU_INIT_ARGS=RECIPE_LIBTPU_ARGS,
+               XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_module_re=jit_train_step --xla_dump_hlo_as_text")
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    log = done.stdout + done.stderr
+    if done.returncode != 0 or "Jitting and compilation complete!" not in log:
+      raise RuntimeError(f"MaxText's train_compile failed (exit {done.returncode}): {' '.join(cmd)}\n"
+                         + log[-4000:])
+    files = [f for f in glob.glob(os.path.join(dump, "*jit_train_step*.after_optimizations.txt"))]
+    if len(files) != 1:
+      raise RuntimeError(f"expected one optimised train-step module in {dump}, found {files}")
+    with open(files[0]) as f:
+      text = f.read()
+    memory = parse_memory(log)
+    report = {"compile_seconds": seconds, "memory": memory, "command": " ".join(cmd),
+              "dump_file": os.path.basename(files[0]), "key": key}
+    if path:
+      os.makedirs(hlo_dir, exist_ok=True)
+      for target, payload in ((path, text), (saved, json.dumps(report))):
+        with open(target + ".tmp", "w") as f:
+          f.write(payload)
+        os.replace(target + ".tmp", target)
+    return text, dict(report, cached=False, hlo_file=path)
+
+
+# ---- making MaxText's text readable by the predictor ------------------------------------------------------
+_TUPLE_REF = re.compile(r"%([\w.\-]+)#(\d+)\b")
+
+
+def untuple_refs(text: str) -> str:
+  """`text` with each tuple-element operand `%x#i` (newer XLA's printing) replaced by `%x.gte<i>`, defined by a
+  get-tuple-element inserted right after x (the form older XLA prints and train/planning/hlo.py reads)."""
+  out: list[str] = []
+
+  def flush(block: list[str]) -> None:
+    shapes = {}
+    for line in block:
+      first = line.partition("\n")[0]
+      m = hlo._INSTRUCTION.match(first)  # pylint: disable=protected-access
+      if m and not hlo._COMPUTATION.match(first):  # pylint: disable=protected-access
+        shapes[m.group(1)] = m.group(2)
+    refs: dict[str, set[int]] = {}
+    for line in block:
+      for name, idx in _TUPLE_REF.findall(line):
+        if name in shapes:
+          refs.setdefault(name, set()).add(int(idx))
+    for line in block:
+      out.append(_TUPLE_REF.sub(lambda r: f"%{r.group(1)}.gte{r.group(2)}" if r.group(1) in shapes
+                                else r.group(0), line))
+      first = line.partition("\n")[0]
+      m = hlo._INSTRUCTION.match(first)  # pylint: disable=protected-access
+      if m and not hlo._COMPUTATION.match(first) and m.group(1) in refs:  # pylint: disable=protected-access
+        elements = predict._split_tuple(m.group(2))  # pylint: disable=protected-access
+        indent = re.match(r"\s*", first).group(0)
+        for idx in sorted(refs[m.group(1)]):
+          out.append(f"{indent}%{m.group(1)}.gte{idx} = {elements[idx]} get-tuple-element(%{m.group(1)}), "
+                     f"index={idx}")
+
+  block: list[str] = []
+  for line in hlo._logical_lines(text):  # pylint: disable=protected-access
+    block.append(line)
+    if line.startswith("}"):  # one computation at a time: names are scoped to their computation
+      flush(block)
+      block = []
+  flush(block)
+  return "\n".join(out) + "\n"
+
+
+def add_mask_scope(text: str, mask: str) -> str:
+  """Puts `splash_mask_<mask>` at the head of the op_name of every splash kernel call that has no mask scope
+  (the predictor reads the mask of a splash kernel from that scope; train/planning/predict.py's _splash_cost)."""
+  from model import splash  # pylint: disable=g-import-not-at-top
+  out = []
+  for line in hlo._logical_lines(text):  # pylint: disable=protected-access
+    if re.match(r"\s*(?:ROOT\s+)?%splash_m[qh]a_", line) and splash.MASK_SCOPE not in line:
+      line = line.replace('metadata={op_name="', f'metadata={{op_name="{splash.MASK_SCOPE}{mask}/', 1)
+    out.append(line)
+  return "\n".join(out) + "\n"
+
+
+def for_predictor(text: str, mask: str) -> str:
+  return add_mask_scope(untuple_refs(text), mask) if mask != "none" else untuple_refs(text)
+
+
+# ---- the prediction ---------------------------------------------------------------------------------------
+def _category(row: dict) -> str:
+  if row["op"] in hlo.KINDS or row["op"].startswith("dcn-"):
+    return f"collective {row['op']}"
+  if re.match(r"splash_m[qh]a_", row["name"]):
+    return "splash attention kernels"
+  if row["op"] == "custom-call":
+    return "other custom calls"
+  return f"{row['bound']}-bound kernels"
+
+
+def _lerp(values: list[float], depths: list[int], target: int) -> float:
+  if len(values) == 1:
+    return values[0]
+  (a, b), (va, vb) = depths, values
+  return va + (vb - va) * (target - a) / (b - a)
+
+
+def analyse(programs: list[tuple[int, str]], memories: list[dict], c, top: int) -> dict:
+  """The predictor's figures for programs [(depth, text)] of config `c`, extrapolated to c.model.num_layers."""
+  depths = [d for d, _ in programs]
+  target = c.model.num_layers
+  preds, categories, coll_bytes, coll_seconds = [], [], [], []
+  for _, text in programs:
+    p = predict.predict(text, pm.V5E_256.chip, num_devices=pm.V5E_256.num_chips, torus=pm.V5E_256.torus,
+                        model_flops_per_chip=0.0, tokens_per_chip=1.0, top=10**9)
+    preds.append(p)
+    cat: dict[str, float] = {}
+    for r in p["top_ops"]:
+      cat[_category(r)] = cat.get(_category(r), 0.0) + r["seconds"]
+    categories.append(cat)
+    nbytes: dict[str, float] = {}
+    for op in hlo.collective_ops(text, pm.V5E_256.num_chips):
+      nbytes[op["kind"]] = nbytes.get(op["kind"], 0.0) + op["bytes"] * op["per_step"]
+    coll_bytes.append(nbytes)
+  out = {k: _lerp([p[k] for p in preds], depths, target) for k in TERMS + ("hardware_flops_per_chip",)}
+  out["uncosted_kernels"] = max(p["uncosted_kernels"] for p in preds)
+  peak = pm.V5E_256.chip.peak_tflops * 1e12
+  out["mfu_maxtext_convention"] = pm.maxtext_flops_per_chip(c) / (out["step_seconds"] * peak)
+  names = sorted(set().union(*categories))
+  out["seconds_by_category"] = {n: _lerp([cat.get(n, 0.0) for cat in categories], depths, target) for n in names}
+  kinds = sorted(set().union(*coll_bytes))
+  out["collective_bytes_per_chip"] = {k: _lerp([b.get(k, 0.0) for b in coll_bytes], depths, target)
+                                      for k in kinds}
+  keys = ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "total_bytes")
+  out["memory_per_chip"] = {k: _lerp([m.get(k, 0) for m in memories], depths, target) for k in keys}
+  out["memory_per_chip"]["fits_16GiB"] = out["memory_per_chip"]["total_bytes"] <= pm.V5E_256.chip.hbm_bytes
+  out["top_ops_deepest_program"] = [
+      {k: r[k] for k in ("name", "op", "bound", "per_step", "seconds", "flops", "bytes")}
+      | {"op_name": r["op_name"][-90:]} for r in preds[-1]["top_ops"][:top]]
+  out["mosaic_kernels_deepest_program"] = pm.mosaic_kernels(programs[-1][1])
+  out["compiled_depths"], out["num_layers"] = depths, target
+  return out
+
+
+def summary(row: str, sides: dict, ratio: dict) -> str:
+  lines = [f"{row} on v5e-256, extrapolated to {sides['meshlm']['num_layers']} layers from "
+           f"{sides['meshlm']['compiled_depths']}: predicted seconds per step (MaxText / meshlm = ratio)"]
+  for k in TERMS:
+    lines.append(f"  {k:28s} {sides['maxtext'][k]:8.3f}  {sides['meshlm'][k]:8.3f}  {ratio[k]:6.3f}")
+  lines.append(f"  {'MFU (MaxText FLOPs; pub. ' + format(pm.ROWS[row]['published_mfu'], '.2%') + ')':28s} "
+               f"{sides['maxtext']['mfu_maxtext_convention']:8.2%}  {sides['meshlm']['mfu_maxtext_convention']:8.2%}")
+  for side in ("maxtext", "meshlm"):
+    s = sides[side]
+    mem = s["memory_per_chip"]
+    lines.append(f"{side}: memory/chip {mem['total_bytes'] / 2**30:.2f} GiB (temp {mem['temp_bytes'] / 2**30:.2f});"
+                 f" collective GB/chip " + ", ".join(f"{k} {v / 1e9:.1f}"
+                                                     for k, v in s["collective_bytes_per_chip"].items())
+                 + f"; uncosted kernels {s['uncosted_kernels']}")
+    lines.append("  by category: " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                               sorted(s["seconds_by_category"].items(), key=lambda kv: -kv[1])))
+    for r in s["top_ops_deepest_program"][:8]:
+      lines.append(f"    {r['seconds']:.4f} s x{r['per_step']:<4g} {r['op']:12s} {r['bound']:19s} {r['name'][:34]:34s}"
+                   f" {r['op_name'][-55:]}")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--maxtext_venv", required=True, help="virtual environment with maxtext and libtpu")
+  p.add_argument("--row", default="16b", choices=sorted(RECIPES))
+  p.add_argument("--layers", type=pm._depths, default=(2, 4),  # pylint: disable=protected-access
+                 help="the two depths A,B compiled on both sides (then extrapolated to the recipe's)")
+  p.add_argument("--hlo_dir", default="", help="keep and reuse both sides' compiled programs here")
+  p.add_argument("--set", type=pm._overrides, default=None, metavar="KEY=VALUE,...",  # pylint: disable=protected-access
+                 help="meshlm config overrides (default model.attention_impl=splash)")
+  p.add_argument("--maxtext_mask", default="causal", choices=("causal", "full", "none"),
+                 help="mask scope given to MaxText's splash kernels for the predictor (none: leave as is)")
+  p.add_argument("--top", type=int, default=15)
+  args = p.parse_args(argv)
+  overrides = {"model.attention_impl": "splash"} if args.set is None else args.set
+
+  versions, why = maxtext_versions(args.maxtext_venv)
+  if versions is None or not versions.get("maxtext"):
+    print(f"no MaxText in {args.maxtext_venv}: {why or 'the maxtext package is not installed'} "
+          f"(install: bash shared/peers/maxtext/install.sh {args.maxtext_venv}); nothing compared")
+    return 0
+  if not versions.get("libtpu"):
+    pin = versions.get("libtpu_pin") or "libtpu"
+    print(f"{args.maxtext_venv} has MaxText {versions['maxtext']} but no libtpu, the TPU compiler its AOT compile "
+          f"needs: {args.maxtext_venv}/bin/pip install '{pin}'; nothing compared")
+    return 0
+  say(f"MaxText {versions['maxtext']} (jax {versions['jax']}, libtpu {versions['libtpu']}) in {args.maxtext_venv}")
+
+  name = args.row
+  hlo_dir = args.hlo_dir or None
+  c_full = configs.load(pm.ROWS[name]["config"], **overrides)
+  mt_programs, mt_reports = [], []
+  for depth in args.layers:
+    start = time.perf_counter()
+    text, report = maxtext_program(args.maxtext_venv, versions, name, depth, hlo_dir)
+    mt_programs.append((depth, for_predictor(text, args.maxtext_mask)))
+    mt_reports.append(report)
+    say(f"{'read' if report['cached'] else 'compiled'} MaxText {name} at {depth} layers in "
+        f"{time.perf_counter() - start:.0f} s")
+
+  from train.core import step  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import  (then the digest)
+  pm._source_digest()  # pylint: disable=protected-access
+  try:
+    devices = aot.abstract_devices(pm.V5E_256)
+  except aot.NoTpuCompiler as e:
+    print(f"meshlm's side cannot be compiled here: {e}; nothing compared")
+    return 0
+  ml_programs, ml_reports = [], []
+  for depth in args.layers:
+    c = configs.load(pm.ROWS[name]["config"], **dict(overrides, **{"model.num_layers": depth}))
+    start = time.perf_counter()
+    text, report = pm.compiled_hlo(f"{name}_L{depth}", c, hlo_dir, devices)
+    ml_programs.append((depth, text))
+    ml_reports.append(report)
+    say(f"{'read' if report['cached'] else 'compiled'} meshlm {name} at {depth} layers "
+        f"(attention {report['attention_impl_runs']}) in {time.perf_counter() - start:.0f} s")
+
+  sides = {"maxtext": analyse(mt_programs, [r["memory"] for r in mt_reports], c_full, args.top),
+           "meshlm": analyse(ml_programs, [r["memory"] for r in ml_reports], c_full, args.top)}
+  sides["maxtext"]["compiled"] = [{k: r.get(k) for k in ("compile_seconds", "cached", "hlo_file", "command")}
+                                  for r in mt_reports]
+  sides["meshlm"]["compiled"] = [{k: r.get(k) for k in ("compile_seconds", "cached", "hlo_file",
+                                                        "attention_impl_runs")} for r in ml_reports]
+  ratio = {k: (sides["maxtext"][k] / sides["meshlm"][k] if sides["meshlm"][k] else math.nan) for k in TERMS}
+  say(summary(name, sides, ratio))
+  print(json.dumps({"row": name, "maxtext_versions": versions, "meshlm_overrides": overrides,
+                    "maxtext_mask": args.maxtext_mask, "matmul_efficiency": predict.MATMUL_EFFICIENCY,
+                    "published_mfu": pm.ROWS[name]["published_mfu"], "ratio_maxtext_over_meshlm": ratio,
+                    **sides}, indent=1, default=str))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
