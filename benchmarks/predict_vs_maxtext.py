@@ -18,7 +18,7 @@ Both programs go through the same predictor (predict.MATMUL_EFFICIENCY, the v5e-
 figure is extrapolated linearly in depth from the two compiled depths to the recipe's (predict_maxtext's rule).
 Two adaptations of MaxText's text, both printed in the output:
 - newer XLA prints a tuple element operand as `%name#i` (no get-tuple-element); the predictor looks operands up by
-  name, so the text is rewritten with explicit get-tuple-element instructions first (`untuple_refs`); without it
+  name, so the text is rewritten with explicit get-tuple-element instructions first (`train.planning.hlo.untuple_refs`); without it
   every kernel fed by a multi-output fusion, a while loop's parameter or an async collective is left uncosted;
 - MaxText's splash kernels carry no meshlm mask scope, so the predictor would price them with every tile visible;
   `--maxtext_mask causal` (default; MaxText's llama2 decoder is causal) adds the scope `splash_mask_causal`.
@@ -194,48 +194,6 @@ def maxtext_program(venv: str, versions: dict, row: str, depth: int, hlo_dir: st
 
 
 # ---- making MaxText's text readable by the predictor ------------------------------------------------------
-_TUPLE_REF = re.compile(r"%([\w.\-]+)#(\d+)\b")
-
-
-def untuple_refs(text: str) -> str:
-  """`text` with each tuple-element operand `%x#i` (newer XLA's printing) replaced by `%x.gte<i>`, defined by a
-  get-tuple-element inserted right after x (the form older XLA prints and train/planning/hlo.py reads)."""
-  out: list[str] = []
-
-  def flush(block: list[str]) -> None:
-    shapes = {}
-    for line in block:
-      first = line.partition("\n")[0]
-      m = hlo._INSTRUCTION.match(first)  # pylint: disable=protected-access
-      if m and not hlo._COMPUTATION.match(first):  # pylint: disable=protected-access
-        shapes[m.group(1)] = m.group(2)
-    refs: dict[str, set[int]] = {}
-    for line in block:
-      for name, idx in _TUPLE_REF.findall(line):
-        if name in shapes:
-          refs.setdefault(name, set()).add(int(idx))
-    for line in block:
-      out.append(_TUPLE_REF.sub(lambda r: f"%{r.group(1)}.gte{r.group(2)}" if r.group(1) in shapes
-                                else r.group(0), line))
-      first = line.partition("\n")[0]
-      m = hlo._INSTRUCTION.match(first)  # pylint: disable=protected-access
-      if m and not hlo._COMPUTATION.match(first) and m.group(1) in refs:  # pylint: disable=protected-access
-        elements = predict._split_tuple(m.group(2))  # pylint: disable=protected-access
-        indent = re.match(r"\s*", first).group(0)
-        for idx in sorted(refs[m.group(1)]):
-          out.append(f"{indent}%{m.group(1)}.gte{idx} = {elements[idx]} get-tuple-element(%{m.group(1)}), "
-                     f"index={idx}")
-
-  block: list[str] = []
-  for line in hlo._logical_lines(text):  # pylint: disable=protected-access
-    block.append(line)
-    if line.startswith("}"):  # one computation at a time: names are scoped to their computation
-      flush(block)
-      block = []
-  flush(block)
-  return "\n".join(out) + "\n"
-
-
 def add_mask_scope(text: str, mask: str) -> str:
   """Puts `splash_mask_<mask>` at the head of the op_name of every splash kernel call that has no mask scope
   (the predictor reads the mask of a splash kernel from that scope; train/planning/predict.py's _splash_cost)."""
@@ -249,7 +207,7 @@ def add_mask_scope(text: str, mask: str) -> str:
 
 
 def for_predictor(text: str, mask: str) -> str:
-  return add_mask_scope(untuple_refs(text), mask) if mask != "none" else untuple_refs(text)
+  return add_mask_scope(hlo.untuple_refs(text), mask) if mask != "none" else hlo.untuple_refs(text)
 
 
 # ---- the prediction ---------------------------------------------------------------------------------------

@@ -193,3 +193,22 @@ def test_grouped_matmul_kernels_cost_each_row_against_its_own_group(name, rhs, o
   (kernel,) = predict.kernel_costs(_grouped_call(name, rhs, out))
   assert kernel["costed"] and kernel["flops"] == 2 * 512 * 256 * 128
   assert kernel["bytes"] == 2 * (512 * 256 + 4 * 256 * 128 + 512 * 128)
+
+
+def test_tuple_element_references_read_as_get_tuple_element():
+  """XLA 0.12 prints a tuple's element as an operand `%f#1`; rewritten, the dot's operand is a get-tuple-element of
+  the right shape, so the dot is costed as when the older form is printed (2·8·16·4 FLOPs)."""
+  newer = """HloModule m
+
+ENTRY %main (p0: f32[8,16], p1: f32[16,4]) -> f32[8,4] {
+  %p0 = f32[8,16]{1,0} parameter(0)
+  %p1 = f32[16,4]{1,0} parameter(1)
+  %t = (f32[2]{0}, f32[8,16]{1,0}) tuple(%p0, %p0)
+  ROOT %d = f32[8,4]{1,0} dot(%t#1, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+  text = hlo.untuple_refs(newer)
+  assert "%t.gte1 = f32[8,16]{1,0} get-tuple-element(%t), index=1" in text and "dot(%t.gte1, %p1)" in text
+  assert hlo.untuple_refs(text) == text  # nothing left to rewrite
+  (dot,) = [k for k in predict.kernel_costs(text) if k["name"] == "d"]
+  assert dot["flops"] == 2 * 8 * 16 * 4

@@ -109,6 +109,68 @@ def parse(text: str) -> Program:
   return Program(comps, {k: "\n".join(v) for k, v in blocks.items()}, entry)
 
 
+def split_tuple(shape: str) -> list[str]:
+  """The element shapes of a tuple shape string (the shape itself when it is an array)."""
+  if not shape.startswith("("):
+    return [shape]
+  out, depth, start = [], 0, 1
+  for i, ch in enumerate(shape):
+    if ch in "({[":
+      depth += 1
+    elif ch in ")}]":
+      depth -= 1
+      if depth == 0:
+        out.append(shape[start:i])
+    elif ch == "," and depth == 1:
+      out.append(shape[start:i])
+      start = i + 1
+  return [re.sub(r"/\*.*?\*/", "", e).strip() for e in out if e.strip()]
+
+
+_TUPLE_REF = re.compile(r"%([\w.\-]+)#(\d+)\b")
+
+
+def untuple_refs(text: str) -> str:
+  """HLO module `text` with each tuple-element operand `%x#i` (XLA 0.12's printing, e.g. MaxText's programs under
+  jax 0.12) replaced by `%x.gte<i>`, a get-tuple-element inserted right after x: the form this module's parser
+  reads (an operand is an instruction's name). Text without such references comes back unchanged but for line
+  joins."""
+  out: list[str] = []
+
+  def flush(block: list[str]) -> None:
+    shapes = {}
+    for line in block:
+      first = line.partition("\n")[0]
+      m = _INSTRUCTION.match(first)
+      if m and not _COMPUTATION.match(first):
+        shapes[m.group(1)] = m.group(2)
+    refs: dict[str, set[int]] = {}
+    for line in block:
+      for name, idx in _TUPLE_REF.findall(line):
+        if name in shapes:
+          refs.setdefault(name, set()).add(int(idx))
+    for line in block:
+      out.append(_TUPLE_REF.sub(lambda r: f"%{r.group(1)}.gte{r.group(2)}" if r.group(1) in shapes
+                                else r.group(0), line))
+      first = line.partition("\n")[0]
+      m = _INSTRUCTION.match(first)
+      if m and not _COMPUTATION.match(first) and m.group(1) in refs:
+        elements = split_tuple(m.group(2))
+        indent = re.match(r"\s*", first).group(0)
+        for idx in sorted(refs[m.group(1)]):
+          out.append(f"{indent}%{m.group(1)}.gte{idx} = {elements[idx]} get-tuple-element(%{m.group(1)}), "
+                     f"index={idx}")
+
+  block: list[str] = []
+  for line in _logical_lines(text):
+    block.append(line)
+    if line.startswith("}"):  # one computation at a time: names are scoped to their computation
+      flush(block)
+      block = []
+  flush(block)
+  return "\n".join(out) + "\n"
+
+
 def trip_count(condition: list[Instruction]) -> int:
   """Iterations of a while loop whose condition is `counter < constant` (scan's form); 1 when unknown."""
   constants = [int(m.group(1)) for i in condition if i.opcode == "constant"

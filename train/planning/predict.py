@@ -139,24 +139,6 @@ def _instruction_module(program: hlo.Program, shapes: dict[str, str], instr: hlo
   return "HloModule op\n\n" + "\n\n".join(deps + [f"ENTRY %main {{\n{body}\n}}"]) + "\n"
 
 
-def _split_tuple(shape: str) -> list[str]:
-  """The element shapes of a tuple shape string (the shape itself when it is an array)."""
-  if not shape.startswith("("):
-    return [shape]
-  out, depth, start = [], 0, 1
-  for i, ch in enumerate(shape):
-    if ch in "({[":
-      depth += 1
-    elif ch in ")}]":
-      depth -= 1
-      if depth == 0:
-        out.append(shape[start:i])
-    elif ch == "," and depth == 1:
-      out.append(shape[start:i])
-      start = i + 1
-  return [re.sub(r"/\*.*?\*/", "", e).strip() for e in out if e.strip()]
-
-
 def _on_chip(shape: str) -> bool:
   """Whether an array lives outside HBM: the TPU layout's memory space S(n), n > 0 (VMEM, SMEM, ...)."""
   m = re.search(r":[^}]*S\((\d+)\)", shape)
@@ -173,7 +155,7 @@ def _on_chip_bytes(cost: dict, instr: hlo.Instruction, shapes: dict[str, str]) -
   for i, name in enumerate(operands):
     if _on_chip(shapes.get(name, "")):
       out += sum(float(v) for k, v in cost.items() if k.startswith(f"bytes accessed{i}{{"))
-  elements = _split_tuple(instr.shape)
+  elements = hlo.split_tuple(instr.shape)
   for j, element in enumerate(elements):
     if _on_chip(element):
       key = "bytes accessedout{}" if len(elements) == 1 and not instr.shape.startswith("(") else \
