@@ -28,7 +28,6 @@ Prints one JSON object:
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import re
@@ -46,25 +45,9 @@ import configs  # noqa: E402
 from model import attention, splash  # noqa: E402
 from train.planning import compile as aot  # noqa: E402
 from train.planning import hardware  # noqa: E402
+from train.planning import hlo  # noqa: E402
 
 GIB = 2**30
-_MOSAIC = re.compile(r'%([\w\-]+?)(?:\.\d+)?\s*=[^\n]*custom_call_target="tpu_custom_call"')
-
-
-def mosaic_kernels(hlo_text: str) -> dict[str, int]:
-  """Mosaic (Pallas TPU) custom calls of a compiled program by kernel name, e.g. {"splash_mqa_fwd_...": 1}."""
-  return dict(sorted(collections.Counter(_MOSAIC.findall(hlo_text)).items()))
-
-
-def _value(text: str):
-  for cast in (int, float):
-    try:
-      return cast(text)
-    except ValueError:
-      pass
-  return {"true": True, "false": False}.get(text.lower(), text)
-
-
 def _names(text: str) -> list[str]:
   return [name for name in text.split(",") if name]
 
@@ -77,7 +60,7 @@ def _overrides(args, devices: list, row: dict) -> dict:
                **row}
   if args.layers:
     overrides["model.num_layers"] = args.layers
-  overrides.update({k: _value(v) for k, v in (kv.split("=", 1) for kv in args.set.split(",") if kv)})
+  overrides.update({k: v for k, v in (kv.split("=", 1) for kv in args.set.split(",") if kv)})
   return overrides
 
 
@@ -98,7 +81,7 @@ def compile_row(name: str, overrides: dict, args, tpu: hardware.TpuSlice, device
   report = aot.summarize(config, tpu, trainer, time.perf_counter() - start)
   mem, pred = report["memory"], report["predicted"]
   hlo_text = compiled.as_text()
-  kernels = mosaic_kernels(hlo_text)
+  kernels = hlo.mosaic_kernels(hlo_text)
   return {
       "runs": trainer.attention_impl, "mesh": report["mesh"], "batch_size": report["batch_size"],
       "seq_len": report["seq_len"], "remat": report["remat"], "num_layers": config.model.num_layers,

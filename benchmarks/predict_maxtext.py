@@ -36,7 +36,6 @@ from) and the efficiency used.
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import hashlib
 import importlib.metadata
@@ -50,6 +49,7 @@ import configs
 import model
 from train.planning import compile as aot
 from train.planning import hardware
+from train.planning import hlo
 from train.planning import mfu
 from train.planning import predict
 
@@ -76,26 +76,6 @@ def maxtext_flops_per_chip(c) -> float:
   return weights + attention
 
 
-# Kept local rather than imported: benchmarks/kernels.py is a script (benchmarks/ is no package; importing it sets
-# JAX_PLATFORMS and sys.path) and its parser is private. Both copy kernels.py's definitions exactly.
-_MOSAIC = re.compile(r'%([\w\-]+?)(?:\.\d+)?\s*=[^\n]*custom_call_target="tpu_custom_call"')
-
-
-def mosaic_kernels(hlo_text: str) -> dict[str, int]:
-  """Mosaic (Pallas TPU) custom calls of a compiled program by kernel name (benchmarks/kernels.py's count)."""
-  return dict(sorted(collections.Counter(_MOSAIC.findall(hlo_text)).items()))
-
-
-def _value(text: str):
-  """A `--set` value: int, float, true/false, else the text (benchmarks/kernels.py's `--set`)."""
-  for cast in (int, float):
-    try:
-      return cast(text)
-    except ValueError:
-      pass
-  return {"true": True, "false": False}.get(text.lower(), text)
-
-
 def _overrides(text: str) -> dict:
   """`--set KEY=VALUE,...` as config overrides."""
   out = {}
@@ -103,7 +83,7 @@ def _overrides(text: str) -> dict:
     if "=" not in kv:
       raise argparse.ArgumentTypeError(f"--set {kv!r}: KEY=VALUE, e.g. model.attention_impl=splash")
     key, value = kv.split("=", 1)
-    out[key.strip()] = _value(value.strip())
+    out[key.strip()] = value.strip()  # configs.load parses the text and checks it against the key's type
   return out
 
 
@@ -145,25 +125,46 @@ def program_key(config) -> dict:
           "libtpu": _version("libtpu") or _version("libtpu-nightly"), "source": _source_digest()}
 
 
+def keyed_path(hlo_dir: str, stem: str, key: dict) -> str:
+  """DIR/<stem>_<digest of key>.hlo: where a compiled program decided by `key` is kept."""
+  digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+  return os.path.join(hlo_dir, f"{stem}_{digest}.hlo")
+
+
+def read_keyed(path: str, key: dict) -> tuple[str, dict] | None:
+  """(HLO text, report without its key) kept at `path` (`write_keyed`), or None unless the report beside it was
+  written for exactly `key`: a program compiled from other settings, compiler or code is never re-read."""
+  saved = path[:-len(".hlo")] + ".json"
+  if not (os.path.exists(path) and os.path.exists(saved)):
+    return None
+  with open(saved) as f:
+    report = json.load(f)
+  if report.pop("key", None) != key:
+    return None
+  with open(path) as f:
+    return f.read(), report
+
+
+def write_keyed(path: str, text: str, report: dict, key: dict) -> None:
+  """Keeps `text` at `path` and `report` with its `key` beside it (.json), each file written whole (a temporary
+  renamed), so an interrupted write leaves no readable pair."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  for target, payload in ((path, text), (path[:-len(".hlo")] + ".json", json.dumps(dict(report, key=key)))):
+    with open(target + ".tmp", "w") as f:
+      f.write(payload)
+    os.replace(target + ".tmp", target)
+
+
 def compiled_hlo(name: str, config, hlo_dir: str | None, devices) -> tuple[str, dict]:
   """(HLO text, compile report) of `config`; with `hlo_dir` read from / written to
   DIR/maxtext_<name>_<attention>_<digest>.hlo and the report (memory, fits, the attention the step ran, the key) to
   .json beside it. A file is read back only when its report's key equals this config's (program_key), so a
   program compiled with other overrides, compiler or code is compiled afresh, never re-read."""
   key = program_key(config)
-  path = None
-  if hlo_dir:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = os.path.join(hlo_dir, f"maxtext_{name}_{config.model.attention_impl}_{digest}.hlo")
-    saved = path[:-len(".hlo")] + ".json"
-    if os.path.exists(path) and os.path.exists(saved):
-      with open(saved) as f:
-        report = json.load(f)
-      if report.get("key") == key and "attention_impl_runs" in report:
-        with open(path) as f:
-          text = f.read()
-        report.pop("key")
-        return text, dict(report, cached=True, hlo_file=path, source=key["source"])
+  path = keyed_path(hlo_dir, f"maxtext_{name}_{config.model.attention_impl}", key) if hlo_dir else None
+  found = read_keyed(path, key) if path else None
+  if found and "attention_impl_runs" in found[1]:
+    return found[0], dict(found[1], cached=True, hlo_file=path, source=key["source"])
   start = time.perf_counter()
   trainer, compiled = aot.compile_trainer(config, devices)
   text = compiled.as_text()
@@ -171,11 +172,7 @@ def compiled_hlo(name: str, config, hlo_dir: str | None, devices) -> tuple[str, 
   report = {k: report[k] for k in ("memory", "fits", "compile_seconds", "mesh", "remat")}
   report["attention_impl_runs"] = trainer.attention_impl
   if path:
-    os.makedirs(hlo_dir, exist_ok=True)
-    for target, payload in ((path, text), (saved, json.dumps(dict(report, key=key)))):
-      with open(target + ".tmp", "w") as f:  # whole files only: an interrupted write leaves no readable pair
-        f.write(payload)
-      os.replace(target + ".tmp", target)
+    write_keyed(path, text, report, key)
   return text, dict(report, cached=False, hlo_file=path, source=key["source"])
 
 
@@ -263,7 +260,7 @@ def main(argv=None) -> int:
     row, c = ROWS[name], configs_[name]
     pr = predict_terms(programs[name], c, efficiency)
     runs = sorted({r["attention_impl_runs"] for r in reports[name]})
-    kernels = [mosaic_kernels(text) for _, text in programs[name]]
+    kernels = [hlo.mosaic_kernels(text) for _, text in programs[name]]
     totals = [r["memory"]["total_bytes"] for r in reports[name]]
     if len(totals) == 2:  # per-chip memory, linear in depth like the step time
       (a, _), (b, _) = programs[name]

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import hashlib
 import json
 import math
 import os
@@ -154,17 +153,10 @@ def maxtext_program(venv: str, versions: dict, row: str, depth: int, hlo_dir: st
     key = {"args": cmd[3:], "libtpu_init_args": RECIPE_LIBTPU_ARGS,
            "versions": {k: versions[k] for k in ("maxtext", "jax", "jaxlib", "libtpu")}}
     key["args"] = [a for a in key["args"] if not a.startswith("base_output_directory=")]
-    path = saved = None
-    if hlo_dir:
-      digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-      path = os.path.join(hlo_dir, f"maxtext_native_{row}_L{depth}_{digest}.hlo")
-      saved = path[:-len(".hlo")] + ".json"
-      if os.path.exists(path) and os.path.exists(saved):
-        with open(saved) as f:
-          report = json.load(f)
-        if report.get("key") == key:
-          with open(path) as f:
-            return f.read(), dict(report, cached=True, hlo_file=path)
+    path = pm.keyed_path(hlo_dir, f"maxtext_native_{row}_L{depth}", key) if hlo_dir else None
+    found = pm.read_keyed(path, key) if path else None
+    if found:
+      return found[0], dict(found[1], cached=True, hlo_file=path)
     dump = os.path.join(tmp, "xla_dump")
     env = dict(_clean_env(), DECOUPLE_GCLOUD="TRUE", JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
                LIBTPU_INIT_ARGS=RECIPE_LIBTPU_ARGS,
@@ -183,13 +175,9 @@ def maxtext_program(venv: str, versions: dict, row: str, depth: int, hlo_dir: st
       text = f.read()
     memory = parse_memory(log)
     report = {"compile_seconds": seconds, "memory": memory, "command": " ".join(cmd),
-              "dump_file": os.path.basename(files[0]), "key": key}
+              "dump_file": os.path.basename(files[0])}
     if path:
-      os.makedirs(hlo_dir, exist_ok=True)
-      for target, payload in ((path, text), (saved, json.dumps(report))):
-        with open(target + ".tmp", "w") as f:
-          f.write(payload)
-        os.replace(target + ".tmp", target)
+      pm.write_keyed(path, text, report, key)
     return text, dict(report, cached=False, hlo_file=path)
 
 
@@ -260,7 +248,7 @@ def analyse(programs: list[tuple[int, str]], memories: list[dict], c, top: int) 
   out["top_ops_deepest_program"] = [
       {k: r[k] for k in ("name", "op", "bound", "per_step", "seconds", "flops", "bytes")}
       | {"op_name": r["op_name"][-90:]} for r in preds[-1]["top_ops"][:top]]
-  out["mosaic_kernels_deepest_program"] = pm.mosaic_kernels(programs[-1][1])
+  out["mosaic_kernels_deepest_program"] = hlo.mosaic_kernels(programs[-1][1])
   out["compiled_depths"], out["num_layers"] = depths, target
   return out
 

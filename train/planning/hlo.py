@@ -6,6 +6,7 @@ Sizes are bytes per device (the program is the SPMD-partitioned one that every d
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
@@ -107,6 +108,15 @@ def parse(text: str) -> Program:
       name, shape, opcode, rest = m.groups()
       comps[current].append(Instruction(name, shape, opcode, rest + ("\n" + more if more else ""), line=line))
   return Program(comps, {k: "\n".join(v) for k, v in blocks.items()}, entry)
+
+
+_MOSAIC = re.compile(r'%([\w\-]+?)(?:\.\d+)?\s*=[^\n]*custom_call_target="tpu_custom_call"')
+
+
+def mosaic_kernels(text: str) -> dict[str, int]:
+  """Mosaic (Pallas TPU) custom calls of HLO module `text` by kernel name, e.g. {"splash_mqa_fwd_...": 1, "gmm": 9}:
+  each instruction once (a layer scan's body counts once)."""
+  return dict(sorted(collections.Counter(_MOSAIC.findall(text)).items()))
 
 
 def split_tuple(shape: str) -> list[str]:
