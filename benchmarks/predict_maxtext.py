@@ -1,81 +1,184 @@
-"""Calibration of the performance model (train/planning/predict.py) against MaxText's published TPU v5e-256 MFUs.
+"""The performance model (train/planning/predict.py) against MaxText's published TPU figures, from today's code.
 
-  python benchmarks/predict_maxtext.py [--rows 16b,32b,64b,128b] [--hlo_dir DIR] [--fit] [--layers A,B]
-      [--set KEY=VALUE,...]
+  python benchmarks/predict_maxtext.py [--rows ROW,...|all|v5e|multislice|tiering] [--hlo_dir DIR] [--fit ROW,...]
+      [--layers A,B | --full] [--set KEY=VALUE,...] [--json FILE]
 
-(docs/planning.md's table: `--rows 16b,32b,64b --fit --hlo_dir DIR`, then `--rows 128b --layers 2,4 --hlo_dir DIR`;
-its splash-vs-xla section: `--rows 16b,32b --layers 2,4 --set model.attention_impl=splash`, then `=xla`.)
+Each row (ROWS below) is one run MaxText published: its model as a meshlm preset (configs/maxtext2023_*.py for
+the 2023 v5e table, configs/llama*.py for the tiering rows), the recipe's batch, sequence, remat and mesh as
+config overrides, and the slice (one or several over DCN). For every row the script compiles meshlm's train step
+for that slice ahead of time (libtpu, no TPU needed), runs the compiled program through the predictor, and prints
+a Markdown table (published and predicted MFU in the row's FLOP convention, relative error of the step time, the
+terms, the dominant one) on stdout; `--json FILE` also writes every figure.
 
-For each row, compiles meshlm's step for the MaxText-equivalent preset (configs/maxtext_*.py: MaxText's
-global_parameter_scale model, per-device batch and remat of MaxText/configs/v5e/*.sh) on an abstract v5e-256
-(libtpu, no TPU needed) and predicts its step time. `--set` applies config overrides (comma-separated KEY=VALUE,
-values parsed as benchmarks/kernels.py's `--set`: int, float, true/false, else text) to every row, e.g.
-`--set model.attention_impl=splash` (the presets run meshlm's blockwise attention). Each row records the attention
-the compiled step ran (the Trainer's resolved `attention_impl`) and the Mosaic (Pallas TPU) kernels in its program.
-`--hlo_dir` keeps each compiled program's HLO text there and reuses it on the next run (a 16B-64B compile takes
-minutes on a small CPU machine); the file name carries the requested attention and a digest of everything that
-decides the program (the whole resolved config, overrides and depth included; the jax and libtpu versions; the
-source of the packages the step is built from), which the report beside it repeats and a read checks, so a program
-compiled with other overrides, by another compiler or from other code is never read back. With `--fit`, the matmul
-efficiency is fitted on the 16B row (bisection on the predicted MFU in MaxText's convention, capped at 1.0) and
-then used unchanged on every row; otherwise train.planning.predict.MATMUL_EFFICIENCY is used. With `--layers A,B` each
-row is compiled at depths A and B instead of its own and every step-time term is extrapolated linearly in depth to
-the preset's (each term is the layer scan's per-iteration cost times its trip count plus a depth-independent rest;
-the compile time of these models grows with depth); rows say which way they were obtained.
+- **Depth.** A row is compiled whole (`depths` None in ROWS) or at two depths and every step-time term and the
+  per-chip memory extrapolated linearly to the model's (each is the layer scan's per-iteration cost times its
+  trip count plus a depth-independent rest); the table says which. `--layers A,B` extrapolates every row from A
+  and B, `--full` compiles every row whole. The error of the extrapolation is measured where a row is run both
+  ways (`--rows 16b --full` beside the default).
+- **Cache.** `--hlo_dir DIR` keeps each compiled program there under a digest of everything that decides it (the
+  resolved config, overrides and depth included; the slice; the jax and libtpu versions; the source of the
+  packages the step is built from), which a read checks: a program compiled from other settings, compiler or
+  code is never read back; the rows say whether they were compiled or read.
+- **Fit.** One global constant, `MATMUL_EFFICIENCY` (the fraction of the bf16 peak FLOP-bound kernels reach),
+  fitted by bisection on the step time of the `--fit` rows (default 16b) over (0.05, 2): a fit above 1.0 is not
+  clipped but reported as out of its physical range (the model then misses a term). Every other row is held out.
+  Without `--fit` train.planning.predict.MATMUL_EFFICIENCY is used.
+- **FLOP conventions.** Each table counted MFU its own way (MaxText's `calculate_training_tflops` at the time);
+  the row's `convention` names it (CONVENTIONS); rows that also published tokens/s per chip take their step time
+  from that (no convention needed). meshlm's own count (model.flops_per_token) is shown beside.
 
-MFU is shown in two FLOP conventions, both over the 197 TFLOP/s bf16 peak of a v5e chip:
-- MaxText's of the time (max_utils.calculate_tflops_training_per_device): 6 x all parameters (input embedding
-  included) x tokens + the causal attention 12 x heads x layers x head_dim x seq^2 per sequence, halved for the mask;
-- meshlm's (model.flops_per_token): 6 x (non-embedding parameters + d_model x vocab) + 12 x heads x head_dim x
-  the mean attended length (seq + 1) / 2, per layer and token.
-Prints one JSON object: the rows (published MFU, predicted MFU in both conventions, relative error, step-time
-terms, the dominant term, the attention requested and run, the Mosaic kernels, the overrides; per compiled program
-its memory, compile time, whether it was read from --hlo_dir, and the digest of the step's source it was compiled
-from) and the efficiency used.
+Prints the table (stdout) and progress (stderr); the JSON holds the rows, the efficiency and the fit, the wall
+time of the run, and per compiled program its memory, compile time, cache state and source digest.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
 import json
 import os
-import re
 import sys
 import time
 
 import configs
 import model
+from configs import _maxtext
 from train.planning import compile as aot
 from train.planning import hardware
 from train.planning import hlo
 from train.planning import mfu
 from train.planning import predict
 
-# MaxText/configs/v5e/README.md, one v5e-256 slice (MFU) and the recipes' layouts (MaxText/configs/v5e/*.sh).
-ROWS = {
-    "16b": {"config": "maxtext_16b", "overrides": {}, "published_mfu": 0.6110},
-    "32b": {"config": "maxtext_32b", "overrides": {}, "published_mfu": 0.6686},
-    "64b": {"config": "maxtext_64b", "overrides": {}, "published_mfu": 0.5990},
-    # 128b.sh: ici_fsdp 16 x ici_tensor 16, per-device batch 1, remat minimal_offloaded (activations offloaded to
-    # host memory). meshlm has no host offloading and its tensor axis does not shard the residual stream, so that
-    # layout needs 38 GB (remat full) to 149 GB (minimal) of activations per 16 GiB chip (train.plan's estimate):
-    # the row is compiled with the layout of the other rows (FSDP over the slice, remat full), which fits.
-    "128b": {"config": "maxtext_128b", "overrides": {}, "published_mfu": 0.5606},
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One published MaxText run as meshlm compiles it: preset + recipe overrides on `topology` x `num_slices`."""
+  config: str
+  overrides: dict
+  topology: str
+  published_mfu: float
+  convention: str  # CONVENTIONS key: how the published MFU counted FLOPs
+  source: str  # where MaxText publishes the figure, and its recipe
+  num_slices: int = 1
+  tokens_per_sec_per_chip: float | None = None  # published throughput, where the table gives it
+  depths: tuple[int, int] | None = (2, 4)  # compiled depths (None: the whole program)
+  differs: str = ""  # how meshlm's program differs from MaxText's run, where it must
+
+
+# MaxText's v5e table (src/maxtext/configs/tpu/v5e/README.md, unchanged since MaxText/configs/v5e/README.md at
+# 76bd53b0f, 2023-12-15): MFU by model and slices of v5e-256. Rows 1-16 slices were published 2023-10-27
+# (5ebcd67fe, 9bc243c95) when MaxText/train.py counted non-causal attention; the 32-slice row 2023-12-08
+# (28816574b), after 64ee4e938 (2023-11-08) halved it. Recipes: MaxText/configs/largest_job/{16,32,64,128}b.sh
+# at 9bc243c95 (per-device batch 6/4/2/1, remat full, flash attention, seq 2048, FSDP over each slice, data
+# parallelism over the slices: base.yml's dcn_data_parallelism -1).
+_V5E_MFU = {16: (0.6110, 0.5937, 0.5914, 0.5827, 0.5656, 0.5465), 32: (0.6686, 0.6481, 0.6410, 0.6367, 0.6226, 0.6040),
+            64: (0.5990, 0.5666, 0.5585, 0.5496, 0.5329, 0.5018), 128: (0.5606, 0.5582, 0.5493, 0.5293, 0.5086, 0.4625)}
+_V5E_BATCH = {16: 6, 32: 4, 64: 2, 128: 1}
+_V5E_SOURCE = "MaxText configs/v5e/README.md (2023); recipe MaxText/configs/largest_job/{}b.sh @9bc243c95"
+_128B_LAYOUT = ("MaxText ran ici_fsdp 16 x ici_tensor 16; meshlm's tensor axis leaves the residual stream whole "
+                "(38 GB of activations per chip at remat full), so FSDP over the slice")
+
+
+def _v5e_rows() -> dict[str, Row]:
+  rows = {}
+  for scale, mfus in _V5E_MFU.items():
+    for slices, published in zip((1, 2, 4, 8, 16, 32), mfus):
+      batch = _V5E_BATCH[scale] * _maxtext.V5E_256_CHIPS * slices
+      overrides = {"train.batch_size": batch, **({"mesh.dcn_data": slices} if slices > 1 else {})}
+      rows[f"{scale}b" + (f"_x{slices}" if slices > 1 else "")] = Row(
+          f"maxtext2023_{scale}b", overrides, "v5e-256", published,
+          "2023_causal" if slices == 32 else "2023_noncausal", _V5E_SOURCE.format(scale), num_slices=slices,
+          differs=_128B_LAYOUT if scale == 128 else "")
+  return rows
+
+
+# MaxText's tiering table (docs/reference/models/tiering.md @e591f30c). Both figures come from MaxText releases
+# before PR #1988 (2adc3bab1, 2025-07-22) halved causal attention in calculate_tflops_training_per_device.
+_TIERING = {
+    # tpu-recipes training/trillium/Llama3.1-8B-MaxText/v6e-256 (MaxText tpu-recipes-v0.1.4 = 9f1820b4):
+    # benchmarks/maxtext_trillium_model_configs.py `llama3_1_8b_8192`: per_device_batch_size 4,
+    # max_target_length 8192, ici_fsdp -1, flash attention with every sa_block_* 2048, remat custom with
+    # decoder_layer_input and q/k/v/out projections offloaded to host. Log: 4.546 s, 7207.336 tokens/s/device.
+    "llama3_1_8b_v6e": Row(
+        "llama3_1_8b", {"train.seq_len": 8192, "train.batch_size": 4 * 256, "model.max_seq_len": 8192,
+                        "model.dtype": "bfloat16", "model.attention_impl": "splash", "mesh.data": 1,
+                        "mesh.fsdp": -1, "train.remat": "save_qkv_proj", "train.xla_overlap": True,
+                        **{f"model.{k}": 2048 for k in model.config.SPLASH_BLOCK_KEYS}},
+        "v6e-256", 0.4546, "matmul_noncausal", "MaxText docs/reference/models/tiering.md; tpu-recipes "
+        "training/trillium/Llama3.1-8B-MaxText/v6e-256 (llama3_1_8b_8192)", tokens_per_sec_per_chip=7207.336,
+        differs="MaxText offloads the layer input and q/k/v/out projections to host memory; meshlm keeps q/k/v "
+                "on chip (remat save_qkv_proj) and recomputes the output projection"),
+    # benchmarks/maxtext_v5p_model_configs.py#L156 @92e59fdf (`llama2_70b_v5p_128`): per_device_batch_size 4,
+    # max_target_length 4096, ici_fsdp -1, remat save_dot_except_mlpwi; "512 Chips" are TensorCores: 256 chips
+    # (configs/tpu/v5p/llama2_70b.sh: "4M token global batch size on 1 x v5p-512"). 692 tokens/s/device.
+    "llama2_70b_v5p": Row(
+        "llama2_70b", {"train.seq_len": 4096, "train.batch_size": 4 * 256, "model.dtype": "bfloat16",
+                       "model.attention_impl": "splash", "mesh.data": 1, "mesh.fsdp": -1,
+                       "train.remat": "save_dot_except_mlpwi", "train.xla_overlap": True},
+        "v5p-512", 0.654, "matmul_noncausal", "MaxText docs/reference/models/tiering.md; "
+        "benchmarks/maxtext_v5p_model_configs.py#L156 @92e59fdf (llama2_70b_v5p_128)",
+        tokens_per_sec_per_chip=692.0),
 }
-V5E_256 = hardware.tpu_slice("v5e-256")
+ROWS: dict[str, Row] = {**_v5e_rows(), **_TIERING}
+GROUPS = {"all": list(ROWS), "v5e": [r for r in ROWS if r[-1] == "b"],
+          "multislice": [r for r in ROWS if "_x" in r], "tiering": list(_TIERING)}
+TERMS = ("step_seconds", "compute_seconds", "memory_bound_seconds", "collective_seconds",
+         "exposed_collective_seconds")
 
 
-def maxtext_flops_per_chip(c) -> float:
-  """MaxText's training FLOPs per chip per step (its MFU numerator at the time of the v5e table)."""
-  m, t = c.model, c.train
-  per_device_batch = t.batch_size / V5E_256.num_chips
-  weights = 6 * model.count_params(m)["total"] * t.seq_len * per_device_batch
-  attention = 12 * m.num_heads * m.num_layers * m.head_dim * t.seq_len**2 * per_device_batch / 2
-  return weights + attention
+def row_slice(row: Row) -> hardware.TpuSlice:
+  return hardware.tpu_slice(row.topology, row.num_slices)
 
 
+def row_config(row: Row, depth: int | None = None, extra: dict | None = None):
+  """The row's meshlm config (its preset, the recipe's overrides, `extra`, and `model.num_layers=depth`)."""
+  overrides = {**row.overrides, **(extra or {}), **({"model.num_layers": depth} if depth else {})}
+  return configs.load(row.config, **{k: str(v) for k, v in overrides.items()})
+
+
+# ---- FLOP conventions ---------------------------------------------------------------------------------------
+def _matmul_flops(m, seq: int, causal: bool) -> float:
+  """MaxText's calculate_tflops_training_per_device (May 2024 on) per sequence: every projection's matmuls,
+  attention 4·T²·H·D per layer (halved when `causal`, PR #1988), the unembedding; x3 for the backward pass."""
+  gated = 2 if m.mlp_type in model.config.GATED else 1
+  ffn = 2 * seq * m.mlp_dim * m.d_model * gated + 2 * seq * m.mlp_dim * m.d_model
+  qkv = 2 * seq * m.d_model * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+  proj = 2 * seq * m.d_model * m.num_heads * m.head_dim
+  attention = 4 * seq**2 * m.num_heads * m.head_dim / (2 if causal else 1)
+  return 3 * (m.num_layers * (ffn + qkv + proj + attention) + 2 * seq * m.d_model * m.vocab_size)
+
+
+def _2023_flops(m, seq: int, causal: bool) -> float:
+  """MaxText/train.py's calculate_training_tflops of 2023 per sequence: 6 x all parameters (the tied embedding
+  once) x tokens + 12·H·L·D·T² (6·H·L·D·T² once causal, 64ee4e938)."""
+  return 6 * model.count_params(m)["total"] * seq + (6 if causal else 12) * m.num_heads * m.num_layers * \
+      m.head_dim * seq**2
+
+
+CONVENTIONS = {"2023_noncausal": lambda m, s: _2023_flops(m, s, False),
+               "2023_causal": lambda m, s: _2023_flops(m, s, True),
+               "matmul_noncausal": lambda m, s: _matmul_flops(m, s, False),
+               "matmul_causal": lambda m, s: _matmul_flops(m, s, True)}
+
+
+def published_flops_per_chip(row: Row, c) -> float:
+  """The row's training FLOPs per chip per step in its table's convention."""
+  chips = row_slice(row).num_chips * row.num_slices
+  return CONVENTIONS[row.convention](c.model, c.train.seq_len) * c.train.batch_size / chips
+
+
+def published_step_seconds(row: Row, c) -> float:
+  """The published step time: tokens per chip / published tokens/s where given, else the convention's FLOPs /
+  (published MFU x peak)."""
+  tpu = row_slice(row)
+  if row.tokens_per_sec_per_chip:
+    return c.train.batch_size * c.train.seq_len / (tpu.num_chips * row.num_slices) / row.tokens_per_sec_per_chip
+  return published_flops_per_chip(row, c) / (row.published_mfu * tpu.chip.peak_tflops * 1e12)
+
+
+# ---- compiled programs, keyed by what decides them ----------------------------------------------------------
 def _overrides(text: str) -> dict:
   """`--set KEY=VALUE,...` as config overrides."""
   out = {}
@@ -116,13 +219,14 @@ def _version(dist: str) -> str:
     return ""
 
 
-def program_key(config) -> dict:
-  """What decides a compiled program, beyond the abstract v5e-256: the resolved config (overrides and depth
-  included), the compiler and jax versions, and the step's source code."""
+def program_key(config, tpu: hardware.TpuSlice) -> dict:
+  """What decides a compiled program: the resolved config (overrides and depth included), the slice(s), the
+  compiler and jax versions, and the step's source code."""
   import jax  # pylint: disable=g-import-not-at-top
-  return {"config": json.loads(json.dumps(config.to_dict(), sort_keys=True, default=str)),
-          "topology": V5E_256.topology, "jax": jax.__version__,
-          "libtpu": _version("libtpu") or _version("libtpu-nightly"), "source": _source_digest()}
+  key = {"config": json.loads(json.dumps(config.to_dict(), sort_keys=True, default=str)),
+         "topology": tpu.topology, "jax": jax.__version__,
+         "libtpu": _version("libtpu") or _version("libtpu-nightly"), "source": _source_digest()}
+  return key | ({"num_slices": tpu.num_slices} if tpu.num_slices > 1 else {})
 
 
 def keyed_path(hlo_dir: str, stem: str, key: dict) -> str:
@@ -155,20 +259,25 @@ def write_keyed(path: str, text: str, report: dict, key: dict) -> None:
     os.replace(target + ".tmp", target)
 
 
-def compiled_hlo(name: str, config, hlo_dir: str | None, devices) -> tuple[str, dict]:
-  """(HLO text, compile report) of `config`; with `hlo_dir` read from / written to
-  DIR/maxtext_<name>_<attention>_<digest>.hlo and the report (memory, fits, the attention the step ran, the key) to
-  .json beside it. A file is read back only when its report's key equals this config's (program_key), so a
-  program compiled with other overrides, compiler or code is compiled afresh, never re-read."""
-  key = program_key(config)
+@functools.lru_cache(maxsize=None)
+def _devices(topology: str, num_slices: int) -> list:
+  return aot.abstract_devices(hardware.tpu_slice(topology, num_slices))
+
+
+def compiled_hlo(name: str, config, hlo_dir: str | None, tpu: hardware.TpuSlice | None = None) -> tuple[str, dict]:
+  """(HLO text, compile report) of `config` on `tpu` (default v5e-256); with `hlo_dir` read from / written to
+  DIR/maxtext_<name>_<attention>_<digest>.hlo and the report (memory, fits, the attention the step ran, the key)
+  to .json beside it. A file is read back only when its report's key equals this program's (program_key)."""
+  tpu = tpu or hardware.tpu_slice("v5e-256")
+  key = program_key(config, tpu)
   path = keyed_path(hlo_dir, f"maxtext_{name}_{config.model.attention_impl}", key) if hlo_dir else None
   found = read_keyed(path, key) if path else None
   if found and "attention_impl_runs" in found[1]:
     return found[0], dict(found[1], cached=True, hlo_file=path, source=key["source"])
   start = time.perf_counter()
-  trainer, compiled = aot.compile_trainer(config, devices)
+  trainer, compiled = aot.compile_trainer(config, _devices(tpu.topology, tpu.num_slices))
   text = compiled.as_text()
-  report = aot.summarize(config, V5E_256, trainer, time.perf_counter() - start)
+  report = aot.summarize(config, tpu, trainer, time.perf_counter() - start)
   report = {k: report[k] for k in ("memory", "fits", "compile_seconds", "mesh", "remat")}
   report["attention_impl_runs"] = trainer.attention_impl
   if path:
@@ -176,43 +285,109 @@ def compiled_hlo(name: str, config, hlo_dir: str | None, devices) -> tuple[str, 
   return text, dict(report, cached=False, hlo_file=path, source=key["source"])
 
 
-TERMS = ("step_seconds", "compute_seconds", "memory_bound_seconds", "collective_seconds",
-         "exposed_collective_seconds")
+# ---- the prediction ---------------------------------------------------------------------------------------
+def lerp(values: list[float], depths: list[int], target: int) -> float:
+  """`values` at `depths` (one, or two for a linear extrapolation) carried to depth `target`."""
+  if len(values) == 1:
+    return values[0]
+  (a, b), (va, vb) = depths, values
+  return va + (vb - va) * (target - a) / (b - a)
 
 
-def predict_terms(programs: list[tuple[int, str]], c, efficiency: float) -> dict:
-  """The step-time terms of config `c` (seconds per chip) and the dominant one, from its compiled program
-  [(depth, HLO)] or from two programs at other depths, extrapolated linearly in depth to c.model.num_layers."""
-  t = c.train
-  preds = [(depth, predict.predict(text, V5E_256.chip, num_devices=V5E_256.num_chips, torus=V5E_256.torus,
-                                   model_flops_per_chip=0.0, tokens_per_chip=1.0, efficiency=efficiency))
-           for depth, text in programs]
-  if len(preds) == 1:
-    out = {k: preds[0][1][k] for k in TERMS}
-  else:
-    (a, pa), (b, pb) = preds
-    out = {k: pa[k] + (pb[k] - pa[k]) * (c.model.num_layers - a) / (b - a) for k in TERMS}
-  out["uncosted_kernels"] = max(p["uncosted_kernels"] for _, p in preds)
+def predict_terms(programs: list[tuple[int, str]], row: Row, c, efficiency: float) -> dict:
+  """The step-time terms (seconds per chip) of row `row` with config `c`, from its compiled programs
+  [(depth, HLO)] (one whole program, or two depths extrapolated to c.model.num_layers), and the dominant term."""
+  tpu = row_slice(row)
+  preds = [predict.predict(text, tpu.chip, num_devices=tpu.num_chips * tpu.num_slices, torus=tpu.torus,
+                           model_flops_per_chip=0.0, tokens_per_chip=1.0, efficiency=efficiency)
+           for _, text in programs]
+  depths = [d for d, _ in programs]
+  out = {k: lerp([p[k] for p in preds], depths, c.model.num_layers) for k in TERMS}
+  out["uncosted_kernels"] = max(p["uncosted_kernels"] for p in preds)
   terms = {"compute": out["compute_seconds"], "memory": out["memory_bound_seconds"],
            "collective": out["exposed_collective_seconds"]}
   out["dominant"] = max(terms, key=terms.get)
-  peak = V5E_256.chip.peak_tflops * 1e12
-  out["mfu_maxtext_convention"] = maxtext_flops_per_chip(c) / (out["step_seconds"] * peak)
-  out["mfu_meshlm_convention"] = (mfu.flops_per_step(c.model, t.seq_len, t.batch_size) / V5E_256.num_chips
-                                  / (out["step_seconds"] * peak))
+  peak = tpu.chip.peak_tflops * 1e12
+  out["mfu_published_convention"] = published_flops_per_chip(row, c) / (out["step_seconds"] * peak)
+  out["mfu_meshlm_convention"] = (mfu.flops_per_step(c.model, c.train.seq_len, c.train.batch_size)
+                                  / (tpu.num_chips * tpu.num_slices) / (out["step_seconds"] * peak))
   return out
 
 
-def fit_efficiency(programs, c, target_mfu: float) -> tuple[float, bool]:
-  """The efficiency whose predicted MFU (MaxText's convention) equals `target_mfu`, by bisection on (0.05, 1];
-  (1.0, False) when even the peak cannot reach it."""
-  if predict_terms(programs, c, 1.0)["mfu_maxtext_convention"] < target_mfu:
-    return 1.0, False
-  lo, hi = 0.05, 1.0
-  for _ in range(30):
+def fit_efficiency(fits: list[tuple[list, Row, object]]) -> dict:
+  """The efficiency whose predicted step time equals the published one, summed over the fit rows
+  [(programs, row, config)], by bisection on (0.05, 2.0): nothing is clipped at 1.0; `physical` says whether
+  the fit stayed within the peak."""
+  target = sum(published_step_seconds(row, c) for _, row, c in fits)
+
+  def predicted(eff):
+    return sum(predict_terms(p, row, c, eff)["step_seconds"] for p, row, c in fits)
+
+  lo, hi = 0.05, 2.0
+  if not predicted(hi) <= target <= predicted(lo):
+    return {"efficiency": None, "reached": False, "physical": False, "why": "outside (0.05, 2.0)"}
+  for _ in range(40):
     mid = (lo + hi) / 2
-    lo, hi = (mid, hi) if predict_terms(programs, c, mid)["mfu_maxtext_convention"] < target_mfu else (lo, mid)
-  return hi, True
+    lo, hi = (mid, hi) if predicted(mid) > target else (lo, mid)
+  eff = (lo + hi) / 2
+  return {"efficiency": eff, "reached": True, "physical": eff <= 1.0}
+
+
+def compile_row(name: str, row: Row, args) -> tuple[list[tuple[int, str]], list[dict]]:
+  """The row's compiled programs [(depth, HLO)] and their reports, whole or at the extrapolation depths."""
+  depths = None if args.full else (args.layers or row.depths)
+  programs, reports = [], []
+  for depth in depths or (None,):
+    c = row_config(row, depth, args.set)
+    start = time.perf_counter()
+    text, report = compiled_hlo(name + (f"_L{depth}" if depth else ""), c, args.hlo_dir or None, row_slice(row))
+    programs.append((c.model.num_layers, text))
+    reports.append(report)
+    print(f"{'read' if report['cached'] else 'compiled'} {name} at {c.model.num_layers} layers "
+          f"(attention {report['attention_impl_runs']}) in {time.perf_counter() - start:.0f} s", file=sys.stderr,
+          flush=True)
+  return programs, reports
+
+
+def row_result(name: str, row: Row, programs, reports, c, efficiency: float) -> dict:
+  """One row of the table: published vs predicted, the terms, how it was obtained, memory per chip."""
+  pr = predict_terms(programs, row, c, efficiency)
+  tpu, depths = row_slice(row), [d for d, _ in programs]
+  published = published_step_seconds(row, c)
+  total = lerp([r["memory"]["total_bytes"] for r in reports], depths, c.model.num_layers)
+  kernels = hlo.mosaic_kernels(programs[-1][1])
+  return {
+      "row": name, "config": row.config, "topology": row.topology, "num_slices": row.num_slices,
+      "published_mfu": row.published_mfu, "convention": row.convention,
+      "published_tokens_per_sec_per_chip": row.tokens_per_sec_per_chip,
+      "predicted_mfu_published_convention": pr["mfu_published_convention"],
+      "predicted_mfu_meshlm_convention": pr["mfu_meshlm_convention"],
+      "published_step_seconds": published, "relative_error": published / pr["step_seconds"] - 1,
+      **{k: pr[k] for k in TERMS}, "dominant": pr["dominant"], "uncosted_kernels": pr["uncosted_kernels"],
+      "obtained": "whole program" if len(depths) == 1 else f"extrapolated from {depths[0]} and {depths[1]} layers",
+      "compiled_depths": depths, "num_layers": c.model.num_layers,
+      "attention_impl_runs": sorted({r["attention_impl_runs"] for r in reports}),
+      "mosaic_kernels": kernels, "total_bytes_per_chip": total, "fits": total <= tpu.chip.hbm_bytes,
+      "compiled": [{k: r[k] for k in ("fits", "compile_seconds", "cached", "hlo_file", "source")}
+                   | {"total_bytes": r["memory"]["total_bytes"]} for r in reports],
+      "overrides": {**row.overrides, **(dict.fromkeys(()) or {})}, "batch_size": c.train.batch_size,
+      "seq_len": c.train.seq_len, "remat": c.train.remat, "source": row.source, "differs": row.differs,
+  }
+
+
+def table(rows: list[dict], fit_rows: list[str]) -> str:
+  """The rows as a Markdown table."""
+  out = ["| row | slice | published MFU | predicted MFU | step s (pub. / pred.) | error | compute / memory / "
+         "collectives (exposed) s | dominant | GiB/chip | obtained |", "|" + "---|" * 10]
+  for r in rows:
+    role = "fit" if r["row"] in fit_rows else "held out"
+    out.append(
+        f"| {r['row']} ({role}) | {r['topology']} x {r['num_slices']} | {r['published_mfu']:.2%} | "
+        f"{r['predicted_mfu_published_convention']:.2%} | {r['published_step_seconds']:.2f} / "
+        f"{r['step_seconds']:.2f} | {r['relative_error']:+.1%} | {r['compute_seconds']:.2f} / "
+        f"{r['memory_bound_seconds']:.2f} / {r['collective_seconds']:.2f} ({r['exposed_collective_seconds']:.2f}) | "
+        f"{r['dominant']} | {r['total_bytes_per_chip'] / 2**30:.1f} | {r['obtained']} |")
+  return "\n".join(out)
 
 
 def _depths(text: str) -> tuple[int, int]:
@@ -222,75 +397,48 @@ def _depths(text: str) -> tuple[int, int]:
   return a, b
 
 
+def _names(text: str) -> list[str]:
+  names = [n for part in text.split(",") if part for n in GROUPS.get(part, [part])]
+  unknown = [n for n in names if n not in ROWS]
+  if unknown:
+    raise argparse.ArgumentTypeError(f"--rows: unknown {unknown}; rows: {', '.join(ROWS)}; groups: "
+                                     f"{', '.join(GROUPS)}")
+  return list(dict.fromkeys(names))
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--rows", default="16b,32b,64b,128b")
+  p.add_argument("--rows", type=_names, default=_names("16b,32b,64b,128b"), help="rows or groups, comma-separated")
   p.add_argument("--hlo_dir", default="")
-  p.add_argument("--fit", action="store_true", help="fit the matmul efficiency on the 16B row")
-  p.add_argument("--layers", type=_depths, help="compile at depths A,B and extrapolate to each preset's depth")
+  p.add_argument("--fit", type=_names, default=None, help="fit MATMUL_EFFICIENCY on these rows (e.g. 16b)")
+  depth = p.add_mutually_exclusive_group()
+  depth.add_argument("--layers", type=_depths, help="compile every row at depths A,B and extrapolate")
+  depth.add_argument("--full", action="store_true", help="compile every row whole")
   p.add_argument("--set", type=_overrides, default={}, metavar="KEY=VALUE,...",
-                 help="config overrides for every row, e.g. model.attention_impl=splash")
+                 help="config overrides for every row, e.g. model.attention_impl=xla")
+  p.add_argument("--json", default="", help="also write every figure here")
   args = p.parse_args(argv)
-  names = [r for r in args.rows.split(",") if r]
-  if args.fit and "16b" not in names:
-    p.error("--fit fits on the 16b row: include it in --rows")
-  overrides_ = {name: dict(ROWS[name]["overrides"], **args.set) for name in names}
+  if args.fit and set(args.fit) - set(args.rows):
+    p.error(f"--fit rows {sorted(set(args.fit) - set(args.rows))} must be among --rows")
+  start = time.perf_counter()
   from train.core import step  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import  (then the digest)
   _source_digest()
-  devices = aot.abstract_devices(V5E_256)
-  programs, reports = {}, {}
-  for name in names:
-    row = ROWS[name]
-    programs[name] = []
-    for depth in args.layers or (None,):
-      overrides = dict(overrides_[name], **({"model.num_layers": depth} if depth else {}))
-      c = configs.load(row["config"], **overrides)
-      start = time.perf_counter()
-      text, report = compiled_hlo(name + (f"_L{depth}" if depth else ""), c, args.hlo_dir or None, devices)
-      programs[name].append((c.model.num_layers, text))
-      reports.setdefault(name, []).append(report)
-      print(f"{'read' if report['cached'] else 'compiled'} {name} at {c.model.num_layers} layers "
-            f"(attention {report['attention_impl_runs']}) in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-  configs_ = {name: configs.load(ROWS[name]["config"], **overrides_[name]) for name in names}
-  efficiency, reached = predict.MATMUL_EFFICIENCY, None
+  compiled = {name: compile_row(name, ROWS[name], args) for name in args.rows}
+  cfgs = {name: row_config(ROWS[name], None, args.set) for name in args.rows}
+  fit = {"efficiency": predict.MATMUL_EFFICIENCY, "rows": [], "reached": None}
   if args.fit:
-    efficiency, reached = fit_efficiency(programs["16b"], configs_["16b"], ROWS["16b"]["published_mfu"])
-  rows = []
-  for name in names:
-    row, c = ROWS[name], configs_[name]
-    pr = predict_terms(programs[name], c, efficiency)
-    runs = sorted({r["attention_impl_runs"] for r in reports[name]})
-    kernels = [hlo.mosaic_kernels(text) for _, text in programs[name]]
-    totals = [r["memory"]["total_bytes"] for r in reports[name]]
-    if len(totals) == 2:  # per-chip memory, linear in depth like the step time
-      (a, _), (b, _) = programs[name]
-      total = totals[0] + (totals[1] - totals[0]) * (c.model.num_layers - a) / (b - a)
-    else:
-      total = totals[0]
-    rows.append({
-        "row": name, "published_mfu": row["published_mfu"],
-        "predicted_mfu_maxtext_convention": pr["mfu_maxtext_convention"],
-        "predicted_mfu_meshlm_convention": pr["mfu_meshlm_convention"],
-        "relative_error": pr["mfu_maxtext_convention"] / row["published_mfu"] - 1,
-        "published_step_seconds":
-            maxtext_flops_per_chip(c) / (row["published_mfu"] * V5E_256.chip.peak_tflops * 1e12),
-        **{k: pr[k] for k in TERMS}, "dominant": pr["dominant"],
-        "compiled_depths": [d for d, _ in programs[name]], "num_layers": c.model.num_layers,
-        "attention_impl": c.model.attention_impl, "attention_impl_runs": runs[0] if len(runs) == 1 else runs,
-        # Mosaic kernels by name in the deepest compiled program (each program's under "compiled"), and the
-        # kernels the performance model could not price (0: every kernel's work is in the prediction).
-        "mosaic_kernels": kernels[-1], "mosaic_kernel_count": sum(kernels[-1].values()),
-        "uncosted_kernels": pr["uncosted_kernels"],
-        "compiled": [{k: r[k] for k in ("fits", "compile_seconds", "cached", "attention_impl_runs", "hlo_file", "source")}
-                     | {"total_bytes": r["memory"]["total_bytes"], "mosaic_kernels": kern,
-                        "mosaic_kernel_count": sum(kern.values())}
-                     for r, kern in zip(reports[name], kernels)],
-        "total_bytes_per_chip": total,
-        "fits": total <= V5E_256.chip.hbm_bytes,
-        "overrides": overrides_[name], "batch_size": c.train.batch_size, "remat": c.train.remat,
-    })
-  print(json.dumps({"matmul_efficiency": efficiency, "fitted_on_16b": args.fit, "fit_reached_target": reached,
-                    "rows": rows}, indent=1))
+    fit = fit_efficiency([(compiled[n][0], ROWS[n], cfgs[n]) for n in args.fit]) | {"rows": args.fit}
+  efficiency = fit["efficiency"] or predict.MATMUL_EFFICIENCY
+  rows = [row_result(n, ROWS[n], *compiled[n], cfgs[n], efficiency) for n in args.rows]
+  result = {"matmul_efficiency": efficiency, "fit": fit, "overrides": args.set, "rows": rows,
+            "wall_seconds": time.perf_counter() - start, "source": _source_digest()}
+  print(table(rows, args.fit or []))
+  print(f"\nmatmul efficiency {efficiency:.4f} ({'fitted on ' + ','.join(args.fit) if args.fit else 'default'}"
+        f"{'' if fit.get('physical', True) else ', OUT OF ITS PHYSICAL RANGE'}); wall time "
+        f"{result['wall_seconds']:.0f} s")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1, default=str)
   return 0
 
 

@@ -46,14 +46,12 @@ import time
 import configs
 import predict_maxtext as pm  # benchmarks/predict_maxtext.py (this script's folder is on sys.path)
 from train.planning import compile as aot
+from train.planning import hardware
 from train.planning import hlo
 from train.planning import predict
 
 # MaxText configs/tpu/v5e/<row>.sh: the recipe's flags and libtpu flags (16b/32b/64b share them but for the scale
 # and the per-device batch). gcs_metrics is off here (no cloud); the rest decide the program.
-RECIPES = {"16b": {"global_parameter_scale": 16, "per_device_batch_size": 6},
-           "32b": {"global_parameter_scale": 32, "per_device_batch_size": 4},
-           "64b": {"global_parameter_scale": 64, "per_device_batch_size": 2}}
 RECIPE_FLAGS = ("steps=15", "enable_checkpointing=false", "remat_policy=full", "max_target_length=2048",
                 "use_iota_embed=true", "reuse_example_batch=1", "dataset_type=synthetic", "attention=flash",
                 "gcs_metrics=false", "enable_goodput_recording=false", "monitor_goodput=false", "jax_cache_dir=")
@@ -62,6 +60,38 @@ RECIPE_LIBTPU_ARGS = (
     "--xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
     "--xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true "
     "--xla_enable_async_all_gather=true")
+_SA_BLOCKS = tuple(f"sa_block_{k}=2048" for k in ("q", "kv", "kv_compute", "q_dkv", "kv_dkv", "kv_dkv_compute",
+                                                    "q_dq", "kv_dq"))
+
+
+def _v5e(scale: int, batch: int) -> dict:
+  return {"config": f"maxtext_{scale}b", "overrides": {}, "topology": "v5e-256", "libtpu": RECIPE_LIBTPU_ARGS,
+          "model_args": (f"global_parameter_scale={scale}", f"per_device_batch_size={batch}"), "flags": RECIPE_FLAGS,
+          "layers_per_base": 2**((scale.bit_length() - 1) // 3),  # layers grow by 2^(log2(scale) // 3)
+          "published_mfu": pm.ROWS[f"{scale}b"].published_mfu}
+
+
+# One row per recipe: meshlm's preset and overrides, MaxText's train_compile flags (both the same model, batch,
+# sequence, remat and mesh) and libtpu flags, the slice. The v6e row is MaxText's tiering recipe
+# (benchmarks/maxtext_trillium_model_configs.py `llama3_1_8b_8192`) with the one remat policy both have that
+# fits without host offloading (save_qkv_proj; the recipe offloads the layer input and q/k/v/out to host) and its
+# XLA flags less the SparseCore, host-offload and continuation-fusion sets.
+RECIPES = {
+    "16b": _v5e(16, 6), "32b": _v5e(32, 4), "64b": _v5e(64, 2),
+    "llama3_1_8b_v6e": {
+        "config": "llama3_1_8b", "overrides": pm.ROWS["llama3_1_8b_v6e"].overrides, "topology": "v6e-256",
+        "model_args": ("model_name=llama3.1-8b", "override_model_config=true", "per_device_batch_size=4"),
+        "flags": ("max_target_length=8192", "remat_policy=save_qkv_proj", "attention=flash", *_SA_BLOCKS,
+                  "use_iota_embed=true", "reuse_example_batch=1", "dataset_type=synthetic", "steps=15",
+                  "enable_checkpointing=false", "gcs_metrics=false", "enable_goodput_recording=false",
+                  "monitor_goodput=false", "jax_cache_dir="),
+        # the recipe's DENSE_VMEM_LIMIT + DATA_PARALLEL_OVERLAP; its CF_FOR_ALL_GATHER (continuation fusion) is
+        # refused by libtpu 0.0.50 on v6e ("not supported/recommended on platforms other than TPU v5e")
+        "libtpu": "--xla_tpu_scoped_vmem_limit_kib=98304 --xla_tpu_enable_data_parallel_all_reduce_opt=true "
+                  "--xla_tpu_data_parallel_opt_different_sized_ops=true --xla_enable_async_all_gather=true",
+        "layers_per_base": 1,
+        "published_mfu": None},
+}
 TERMS = pm.TERMS
 
 
@@ -110,23 +140,15 @@ def _clean_env() -> dict:
 
 
 def maxtext_command(venv: str, row: str, depth: int, out_dir: str) -> list[str]:
-  """MaxText's train_compile of `row`'s recipe at `depth` decoder layers for one v5e-256 slice."""
+  """MaxText's train_compile of `row`'s recipe at `depth` decoder layers for one slice of its topology."""
   recipe = RECIPES[row]
-  per_base = 2**pm_layer_scale(recipe["global_parameter_scale"])
+  per_base = recipe["layers_per_base"]
   if depth % per_base:
-    raise SystemExit(f"--layers: global_parameter_scale={recipe['global_parameter_scale']} builds multiples of "
-                     f"{per_base} layers; {depth} is not one")
+    raise SystemExit(f"--layers: {row}'s MaxText model builds multiples of {per_base} layers; {depth} is not one")
   return [os.path.join(venv, "bin", "python"), "-m", "maxtext.trainers.pre_train.train_compile",
           f"run_name=predict_vs_maxtext_{row}_L{depth}", f"base_output_directory={out_dir}/out",
-          "compile_topology=v5e-256", "compile_topology_num_slices=1",
-          f"global_parameter_scale={recipe['global_parameter_scale']}",
-          f"per_device_batch_size={recipe['per_device_batch_size']}",
-          f"base_num_decoder_layers={depth // per_base}", *RECIPE_FLAGS]
-
-
-def pm_layer_scale(scale: int) -> int:
-  """MaxText's get_individual_scales: layers grow by 2^(log2(scale) // 3) (configs/_maxtext.py's rule)."""
-  return (scale.bit_length() - 1) // 3
+          f"compile_topology={recipe['topology']}", "compile_topology_num_slices=1", *recipe["model_args"],
+          f"base_num_decoder_layers={depth // per_base}", *recipe["flags"]]
 
 
 _MEMORY = re.compile(r"Memory analysis: CompiledMemoryStats\(([^)]*)\)")
@@ -150,7 +172,7 @@ def maxtext_program(venv: str, versions: dict, row: str, depth: int, hlo_dir: st
   train_compile in `venv`, or read back from `hlo_dir` when a report there has the same key."""
   with tempfile.TemporaryDirectory(prefix="maxtext_compile_") as tmp:
     cmd = maxtext_command(venv, row, depth, tmp)
-    key = {"args": cmd[3:], "libtpu_init_args": RECIPE_LIBTPU_ARGS,
+    key = {"args": cmd[3:], "libtpu_init_args": RECIPES[row]["libtpu"],
            "versions": {k: versions[k] for k in ("maxtext", "jax", "jaxlib", "libtpu")}}
     key["args"] = [a for a in key["args"] if not a.startswith("base_output_directory=")]
     path = pm.keyed_path(hlo_dir, f"maxtext_native_{row}_L{depth}", key) if hlo_dir else None
@@ -159,7 +181,7 @@ def maxtext_program(venv: str, versions: dict, row: str, depth: int, hlo_dir: st
       return found[0], dict(found[1], cached=True, hlo_file=path)
     dump = os.path.join(tmp, "xla_dump")
     env = dict(_clean_env(), DECOUPLE_GCLOUD="TRUE", JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-               LIBTPU_INIT_ARGS=RECIPE_LIBTPU_ARGS,
+               LIBTPU_INIT_ARGS=RECIPES[row]["libtpu"],
                XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_module_re=jit_train_step --xla_dump_hlo_as_text")
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
@@ -209,20 +231,20 @@ def _category(row: dict) -> str:
   return f"{row['bound']}-bound kernels"
 
 
-def _lerp(values: list[float], depths: list[int], target: int) -> float:
-  if len(values) == 1:
-    return values[0]
-  (a, b), (va, vb) = depths, values
-  return va + (vb - va) * (target - a) / (b - a)
+def maxtext_flops_per_chip(c, tpu) -> float:
+  """MaxText's own count today (calculate_tflops_training_per_device, causal attention halved) per chip: the
+  same numerator for both sides, so the MFUs compare like the step times."""
+  return pm.CONVENTIONS["matmul_causal"](c.model, c.train.seq_len) * c.train.batch_size / tpu.num_chips
 
 
-def analyse(programs: list[tuple[int, str]], memories: list[dict], c, top: int) -> dict:
-  """The predictor's figures for programs [(depth, text)] of config `c`, extrapolated to c.model.num_layers."""
+def analyse(programs: list[tuple[int, str]], memories: list[dict], c, tpu, top: int) -> dict:
+  """The predictor's figures for programs [(depth, text)] of config `c` on slice `tpu`, extrapolated to
+  c.model.num_layers."""
   depths = [d for d, _ in programs]
   target = c.model.num_layers
   preds, categories, coll_bytes, coll_seconds = [], [], [], []
   for _, text in programs:
-    p = predict.predict(text, pm.V5E_256.chip, num_devices=pm.V5E_256.num_chips, torus=pm.V5E_256.torus,
+    p = predict.predict(text, tpu.chip, num_devices=tpu.num_chips, torus=tpu.torus,
                         model_flops_per_chip=0.0, tokens_per_chip=1.0, top=10**9)
     preds.append(p)
     cat: dict[str, float] = {}
@@ -230,21 +252,21 @@ def analyse(programs: list[tuple[int, str]], memories: list[dict], c, top: int) 
       cat[_category(r)] = cat.get(_category(r), 0.0) + r["seconds"]
     categories.append(cat)
     nbytes: dict[str, float] = {}
-    for op in hlo.collective_ops(text, pm.V5E_256.num_chips):
+    for op in hlo.collective_ops(text, tpu.num_chips):
       nbytes[op["kind"]] = nbytes.get(op["kind"], 0.0) + op["bytes"] * op["per_step"]
     coll_bytes.append(nbytes)
-  out = {k: _lerp([p[k] for p in preds], depths, target) for k in TERMS + ("hardware_flops_per_chip",)}
+  out = {k: pm.lerp([p[k] for p in preds], depths, target) for k in TERMS + ("hardware_flops_per_chip",)}
   out["uncosted_kernels"] = max(p["uncosted_kernels"] for p in preds)
-  peak = pm.V5E_256.chip.peak_tflops * 1e12
-  out["mfu_maxtext_convention"] = pm.maxtext_flops_per_chip(c) / (out["step_seconds"] * peak)
+  peak = tpu.chip.peak_tflops * 1e12
+  out["mfu_maxtext_convention"] = maxtext_flops_per_chip(c, tpu) / (out["step_seconds"] * peak)
   names = sorted(set().union(*categories))
-  out["seconds_by_category"] = {n: _lerp([cat.get(n, 0.0) for cat in categories], depths, target) for n in names}
+  out["seconds_by_category"] = {n: pm.lerp([cat.get(n, 0.0) for cat in categories], depths, target) for n in names}
   kinds = sorted(set().union(*coll_bytes))
-  out["collective_bytes_per_chip"] = {k: _lerp([b.get(k, 0.0) for b in coll_bytes], depths, target)
+  out["collective_bytes_per_chip"] = {k: pm.lerp([b.get(k, 0.0) for b in coll_bytes], depths, target)
                                       for k in kinds}
   keys = ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "total_bytes")
-  out["memory_per_chip"] = {k: _lerp([m.get(k, 0) for m in memories], depths, target) for k in keys}
-  out["memory_per_chip"]["fits_16GiB"] = out["memory_per_chip"]["total_bytes"] <= pm.V5E_256.chip.hbm_bytes
+  out["memory_per_chip"] = {k: pm.lerp([m.get(k, 0) for m in memories], depths, target) for k in keys}
+  out["memory_per_chip"]["fits"] = out["memory_per_chip"]["total_bytes"] <= tpu.chip.hbm_bytes
   out["top_ops_deepest_program"] = [
       {k: r[k] for k in ("name", "op", "bound", "per_step", "seconds", "flops", "bytes")}
       | {"op_name": r["op_name"][-90:]} for r in preds[-1]["top_ops"][:top]]
@@ -254,11 +276,11 @@ def analyse(programs: list[tuple[int, str]], memories: list[dict], c, top: int) 
 
 
 def summary(row: str, sides: dict, ratio: dict) -> str:
-  lines = [f"{row} on v5e-256, extrapolated to {sides['meshlm']['num_layers']} layers from "
+  lines = [f"{row} on {RECIPES[row]['topology']}, extrapolated to {sides['meshlm']['num_layers']} layers from "
            f"{sides['meshlm']['compiled_depths']}: predicted seconds per step (MaxText / meshlm = ratio)"]
   for k in TERMS:
     lines.append(f"  {k:28s} {sides['maxtext'][k]:8.3f}  {sides['meshlm'][k]:8.3f}  {ratio[k]:6.3f}")
-  lines.append(f"  {'MFU (MaxText FLOPs; pub. ' + format(pm.ROWS[row]['published_mfu'], '.2%') + ')':28s} "
+  lines.append(f"  {'MFU (MaxText FLOPs today)':28s} "
                f"{sides['maxtext']['mfu_maxtext_convention']:8.2%}  {sides['meshlm']['mfu_maxtext_convention']:8.2%}")
   for side in ("maxtext", "meshlm"):
     s = sides[side]
@@ -275,6 +297,46 @@ def summary(row: str, sides: dict, ratio: dict) -> str:
   return "\n".join(lines)
 
 
+def _maxtext_ready(venv: str) -> dict | None:
+  """VENV's MaxText versions, or None after saying what is missing (the script then exits 0)."""
+  versions, why = maxtext_versions(venv)
+  if versions is None or not versions.get("maxtext"):
+    print(f"no MaxText in {venv}: {why or 'the maxtext package is not installed'} "
+          f"(install: bash shared/peers/maxtext/install.sh {venv}); nothing compared")
+    return None
+  if not versions.get("libtpu"):
+    pin = versions.get("libtpu_pin") or "libtpu"
+    print(f"{venv} has MaxText {versions['maxtext']} but no libtpu, the TPU compiler its AOT compile "
+          f"needs: {venv}/bin/pip install '{pin}'; nothing compared")
+    return None
+  say(f"MaxText {versions['maxtext']} (jax {versions['jax']}, libtpu {versions['libtpu']}) in {venv}")
+  return versions
+
+
+def meshlm_config(name: str, overrides: dict, depth: int | None = None):
+  """meshlm's config of recipe `name` (its preset, the recipe's and the command's overrides, the depth)."""
+  recipe = RECIPES[name]
+  extra = {"model.num_layers": depth} if depth else {}
+  return configs.load(recipe["config"], **{k: str(v) for k, v in {**recipe["overrides"], **overrides,
+                                                                    **extra}.items()})
+
+
+def meshlm_programs(name: str, overrides: dict, depths, hlo_dir) -> tuple[list, list]:
+  """meshlm's compiled programs [(depth, HLO)] of recipe `name` and their reports (predict_maxtext's cache)."""
+  from train.core import step  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import  (then the digest)
+  pm._source_digest()  # pylint: disable=protected-access
+  tpu = hardware.tpu_slice(RECIPES[name]["topology"])
+  programs, reports = [], []
+  for depth in depths:
+    start = time.perf_counter()
+    text, report = pm.compiled_hlo(f"{name}_L{depth}", meshlm_config(name, overrides, depth), hlo_dir, tpu)
+    programs.append((depth, text))
+    reports.append(report)
+    say(f"{'read' if report['cached'] else 'compiled'} meshlm {name} at {depth} layers "
+        f"(attention {report['attention_impl_runs']}) in {time.perf_counter() - start:.0f} s")
+  return programs, reports
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--maxtext_venv", required=True, help="virtual environment with maxtext and libtpu")
@@ -282,29 +344,17 @@ def main(argv=None) -> int:
   p.add_argument("--layers", type=pm._depths, default=(2, 4),  # pylint: disable=protected-access
                  help="the two depths A,B compiled on both sides (then extrapolated to the recipe's)")
   p.add_argument("--hlo_dir", default="", help="keep and reuse both sides' compiled programs here")
-  p.add_argument("--set", type=pm._overrides, default=None, metavar="KEY=VALUE,...",  # pylint: disable=protected-access
-                 help="meshlm config overrides (default model.attention_impl=splash)")
+  p.add_argument("--set", type=pm._overrides, default={}, metavar="KEY=VALUE,...",  # pylint: disable=protected-access
+                 help="meshlm config overrides on top of the recipe's (e.g. model.attention_impl=xla)")
   p.add_argument("--maxtext_mask", default="causal", choices=("causal", "full", "none"),
                  help="mask scope given to MaxText's splash kernels for the predictor (none: leave as is)")
   p.add_argument("--top", type=int, default=15)
+  p.add_argument("--json", default="", help="also write the JSON object here")
   args = p.parse_args(argv)
-  overrides = {"model.attention_impl": "splash"} if args.set is None else args.set
-
-  versions, why = maxtext_versions(args.maxtext_venv)
-  if versions is None or not versions.get("maxtext"):
-    print(f"no MaxText in {args.maxtext_venv}: {why or 'the maxtext package is not installed'} "
-          f"(install: bash shared/peers/maxtext/install.sh {args.maxtext_venv}); nothing compared")
+  versions = _maxtext_ready(args.maxtext_venv)
+  if versions is None:
     return 0
-  if not versions.get("libtpu"):
-    pin = versions.get("libtpu_pin") or "libtpu"
-    print(f"{args.maxtext_venv} has MaxText {versions['maxtext']} but no libtpu, the TPU compiler its AOT compile "
-          f"needs: {args.maxtext_venv}/bin/pip install '{pin}'; nothing compared")
-    return 0
-  say(f"MaxText {versions['maxtext']} (jax {versions['jax']}, libtpu {versions['libtpu']}) in {args.maxtext_venv}")
-
-  name = args.row
-  hlo_dir = args.hlo_dir or None
-  c_full = configs.load(pm.ROWS[name]["config"], **overrides)
+  name, hlo_dir = args.row, args.hlo_dir or None
   mt_programs, mt_reports = [], []
   for depth in args.layers:
     start = time.perf_counter()
@@ -313,36 +363,30 @@ def main(argv=None) -> int:
     mt_reports.append(report)
     say(f"{'read' if report['cached'] else 'compiled'} MaxText {name} at {depth} layers in "
         f"{time.perf_counter() - start:.0f} s")
-
-  from train.core import step  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import  (then the digest)
-  pm._source_digest()  # pylint: disable=protected-access
   try:
-    devices = aot.abstract_devices(pm.V5E_256)
+    ml_programs, ml_reports = meshlm_programs(name, args.set, args.layers, hlo_dir)
   except aot.NoTpuCompiler as e:
     print(f"meshlm's side cannot be compiled here: {e}; nothing compared")
     return 0
-  ml_programs, ml_reports = [], []
-  for depth in args.layers:
-    c = configs.load(pm.ROWS[name]["config"], **dict(overrides, **{"model.num_layers": depth}))
-    start = time.perf_counter()
-    text, report = pm.compiled_hlo(f"{name}_L{depth}", c, hlo_dir, devices)
-    ml_programs.append((depth, text))
-    ml_reports.append(report)
-    say(f"{'read' if report['cached'] else 'compiled'} meshlm {name} at {depth} layers "
-        f"(attention {report['attention_impl_runs']}) in {time.perf_counter() - start:.0f} s")
-
-  sides = {"maxtext": analyse(mt_programs, [r["memory"] for r in mt_reports], c_full, args.top),
-           "meshlm": analyse(ml_programs, [r["memory"] for r in ml_reports], c_full, args.top)}
+  c_full, tpu = meshlm_config(name, args.set), hardware.tpu_slice(RECIPES[name]["topology"])
+  sides = {"maxtext": analyse(mt_programs, [r["memory"] for r in mt_reports], c_full, tpu, args.top),
+           "meshlm": analyse(ml_programs, [r["memory"] for r in ml_reports], c_full, tpu, args.top)}
   sides["maxtext"]["compiled"] = [{k: r.get(k) for k in ("compile_seconds", "cached", "hlo_file", "command")}
                                   for r in mt_reports]
   sides["meshlm"]["compiled"] = [{k: r.get(k) for k in ("compile_seconds", "cached", "hlo_file",
                                                         "attention_impl_runs")} for r in ml_reports]
   ratio = {k: (sides["maxtext"][k] / sides["meshlm"][k] if sides["meshlm"][k] else math.nan) for k in TERMS}
   say(summary(name, sides, ratio))
-  print(json.dumps({"row": name, "maxtext_versions": versions, "meshlm_overrides": overrides,
+  out = json.dumps({"row": name, "topology": RECIPES[name]["topology"], "maxtext_versions": versions,
+                    "meshlm_config": RECIPES[name]["config"], "meshlm_overrides": {**RECIPES[name]["overrides"],
+                                                                                  **args.set},
                     "maxtext_mask": args.maxtext_mask, "matmul_efficiency": predict.MATMUL_EFFICIENCY,
-                    "published_mfu": pm.ROWS[name]["published_mfu"], "ratio_maxtext_over_meshlm": ratio,
-                    **sides}, indent=1, default=str))
+                    "published_mfu": RECIPES[name]["published_mfu"], "ratio_maxtext_over_meshlm": ratio,
+                    **sides}, indent=1, default=str)
+  print(out)
+  if args.json:
+    with open(args.json, "w") as f:
+      f.write(out)
   return 0
 
 

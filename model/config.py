@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import ml_collections
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+GATED = ("swiglu", "geglu")  # mlp_types with a gate projection beside the up projection
 CHOICES = {
-    "mlp_type": ("swiglu", "geglu", "gelu"),
+    "mlp_type": ("swiglu", "geglu", "gelu", "relu"),
     "norm_type": ("rmsnorm", "layernorm"),
     "rope_scaling": ("none", "llama3", "linear", "dynamic", "yarn"),
     "qk_norm": ("none", "head", "proj"),
@@ -120,7 +121,7 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.num_kv_heads = 32  # key/value heads: == num_heads MHA, 1 MQA, otherwise GQA (must divide num_heads)
   c.head_dim = 128  # per-head width, independent of d_model / num_heads
   c.mlp_dim = 11008  # hidden width of the feed-forward block
-  c.mlp_type = "swiglu"  # swiglu | geglu | gelu
+  c.mlp_type = "swiglu"  # swiglu | geglu (gated) | gelu | relu (one input projection)
   c.norm_type = "rmsnorm"  # rmsnorm | layernorm (pre-norm in both cases)
   c.norm_eps = 1e-5  # epsilon inside the normalisation
   c.use_bias = False  # biases on every projection (off in Llama-style models; on only for comparison)
@@ -327,8 +328,8 @@ def _validate_moe(c: ml_collections.ConfigDict) -> None:
   if c.num_layers % c.moe_every:
     raise ValueError(f"model.num_layers={c.num_layers} is not a multiple of model.moe_every={c.moe_every}: the "
                      "layer scan repeats groups of moe_every layers")
-  if c.mlp_type == "gelu":
-    raise ValueError("model.mlp_type='gelu' with model.num_experts > 0: experts are gated (swiglu or geglu)")
+  if c.mlp_type not in GATED:
+    raise ValueError(f"model.mlp_type={c.mlp_type!r} with model.num_experts > 0: experts are gated (swiglu or geglu)")
   if c.block_type != "sequential":
     raise ValueError(f"model.block_type={c.block_type!r} with model.num_experts > 0: MoE layers are sequential")
   if c.use_bias:

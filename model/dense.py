@@ -10,7 +10,7 @@ from model import mup
 from model import quant as quant_lib
 from model import remat
 from model.axes import BATCH, EMBED, LENGTH, MLP
-from model.config import DTYPES
+from model.config import DTYPES, GATED
 
 
 def param(rngs: nnx.Rngs, shape, names, cfg, init: str = "normal") -> nnx.Param:
@@ -27,18 +27,19 @@ def _value(p: nnx.Param, dtype) -> jax.Array:
 
 
 class Mlp(nnx.Module):
-  """Feed-forward block: swiglu down(silu(gate x) * up x), geglu (gelu gate), or gelu down(gelu(up x))."""
+  """Feed-forward block: swiglu down(silu(gate x) * up x), geglu (gelu gate), or the ungated gelu
+  down(gelu(up x)) and relu down(relu(up x)) (MaxText's 2023 default decoder)."""
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     D, F = cfg.d_model, cfg.mlp_dim
     self.kind, self.dtype, self.use_bias = cfg.mlp_type, DTYPES[cfg.dtype], cfg.use_bias
     self.quant = cfg.quant if "mlp" in cfg.quant_layers else "none"
-    if self.kind != "gelu":
+    if self.kind in GATED:
       self.gate = param(rngs, (D, F), (EMBED, MLP), cfg)
     self.up = param(rngs, (D, F), (EMBED, MLP), cfg)
     self.down = param(rngs, (F, D), (MLP, EMBED), cfg)
     if cfg.use_bias:
-      if self.kind != "gelu":
+      if self.kind in GATED:
         self.gate_bias = param(rngs, (F,), (MLP,), cfg, "zeros")
       self.up_bias = param(rngs, (F,), (MLP,), cfg, "zeros")
       self.down_bias = param(rngs, (D,), (EMBED,), cfg, "zeros")
@@ -51,8 +52,8 @@ class Mlp(nnx.Module):
 
   def __call__(self, x_BLD) -> jax.Array:
     up_BLF = self._project(x_BLD, "up")
-    if self.kind == "gelu":
-      h_BLF = jax.nn.gelu(up_BLF, approximate=True)
+    if self.kind not in GATED:
+      h_BLF = jax.nn.relu(up_BLF) if self.kind == "relu" else jax.nn.gelu(up_BLF, approximate=True)
     else:
       act = jax.nn.silu if self.kind == "swiglu" else lambda g: jax.nn.gelu(g, approximate=True)
       h_BLF = act(self._project(x_BLD, "gate")) * up_BLF

@@ -311,8 +311,8 @@ def config_to_hf(cfg: Mapping[str, Any]) -> dict:
   for key, want in checks.items():
     if cfg[key] != want:
       raise ValueError(f"model.{key}={cfg[key]!r} has no Hugging Face equivalent (needs {want!r})")
-  if cfg.mlp_type == "gelu":
-    raise ValueError("model.mlp_type='gelu' has no Hugging Face equivalent (swiglu or geglu)")
+  if cfg.mlp_type not in config_lib.GATED:
+    raise ValueError(f"model.mlp_type={cfg.mlp_type!r} has no Hugging Face equivalent (swiglu or geglu)")
   model_type = family_of(cfg)
   gemma = model_type.startswith("gemma")
   _check_family_extras(cfg, model_type)
@@ -542,7 +542,7 @@ def name_table(cfg, layout: Layout = CAUSAL_LM) -> list[Entry]:
   else:
     table += [Entry(layer + "mlp.up_proj.weight", "layers/mlp/up", 1),
               Entry(layer + "mlp.down_proj.weight", "layers/mlp/down", 1)]
-    if cfg.mlp_type != "gelu":
+    if cfg.mlp_type in config_lib.GATED:
       table.append(Entry(layer + "mlp.gate_proj.weight", "layers/mlp/gate", 1))
   return table
 

@@ -53,6 +53,9 @@ POLICIES: dict[str, Policy] = {
     "save_out_proj": Policy(_cp.save_only_these_names(ATTN_OUT, MLP_OUT), ("input", "attn_out", "mlp_out")),
     "save_qkv_mlp_in": Policy(_cp.save_only_these_names(QUERY_PROJ, KEY_PROJ, VALUE_PROJ, MLP_IN),
                               ("input", "qkv", "mlp_in")),
+    # MaxText's policy of the same name: every projection but the MLP's gate and up (recomputed with attention)
+    "save_dot_except_mlpwi": Policy(_cp.save_only_these_names(QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTN_OUT, MLP_OUT),
+                                    ("input", "qkv", "attn_out", "mlp_out")),
 }
 
 

@@ -243,3 +243,15 @@ def test_local_topology_needs_a_known_accelerator(capsys):
   # On this CPU machine the attached devices are CPUs: no data-sheet peak, so no prediction (GPUs are listed).
   assert aot.main(["--config=tiny", "--topology=local"]) == 2
   assert "device kind" in capsys.readouterr().err
+
+
+def test_continuation_fusion_is_asked_of_tpu_v5e_only():
+  """train.xla_overlap: every TPU gets the async-collective and data-parallel overlap options, only a v5e (the
+  generation libtpu 0.0.50 allows it on) also continuation fusion; read off the compile-only devices' kinds."""
+  from train.core import step  # pylint: disable=g-import-not-at-top
+  by_slice = {name: step.overlap_options(aot.abstract_devices(hardware.tpu_slice(name))[0])
+              for name in ("v5e-4", "v6e-4", "v5p-8", "v4-8")}
+  for name, options in by_slice.items():
+    assert step.OVERLAP_OPTIONS["tpu"].items() <= options.items(), name
+    fused = step.CONTINUATION_FUSION.items() <= options.items()
+    assert fused == (name == "v5e-4"), name

@@ -95,6 +95,8 @@ def numpy_forward(cfg, p, tokens, segments):
         up = z @ lp("mlp/up") + (lp("mlp/up_bias") if cfg.use_bias else 0)
         if cfg.mlp_type == "gelu":
           hid = gelu(up)
+        elif cfg.mlp_type == "relu":
+          hid = np.maximum(up, 0.0)
         else:
           gate = z @ lp("mlp/gate") + (lp("mlp/gate_bias") if cfg.use_bias else 0)
           hid = (gate / (1 + np.exp(-gate)) if cfg.mlp_type == "swiglu" else gelu(gate)) * up
@@ -134,6 +136,7 @@ OPTION_SETS = {
     "llama": dict(),
     "window_every_2nd_global_unrolled": dict(WINDOWED, scan_layers=False),
     "layernorm_gelu_bias_tied": dict(norm_type="layernorm", mlp_type="gelu", use_bias=True, tie_embeddings=True),
+    "relu_tied": dict(mlp_type="relu", tie_embeddings=True),  # MaxText's 2023 default decoder (ungated relu)
     "parallel_geglu_mqa_unroll2": dict(block_type="parallel", mlp_type="geglu", num_kv_heads=1, scan_unroll=2),
     "window_stack_fully_unrolled": dict(WINDOWED, scan_unroll=TINY["num_layers"]),  # a loop over the stack's slices
     "blockwise_window": dict(attention_impl="blockwise", attention_block_size=4, sliding_window=4,

@@ -212,3 +212,32 @@ ENTRY %main (p0: f32[8,16], p1: f32[16,4]) -> f32[8,4] {
   assert hlo.untuple_refs(text) == text  # nothing left to rewrite
   (dot,) = [k for k in predict.kernel_costs(text) if k["name"] == "d"]
   assert dot["flops"] == 2 * 8 * 16 * 4
+
+
+def _benchmark(name):
+  import importlib  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  try:
+    return importlib.import_module(name)
+  finally:
+    sys.path.pop(0)
+
+
+def test_flop_conventions_reproduce_maxtexts_own_log():
+  """The calibration's FLOP conventions (benchmarks/predict_maxtext.py) against MaxText's printed figures: the
+  tpu-recipes Llama 3.1 8B v6e-256 log says 417.397 TFLOP/s/device at 4.546 s per step (per-device batch 4 x
+  8192) under the non-causal count of its release; PR #1988's causal count halves the attention term."""
+  pm = _benchmark("predict_maxtext")
+  row = pm.ROWS["llama3_1_8b_v6e"]
+  c = pm.row_config(row)
+  flops = pm.published_flops_per_chip(row, c)
+  assert flops == pytest.approx(417.397e12 * 4.546, rel=2e-4)
+  m, seq = c.model, c.train.seq_len
+  attention = 3 * m.num_layers * 4 * seq**2 * m.num_heads * m.head_dim / 2 * 4  # the half PR #1988 removes
+  causal = pm.CONVENTIONS["matmul_causal"](m, seq) * 4
+  assert causal == pytest.approx(flops - attention, rel=1e-12)
+  # tokens/s per chip gives the published step time without any convention
+  assert pm.published_step_seconds(row, c) == pytest.approx(4.546, rel=2e-4)
+  assert flops / pm.published_step_seconds(row, c) / 918e12 == pytest.approx(0.4546, abs=2e-4)

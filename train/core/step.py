@@ -46,22 +46,39 @@ from train.core import optimizer as optimizer_lib
 
 # XLA options trading run time for compile time (tiny test models compile ~2x faster on CPU).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-# XLA options that overlap collectives with compute (train.xla_overlap; docs/pipeline.md): async all-gathers,
-# all-reduces and collective-permutes fused into compute with the latency-hiding scheduler on TPU (the set MaxText
-# and Google's reference recipes pass in LIBTPU_INIT_ARGS); on GPU the latency-hiding scheduler, pipelined
-# collectives in scanned loops and collective matmul (windowed einsum) for tensor parallelism.
+# XLA options that overlap collectives with compute (train.xla_overlap; docs/pipeline.md): on TPU the
+# latency-hiding scheduler, async all-gathers, all-reduces and collective-permutes, and the gradients'
+# data-parallel all-reduce overlapped with the backward pass (what MaxText's recipes pass in LIBTPU_INIT_ARGS); on
+# GPU the latency-hiding scheduler, pipelined collectives in scanned loops and collective matmul (windowed einsum)
+# for tensor parallelism.
 OVERLAP_OPTIONS = {
-    "tpu": {"xla_tpu_enable_latency_hiding_scheduler": True, "xla_tpu_enable_async_collective_fusion": True,
-            "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
-            "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": True,
-            "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
-            "xla_tpu_overlap_compute_collective_tc": True, "xla_enable_async_all_gather": "true",
-            "xla_enable_async_all_reduce": "true", "xla_enable_async_collective_permute": "true"},
+    "tpu": {"xla_tpu_enable_latency_hiding_scheduler": True, "xla_enable_async_all_gather": "true",
+            "xla_enable_async_all_reduce": "true", "xla_enable_async_collective_permute": "true",
+            "xla_tpu_enable_data_parallel_all_reduce_opt": True,
+            "xla_tpu_data_parallel_opt_different_sized_ops": True},
     "gpu": {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_pipelined_all_gather": True,
             "xla_gpu_enable_pipelined_reduce_scatter": True, "xla_gpu_enable_pipelined_all_reduce": True,
             "xla_gpu_enable_while_loop_double_buffering": True, "xla_gpu_multi_streamed_windowed_einsum": True,
             "xla_gpu_threshold_for_windowed_einsum_mib": 0},
 }
+# Continuation fusion (collectives fused into the compute that consumes them) on TPU v5e only: libtpu 0.0.50
+# refuses it elsewhere ("not supported/recommended on platforms other than TPU v5e ... incorrect results, hang").
+CONTINUATION_FUSION = {"xla_tpu_enable_async_collective_fusion": True,
+                       "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
+                       "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": True,
+                       "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
+                       "xla_tpu_overlap_compute_collective_tc": True}
+
+
+def overlap_options(device) -> dict[str, Any]:
+  """OVERLAP_OPTIONS for `device`'s platform, with CONTINUATION_FUSION on a TPU v5e ("TPU v5 lite")."""
+  options = dict(OVERLAP_OPTIONS.get(device.platform, {}))
+  kind = device.device_kind.lower()
+  if device.platform == "tpu" and ("v5 lite" in kind or "v5e" in kind):
+    options.update(CONTINUATION_FUSION)
+  return options
+
+
 STEP_METRICS = ("grad_norm", "param_norm", "lr", "nonfinite")  # reported by every objective's step
 EVAL_KEY = 2**31 - 1  # folded into the train rng for `Objective.prepare` of eval batches (steps never reach it)
 LOSS_SCALE_METRICS = ("loss_scale", "overflow")  # added under dynamic loss scaling
@@ -119,11 +136,11 @@ class Trainer:
 
   def __init__(self, config, mesh: jax.sharding.Mesh, compiler_options: dict[str, Any] | None = None):
     """`compiler_options`: XLA options for every compile of this trainer (e.g. FAST_COMPILE in tests), on top of
-    OVERLAP_OPTIONS for the mesh's platform when config.train.xla_overlap is set."""
+    overlap_options(the mesh's devices) when config.train.xla_overlap is set."""
     self.config, self.mesh = config, mesh
     t = config.train
     if t.xla_overlap:
-      compiler_options = {**OVERLAP_OPTIONS.get(mesh.devices.flat[0].platform, {}), **(compiler_options or {})}
+      compiler_options = {**overlap_options(mesh.devices.flat[0]), **(compiler_options or {})}
     self._make_objective()
     self.rules = rules_lib.fit_rules(rules_lib.logical_rules(config.mesh), config.model, mesh)
     self._check_batch()  # first: it reads only the devices' processes, which a planning search fakes

@@ -249,8 +249,8 @@ def suggest(config: ml_collections.ConfigDict, tpu: hardware.TpuSlice, *, max_co
 # ---- the fastest layout that fits -----------------------------------------------------------------------
 # Recomputed forward FLOPs per layer (fraction of one forward) by remat policy, for ordering candidates only:
 # `full` recomputes the whole layer, the name-saving policies part of it, `none` nothing.
-_RECOMPUTE_ORDER = ("none", "save_dots", "save_qkv_mlp_in", "save_attn", "minimal", "save_qkv_proj",
-                    "save_out_proj", "full")
+_RECOMPUTE_ORDER = ("none", "save_dots", "save_qkv_mlp_in", "save_attn", "minimal", "save_dot_except_mlpwi",
+                    "save_qkv_proj", "save_out_proj", "full")
 
 
 def layouts(config: ml_collections.ConfigDict, num_devices: int, *,
