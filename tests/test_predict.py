@@ -241,3 +241,41 @@ def test_flop_conventions_reproduce_maxtexts_own_log():
   # tokens/s per chip gives the published step time without any convention
   assert pm.published_step_seconds(row, c) == pytest.approx(4.546, rel=2e-4)
   assert flops / pm.published_step_seconds(row, c) / 918e12 == pytest.approx(0.4546, abs=2e-4)
+
+
+_PEELED_LOOP = """HloModule m
+
+%cond (p: (s32[], f32[4])) -> pred[] {
+  %p = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[4] get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  %y = f32[4] exponential(%x)
+  ROOT %t = (s32[], f32[4]) tuple(%j, %y)
+}
+
+ENTRY %main (x: f32[4]) -> (s32[], f32[4]) {
+  %x = f32[4] parameter(0)
+  %start = s32[] constant(START)
+  %c = s32[] copy(%start)
+  %t = (s32[], f32[4]) tuple(%c, %x)
+  ROOT %w = (s32[], f32[4]) while(%t), condition=%cond, body=%body
+}
+"""
+
+
+@pytest.mark.parametrize("start", [0, 1, 3])
+def test_a_loop_counter_that_starts_late_runs_fewer_iterations(start):
+  """libtpu peels the first backward layer iteration out of the loop (the counter then starts at 1) to overlap
+  the data-parallel gradient all-reduce: `counter < 4` from 1 runs 3 bodies, not 4 (as a Python loop counts)."""
+  program = hlo.parse(_PEELED_LOOP.replace("START", str(start)))
+  runs = [mult for _, instr, mult in hlo.executed(program) if instr.opcode == "exponential"]
+  assert runs == [len(range(start, 4))]

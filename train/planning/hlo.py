@@ -189,6 +189,34 @@ def trip_count(condition: list[Instruction]) -> int:
   return constants[0] if len(constants) == 1 and len(compares) == 1 and constants[0] > 0 else 1
 
 
+def _name(operand: str) -> str:
+  return operand.split()[-1].lstrip("%") if operand else ""
+
+
+def counter_start(instrs: list[Instruction], loop: Instruction, condition: list[Instruction]) -> int:
+  """The initial value of a while loop's counter: the constant that `loop`'s operand tuple (in `instrs`, the
+  loop's computation) holds at the index the condition's `counter < constant` reads; 0 when it cannot be read.
+  Not always 0: to overlap the gradients' data-parallel all-reduce with the backward pass, libtpu peels the first
+  iteration of the backward layer loop out of it and starts the counter at 1."""
+  by_name = {i.name: i for i in instrs}
+  compares = [i for i in condition if i.opcode == "compare" and "direction=LT" in i.rest]
+  cond = {i.name: i for i in condition}
+  reads = [cond.get(_name(o)) for o in (operands(compares[0].rest) if len(compares) == 1 else [])]
+  index = [re.search(r"index=(\d+)", i.rest) for i in reads if i is not None and i.opcode == "get-tuple-element"]
+  loop_operands = operands(loop.rest)
+  tup = by_name.get(_name(loop_operands[0])) if len(index) == 1 and index[0] and loop_operands else None
+  elements = operands(tup.rest) if tup is not None and tup.opcode == "tuple" else []
+  if not elements or int(index[0].group(1)) >= len(elements):
+    return 0
+  node = by_name.get(_name(elements[int(index[0].group(1))]))
+  for _ in range(4):  # through copies and bitcasts to the constant
+    if node is None or node.opcode == "constant":
+      break
+    node = by_name.get(_name(operands(node.rest)[0])) if node.opcode in ("copy", "bitcast", "convert") else None
+  m = re.match(r"(-?\d+)\)", node.rest) if node is not None and node.opcode == "constant" else None
+  return int(m.group(1)) if m else 0
+
+
 def collective_kind(opcode: str, rest: str) -> str | None:
   """The collective an instruction performs ("all-gather", ...), or None."""
   base = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
@@ -225,7 +253,8 @@ def executed(program: Program, *, into_fusions: bool = False) -> Iterator[tuple[
   """(computation, instruction, executions per step) for every instruction the program runs.
 
   While bodies count their trip count (XLA's `known_trip_count` annotation, else read from a `counter < constant`
-  condition; XLA:CPU wraps that compare in a fusion, which `trip_count` does not read); each branch of a
+  condition less the counter's initial value, `counter_start`; XLA:CPU wraps that compare in a fusion, which
+  `trip_count` does not read); each branch of a
   conditional counts 1 / branches (the predicate is unknown at compile time: the mean branch); calls and async
   wrappers count once. Fused computations are entered only
   with `into_fusions` (their instructions run inside the fusion, not as separate kernels).
@@ -242,7 +271,10 @@ def executed(program: Program, *, into_fusions: bool = False) -> Iterator[tuple[
         body = re.search(r"body=%([\w.\-]+)", rest)
         cond = re.search(r"condition=%([\w.\-]+)", rest)
         known = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)  # XLA's own count, where it found one
-        trips = int(known.group(1)) if known else trip_count(comps.get(cond.group(1), [])) if cond else 1
+        condition = comps.get(cond.group(1), []) if cond else []
+        limit = trip_count(condition) if cond else 1
+        trips = int(known.group(1)) if known else max(limit - counter_start(comps[name], instr, condition), 0) \
+            if limit > 1 else limit
         if body:
           yield from visit(body.group(1), mult * trips, depth + 1)
       elif op == "conditional":
