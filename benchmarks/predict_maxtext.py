@@ -20,7 +20,7 @@ terms, the dominant one) on stdout; `--json FILE` also writes every figure.
   packages the step is built from), which a read checks: a program compiled from other settings, compiler or
   code is never read back; the rows say whether they were compiled or read.
 - **Fit.** One global constant, `MATMUL_EFFICIENCY` (the fraction of the bf16 peak FLOP-bound kernels reach),
-  fitted by bisection on the step time of the `--fit` rows (default 16b) over (0.05, 2): a fit above 1.0 is not
+  fitted by bisection on the summed step time of the `--fit` rows (docs/planning.md: 16b) over (0.05, 2): a fit above 1.0 is not
   clipped but reported as out of its physical range (the model then misses a term). Every other row is held out.
   Without `--fit` train.planning.predict.MATMUL_EFFICIENCY is used.
 - **FLOP conventions.** Each table counted MFU its own way (MaxText's `calculate_training_tflops` at the time);
@@ -90,6 +90,7 @@ def _v5e_rows() -> dict[str, Row]:
       rows[f"{scale}b" + (f"_x{slices}" if slices > 1 else "")] = Row(
           f"maxtext2023_{scale}b", overrides, "v5e-256", published,
           "2023_causal" if slices == 32 else "2023_noncausal", _V5E_SOURCE.format(scale), num_slices=slices,
+          depths=None if (scale, slices) == (16, 1) else (2, 4),  # the fit's row whole, the rest extrapolated
           differs=_128B_LAYOUT if scale == 128 else "")
   return rows
 
@@ -358,7 +359,10 @@ def row_result(name: str, row: Row, programs, reports, c, efficiency: float) -> 
   pr = predict_terms(programs, row, c, efficiency)
   tpu, depths = row_slice(row), [d for d, _ in programs]
   published = published_step_seconds(row, c)
-  total = lerp([r["memory"]["total_bytes"] for r in reports], depths, c.model.num_layers)
+  compiled_totals = [r["memory"]["total_bytes"] for r in reports]
+  total = lerp(compiled_totals, depths, c.model.num_layers)
+  if total < max(compiled_totals):  # the compiler's memory fell with depth (libtpu laid the programs out apart)
+    total = None
   kernels = hlo.mosaic_kernels(programs[-1][1])
   return {
       "row": name, "config": row.config, "topology": row.topology, "num_slices": row.num_slices,
@@ -371,12 +375,19 @@ def row_result(name: str, row: Row, programs, reports, c, efficiency: float) -> 
       "obtained": "whole program" if len(depths) == 1 else f"extrapolated from {depths[0]} and {depths[1]} layers",
       "compiled_depths": depths, "num_layers": c.model.num_layers,
       "attention_impl_runs": sorted({r["attention_impl_runs"] for r in reports}),
-      "mosaic_kernels": kernels, "total_bytes_per_chip": total, "fits": total <= tpu.chip.hbm_bytes,
+      "mosaic_kernels": kernels, "total_bytes_per_chip": total,
+      "fits": None if total is None else total <= tpu.chip.hbm_bytes,
       "compiled": [{k: r[k] for k in ("fits", "compile_seconds", "cached", "hlo_file", "source")}
                    | {"total_bytes": r["memory"]["total_bytes"]} for r in reports],
-      "overrides": {**row.overrides, **(dict.fromkeys(()) or {})}, "batch_size": c.train.batch_size,
+      "overrides": row.overrides, "batch_size": c.train.batch_size,
       "seq_len": c.train.seq_len, "remat": c.train.remat, "source": row.source, "differs": row.differs,
   }
+
+
+def _gib(r: dict) -> str:
+  if r["total_bytes_per_chip"] is None:  # not linear in depth: the compiled depths' own figures
+    return "not linear: " + " / ".join(f"{c['total_bytes'] / 2**30:.1f}" for c in r["compiled"])
+  return f"{r['total_bytes_per_chip'] / 2**30:.1f}"
 
 
 def table(rows: list[dict], fit_rows: list[str]) -> str:
@@ -390,7 +401,7 @@ def table(rows: list[dict], fit_rows: list[str]) -> str:
         f"{r['predicted_mfu_published_convention']:.2%} | {r['published_step_seconds']:.2f} / "
         f"{r['step_seconds']:.2f} | {r['relative_error']:+.1%} | {r['compute_seconds']:.2f} / "
         f"{r['memory_bound_seconds']:.2f} / {r['collective_seconds']:.2f} ({r['exposed_collective_seconds']:.2f}) | "
-        f"{r['dominant']} | {r['total_bytes_per_chip'] / 2**30:.1f} | {r['obtained']} |")
+        f"{r['dominant']} | {_gib(r)} | {r['obtained']} |")
   return "\n".join(out)
 
 

@@ -1,18 +1,20 @@
 """The performance model (train/planning/predict.py) on MaxText's own compiled train step, beside meshlm's program
-for the same recipe: MaxText's v5e-256 recipes (MaxText configs/tpu/v5e/{16b,32b,64b}.sh), no TPU needed.
+for the same recipe (RECIPES: MaxText configs/tpu/v5e/{16b,32b,64b}.sh on today's model, and the v6e-256 Llama
+3.1 8B tiering recipe), no TPU needed.
 
   python benchmarks/predict_vs_maxtext.py --maxtext_venv VENV [--row 16b] [--layers 2,4] [--hlo_dir DIR]
-      [--set KEY=VALUE,...] [--maxtext_mask causal|full]
+      [--set KEY=VALUE,...] [--maxtext_mask causal|full] [--json FILE]
 
 MaxText runs in its own virtual environment (Python 3.12, its own jax), as a subprocess: VENV must hold the PyPI
 `maxtext` package and the libtpu wheel its jax pairs with (`bash shared/peers/maxtext/install.sh VENV`, then
 `VENV/bin/pip install "libtpu==<jax[tpu]'s pin>"`, e.g. 0.0.50.* for jax 0.12.0). Without them this script says
-what is missing and exits 0. MaxText's `train_compile` (its ahead-of-time compile for `compile_topology=v5e-256`)
-is run with the recipe's flags and LIBTPU_INIT_ARGS, `base_num_decoder_layers` chosen for each depth of
-`--layers` (global_parameter_scale multiplies it: x2 for 16b and 32b, x4 for 64b), and XLA's dump of the train
-step; its optimised HLO (`*.jit_train_step*.after_optimizations.txt`) is the program predicted. meshlm's program is
-benchmarks/predict_maxtext.py's (configs/maxtext_<row>.py at the same depths, compiled on this process's libtpu;
-`--set` overrides, default `model.attention_impl=splash` like MaxText's flash attention).
+what is missing and exits 0. MaxText's `train_compile` (its ahead-of-time compile for the recipe's topology) is
+run with the recipe's flags and LIBTPU_INIT_ARGS, `base_num_decoder_layers` chosen for each depth of `--layers`
+(global_parameter_scale multiplies it: x2 for 16b and 32b, x4 for 64b, whose depths must be multiples of 4), and
+XLA's dump of the train step; its optimised HLO (`*.jit_train_step*.after_optimizations.txt`) is the program
+predicted. meshlm's program is the same model, batch, sequence, remat and mesh (the recipe's preset and overrides:
+splash attention, `train.xla_overlap` for the recipe's libtpu flags; `--set` adds overrides) at the same depths,
+compiled on this process's libtpu through benchmarks/predict_maxtext.py's keyed cache.
 
 Both programs go through the same predictor (predict.MATMUL_EFFICIENCY, the v5e-256 of hardware.py) and every
 figure is extrapolated linearly in depth from the two compiled depths to the recipe's (predict_maxtext's rule).
