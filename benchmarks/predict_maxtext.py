@@ -269,11 +269,10 @@ def _devices(topology: str, num_slices: int) -> list:
   return aot.abstract_devices(hardware.tpu_slice(topology, num_slices))
 
 
-def compiled_hlo(name: str, config, hlo_dir: str | None, tpu: hardware.TpuSlice | None = None) -> tuple[str, dict]:
-  """(HLO text, compile report) of `config` on `tpu` (default v5e-256); with `hlo_dir` read from / written to
+def compiled_hlo(name: str, config, hlo_dir: str | None, tpu: hardware.TpuSlice) -> tuple[str, dict]:
+  """(HLO text, compile report) of `config` on `tpu`; with `hlo_dir` read from / written to
   DIR/maxtext_<name>_<attention>_<digest>.hlo and the report (memory, fits, the attention the step ran, the key)
   to .json beside it. A file is read back only when its report's key equals this program's (program_key)."""
-  tpu = tpu or hardware.tpu_slice("v5e-256")
   key = program_key(config, tpu)
   path = keyed_path(hlo_dir, f"maxtext_{name}_{config.model.attention_impl}", key) if hlo_dir else None
   found = read_keyed(path, key) if path else None

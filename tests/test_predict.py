@@ -214,22 +214,14 @@ ENTRY %main (p0: f32[8,16], p1: f32[16,4]) -> f32[8,4] {
   assert dot["flops"] == 2 * 8 * 16 * 4
 
 
-def _benchmark(name):
-  import importlib  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-  try:
-    return importlib.import_module(name)
-  finally:
-    sys.path.pop(0)
-
-
-def test_flop_conventions_reproduce_maxtexts_own_log():
+def test_flop_conventions_reproduce_maxtexts_own_log(monkeypatch):
   """The calibration's FLOP conventions (benchmarks/predict_maxtext.py) against MaxText's printed figures: the
   tpu-recipes Llama 3.1 8B v6e-256 log says 417.397 TFLOP/s/device at 4.546 s per step (per-device batch 4 x
   8192) under the non-causal count of its release; PR #1988's causal count halves the attention term."""
-  pm = _benchmark("predict_maxtext")
+  import importlib  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  pm = importlib.import_module("predict_maxtext")
   row = pm.ROWS["llama3_1_8b_v6e"]
   c = pm.row_config(row)
   flops = pm.published_flops_per_chip(row, c)

@@ -40,6 +40,7 @@ from model import attention as attention_lib
 import parallel
 from parallel import pipeline as pipeline_lib
 from parallel import rules as rules_lib
+from train.planning import hardware
 from train.planning import mfu as mfu_lib
 from train import objectives
 from train.core import optimizer as optimizer_lib
@@ -73,8 +74,8 @@ CONTINUATION_FUSION = {"xla_tpu_enable_async_collective_fusion": True,
 def overlap_options(device) -> dict[str, Any]:
   """OVERLAP_OPTIONS for `device`'s platform, with CONTINUATION_FUSION on a TPU v5e ("TPU v5 lite")."""
   options = dict(OVERLAP_OPTIONS.get(device.platform, {}))
-  kind = device.device_kind.lower()
-  if device.platform == "tpu" and ("v5 lite" in kind or "v5e" in kind):
+  chip = hardware.chip_for_device_kind(device.device_kind) if device.platform == "tpu" else None
+  if chip is not None and chip.tpu_family == "v5e":
     options.update(CONTINUATION_FUSION)
   return options
 

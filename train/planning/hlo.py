@@ -217,6 +217,12 @@ def counter_start(instrs: list[Instruction], loop: Instruction, condition: list[
   return int(m.group(1)) if m else 0
 
 
+def iterations(instrs: list[Instruction], loop: Instruction, condition: list[Instruction]) -> int:
+  """Bodies a while loop runs: `counter < constant` (trip_count) less the counter's start (counter_start)."""
+  limit = trip_count(condition)
+  return max(limit - counter_start(instrs, loop, condition), 0) if limit > 1 else limit
+
+
 def collective_kind(opcode: str, rest: str) -> str | None:
   """The collective an instruction performs ("all-gather", ...), or None."""
   base = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
@@ -271,10 +277,8 @@ def executed(program: Program, *, into_fusions: bool = False) -> Iterator[tuple[
         body = re.search(r"body=%([\w.\-]+)", rest)
         cond = re.search(r"condition=%([\w.\-]+)", rest)
         known = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)  # XLA's own count, where it found one
-        condition = comps.get(cond.group(1), []) if cond else []
-        limit = trip_count(condition) if cond else 1
-        trips = int(known.group(1)) if known else max(limit - counter_start(comps[name], instr, condition), 0) \
-            if limit > 1 else limit
+        trips = int(known.group(1)) if known else iterations(comps[name], instr, comps.get(cond.group(1), [])) \
+            if cond else 1
         if body:
           yield from visit(body.group(1), mult * trips, depth + 1)
       elif op == "conditional":
@@ -400,7 +404,7 @@ def matmuls(hlo_text: str) -> list[dict]:
       types = []
       for operand in operands(i.rest)[:2]:
         # Operands print as "%name" or, in some dumps, "f32[8,4]{1,0} %name".
-        name = operand.split()[-1].lstrip("%")
+        name = _name(operand)
         types.append(_dtype(operand) if _ARRAY.search(operand) else _dtype(shapes.get(name, "?")))
       source = re.search(r'op_name="([^"]*)"', i.rest)
       out.append({"name": i.name, "opcode": i.opcode, "operands": tuple(types), "result": _dtype(i.shape),
