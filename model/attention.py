@@ -130,6 +130,29 @@ def cached_attention(q_BTHK, k_BSGK, v_BSGK, index, start_B, window=0, softcap: 
   return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, softcap=softcap)
 
 
+def latent_cached_attention(q_nope_BTHN, q_rot_BTHR, latent_BSC, k_rot_BSR, w_uk_CHN, w_uv_CHV, index, start_B,
+                            window=0, scale: float = 1.0, softcap: float = 0.0):
+  """Multi-head Latent Attention over a cache of latents (C = kv_lora_rank wide) and RoPE keys, without expanding
+  them into per-head keys and values (the absorbed form, DeepSeek-V2 sec. 2.1.3): the key of head h at slot s is
+  [latent_s @ w_uk_h, k_rot_s], so q.k = (q_nope_h @ w_uk_h^T) . latent_s + q_rot_h . k_rot_s, and the output
+  sum_s p_s (latent_s @ w_uv_h) = (sum_s p_s latent_s) @ w_uv_h. Scores are float32, times `scale` (the softmax
+  scale), masked as `cached_attention` masks them. Returns o_BTHV in q's dtype.
+  """
+  T, S = q_nope_BTHN.shape[1], latent_BSC.shape[1]
+  slots_S = jnp.arange(S)
+  real_BS = (slots_S[None, :] >= start_B[:, None]).astype(jnp.int32)
+  mask_BTS = mask_fn(index + jnp.arange(T), slots_S, jnp.ones(q_nope_BTHN.shape[:2], jnp.int32), real_BS, window)
+  f32 = jnp.float32
+  q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, w_uk_CHN, preferred_element_type=f32)
+  s_BHTS = (jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC.astype(f32))
+            + jnp.einsum("bthr,bsr->bhts", q_rot_BTHR, k_rot_BSR, preferred_element_type=f32)) * f32(scale)
+  s_BHTS = jnp.where(mask_BTS[:, None], cap_scores(s_BHTS, softcap), _NEG)
+  p_BHTS = softmax(s_BHTS)
+  ctx_BTHC = jnp.einsum("bhts,bsc->bthc", p_BHTS, latent_BSC.astype(f32))
+  o_BTHV = jnp.einsum("bthc,chv->bthv", ctx_BTHC, w_uv_CHV.astype(f32))
+  return o_BTHV.astype(q_nope_BTHN.dtype)
+
+
 def cap_scores(s, softcap: float):
   """softcap * tanh(s / softcap) (float32 scores; Gemma 2's attention logit soft-capping); s itself for 0."""
   if not softcap:

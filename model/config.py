@@ -18,7 +18,8 @@ CHOICES = {
     "attention_impl": ("auto", "xla", "dot_product", "blockwise", "splash", "cudnn"),
     "dtype": tuple(DTYPES),
     "param_dtype": tuple(DTYPES),
-    "router": ("topk_softmax", "softmax_topk"),
+    "router": ("topk_softmax", "softmax_topk", "sigmoid"),
+    "attention_type": ("mha", "mla"),
     "moe_impl": ("auto", "ragged", "tiled", "megablox"),
     "parametrization": ("sp", "mup"),
     "quant": ("none", "int8", "fp8"),
@@ -30,12 +31,14 @@ _POSITIVE_FLOATS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_f
                     "rope_high_freq_factor", "rope_yarn_beta_fast", "rope_yarn_beta_slow")
 # Numbers where 0 means "off" (or "the default rule"), refused below 0.
 _OFF_OR_POSITIVE_FLOATS = ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "rope_local_theta",
-                           "rope_attention_factor")
-_BOOLS = ("qkv_bias", "norm_offset", "embed_scale", "rope_yarn_truncate")
+                           "rope_attention_factor", "rope_mscale_all_dim")
+_BOOLS = ("qkv_bias", "norm_offset", "embed_scale", "rope_yarn_truncate", "router_norm_topk", "rope_interleave")
 LAYER_TYPES = ("sliding", "full")  # entries of model.layer_types
 
 _MOE_KEYS = ("experts_per_token", "moe_every", "num_shared_experts", "expert_mlp_dim", "capacity_factor", "router",
-             "moe_impl")
+             "moe_impl", "routed_scaling_factor", "router_groups", "router_topk_groups", "first_dense_layers")
+# Multi-head Latent Attention (DeepSeek-V2/V3): its projections' widths, read only with attention_type='mla'.
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave")
 AUTO_CHOICES = ("splash", "cudnn", "xla")  # what model.attention_impl=auto may run (model.attention.auto_impl)
 # Tile sizes of the splash kernel (model/splash.py): tokens, positive multiples of SPLASH_GRANULE.
 SPLASH_BLOCK_KEYS = ("splash_block_q", "splash_block_kv", "splash_block_kv_compute", "splash_block_q_bwd",
@@ -56,6 +59,12 @@ CONDITIONAL_KEYS = (
       for k in _MOE_KEYS),
     *((k, "model.rope_scaling='llama3'", lambda c: c.rope_scaling == "llama3", "a parameter of Llama 3.1 scaling")
       for k in _LLAMA3_ROPE_KEYS),
+    *((k, "model.attention_type='mla'", lambda c: c.attention_type == "mla", "a width of Multi-head Latent "
+       "Attention") for k in MLA_KEYS),
+    ("router_norm_topk", "model.router='sigmoid'", lambda c: c.num_experts > 0 and c.router == "sigmoid",
+     "the softmax routers fix the normalisation (topk_softmax: renormalised, softmax_topk: not)"),
+    ("rope_mscale_all_dim", "model.rope_scaling='yarn'", lambda c: c.rope_scaling == "yarn",
+     "it scales the attention scores by YaRN's mscale of the scaling factor"),
     ("rope_scaling_factor", "model.rope_scaling is llama3, linear, dynamic or yarn",
      lambda c: c.rope_scaling != "none", "the factor of RoPE scaling"),
     ("rope_original_max_len", "model.rope_scaling is llama3, dynamic or yarn",
@@ -147,8 +156,18 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.rope_yarn_beta_slow = 1.0  # yarn: beta_slow (rotations where it ends)
   c.rope_attention_factor = 0.0  # yarn: factor on cos and sin; 0 = YaRN's 0.1 * ln(rope_scaling_factor) + 1
   c.rope_yarn_truncate = True  # yarn: round the ramp's ends to whole dimensions (Hugging Face's `truncate`)
+  c.rope_mscale_all_dim = 0.0  # yarn, > 0: attention scores times mscale^2, mscale = 0.1 * this * ln(factor) + 1
+  # (DeepSeek-V2/V3's softmax scale; transformers' mscale_all_dim); 0 = off
   c.rope_local_theta = 0.0  # > 0: RoPE base of the layers with a window, unscaled (Gemma 3: 10000); 0 = every layer
   # uses rope_theta and rope_scaling
+  c.attention_type = "mha"  # mha (multi-head / grouped-query / multi-query) | mla (Multi-head Latent Attention,
+  # DeepSeek-V2/V3: low-rank q and kv projections, a decoupled RoPE key; the KV cache holds the latent; docs/moe.md)
+  c.q_lora_rank = 0  # mla: rank of the query's low-rank projection (with its RMSNorm); 0 = one full q projection
+  c.kv_lora_rank = 512  # mla: width of the compressed key/value latent (what the KV cache holds per token)
+  c.qk_nope_head_dim = 128  # mla: per-head query/key width without RoPE
+  c.qk_rope_head_dim = 64  # mla: per-head query width with RoPE, and of the one RoPE key shared by the heads
+  c.v_head_dim = 128  # mla: per-head value width
+  c.rope_interleave = False  # mla: RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's weights)
   c.max_seq_len = 4096  # longest sequence the model is configured for (HF max_position_embeddings)
   c.sliding_window = 0  # attention window in tokens (a token sees itself and window-1 before it); 0 = full causal; < 0 invalid
   c.global_every = 0  # with a window: every k-th layer (k-1, 2k-1, ...) attends globally; 0 = all layers windowed
@@ -179,7 +198,14 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.num_shared_experts = 0  # always-on experts (DeepSeekMoE), each expert_mlp_dim wide, beside the routed ones
   c.expert_mlp_dim = 0  # hidden width of each expert; 0 = mlp_dim
   c.capacity_factor = 0.0  # 0 = dropless; > 0: an expert takes at most ceil(cf * k * seq / E) tokens per sequence
-  c.router = "topk_softmax"  # topk_softmax (Mixtral: softmax over the k best logits) | softmax_topk (top k of softmax)
+  c.router = "topk_softmax"  # topk_softmax (Mixtral: softmax over the k best logits) | softmax_topk (top k of
+  # softmax) | sigmoid (DeepSeek-V3: sigmoid scores, chosen with a load-balancing bias; model/moe.py route)
+  c.router_norm_topk = True  # sigmoid router: the k chosen scores renormalised to sum 1 (norm_topk_prob)
+  c.routed_scaling_factor = 1.0  # routed experts' weights times this (DeepSeek-V3: 2.5)
+  c.router_groups = 1  # group-limited routing: experts in this many groups (n_group; 1 = off)
+  c.router_topk_groups = 1  # group-limited routing: a token picks its experts from this many groups (topk_group),
+  # the groups ranked by the sum of their two best scores
+  c.first_dense_layers = 0  # the first k layers keep a dense MLP (mlp_dim wide; DeepSeek's first_k_dense_replace)
   c.moe_impl = "auto"  # grouped expert matmul: auto (megablox on TPU, ragged on GPU, tiled on CPU; model.moe.resolve_impl)
   # | ragged (jax.lax.ragged_dot) | tiled (row tiles, batched; small models/CPU) | megablox (Pallas TPU kernels)
   c.megablox_tile_m = 512  # megablox: most rows (token-expert assignments) per tile; multiple of 128
@@ -252,8 +278,28 @@ def validate(cfg: Mapping[str, Any]) -> ml_collections.ConfigDict:
     raise ValueError(f"model.sliding_window={c.sliding_window} with model.causal=False: the window is causal "
                      "(a token sees window-1 tokens before it); use sliding_window=0 for a bidirectional encoder")
   _validate_moe(c)
+  _validate_mla(c)
   return c
 
+
+def _validate_mla(c: ml_collections.ConfigDict) -> None:
+  for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+    if not isinstance(c[k], int) or isinstance(c[k], bool) or c[k] < 1:
+      raise ValueError(f"model.{k}={c[k]!r} must be a positive integer")
+  if not isinstance(c.q_lora_rank, int) or isinstance(c.q_lora_rank, bool) or c.q_lora_rank < 0:
+    raise ValueError(f"model.q_lora_rank={c.q_lora_rank!r} must be an integer >= 0 (0 = a full q projection)")
+  if c.attention_type != "mla":
+    return
+  if c.qk_rope_head_dim % 2:
+    raise ValueError(f"model.qk_rope_head_dim={c.qk_rope_head_dim} must be even: RoPE rotates pairs of dimensions")
+  for key, bad, why in (("qk_norm", c.qk_norm != "none", "MLA normalises its latents instead"),
+                        ("qkv_bias", c.qkv_bias or c.use_bias, "MLA's projections have no biases here"),
+                        ("causal", not c.causal, "MLA is a decoder's attention"),
+                        ("rope_local_theta", bool(c.rope_local_theta), "MLA layers share one RoPE"),
+                        ("quant", c.quant != "none" and "attn" in c.quant_layers,
+                         "MLA's projections are not quantised; set quant_layers=('mlp',)")):
+    if bad:
+      raise ValueError(f"model.{key}={c[key]!r} with model.attention_type='mla': {why}")
 
 def _validate_families(c: ml_collections.ConfigDict) -> None:
   """The keys that make the one transformer a Qwen, Gemma or OLMo model (softcaps, qk norms, layer types...)."""
@@ -323,11 +369,34 @@ def _validate_moe(c: ml_collections.ConfigDict) -> None:
                        "width)")
   if not c.num_experts:
     return
+  if c.router == "sigmoid" and c.capacity_factor:
+    raise ValueError(f"model.capacity_factor={c.capacity_factor} with model.router='sigmoid': DeepSeek's routing is "
+                     "dropless (its load is balanced by the score bias); use capacity_factor=0")
   if c.experts_per_token > c.num_experts:
     raise ValueError(f"model.experts_per_token={c.experts_per_token} exceeds model.num_experts={c.num_experts}")
-  if c.num_layers % c.moe_every:
-    raise ValueError(f"model.num_layers={c.num_layers} is not a multiple of model.moe_every={c.moe_every}: the "
-                     "layer scan repeats groups of moe_every layers")
+  if not isinstance(c.routed_scaling_factor, (int, float)) or isinstance(c.routed_scaling_factor, bool) or not (
+      c.routed_scaling_factor > 0):
+    raise ValueError(f"model.routed_scaling_factor={c.routed_scaling_factor!r} must be a positive number")
+  for k in ("router_groups", "router_topk_groups"):
+    if not isinstance(c[k], int) or isinstance(c[k], bool) or c[k] < 1:
+      raise ValueError(f"model.{k}={c[k]!r} must be a positive integer (1 = no group limit)")
+  if c.num_experts % c.router_groups:
+    raise ValueError(f"model.router_groups={c.router_groups} must divide model.num_experts={c.num_experts}")
+  if c.router_topk_groups > c.router_groups:
+    raise ValueError(f"model.router_topk_groups={c.router_topk_groups} exceeds model.router_groups="
+                     f"{c.router_groups}")
+  if c.router_groups > 1 and c.num_experts // c.router_groups < 2:
+    raise ValueError(f"model.router_groups={c.router_groups}: a group ranks by its two best scores, so it needs >= 2 "
+                     f"experts (num_experts={c.num_experts})")
+  if c.experts_per_token > c.router_topk_groups * (c.num_experts // c.router_groups):
+    raise ValueError(f"model.experts_per_token={c.experts_per_token} exceeds the experts of the "
+                     f"router_topk_groups={c.router_topk_groups} groups a token may pick from")
+  dense = c.first_dense_layers
+  if not isinstance(dense, int) or isinstance(dense, bool) or not 0 <= dense < c.num_layers:
+    raise ValueError(f"model.first_dense_layers={dense!r} must be >= 0 and below model.num_layers={c.num_layers}")
+  if (c.num_layers - dense) % c.moe_every:
+    raise ValueError(f"model.num_layers={c.num_layers} less model.first_dense_layers={dense} is not a multiple of "
+                     f"model.moe_every={c.moe_every}: the layer scan repeats groups of moe_every layers")
   if c.mlp_type not in GATED:
     raise ValueError(f"model.mlp_type={c.mlp_type!r} with model.num_experts > 0: experts are gated (swiglu or geglu)")
   if c.block_type != "sequential":
@@ -337,8 +406,22 @@ def _validate_moe(c: ml_collections.ConfigDict) -> None:
 
 
 def is_moe_layer(c: ml_collections.ConfigDict, i: int) -> bool:
-  """Layer i (0-based) has a Mixture-of-Experts feed-forward: layers moe_every-1, 2*moe_every-1, ..."""
-  return bool(c.num_experts) and (i + 1) % c.moe_every == 0
+  """Layer i (0-based) has a Mixture-of-Experts feed-forward: after the first_dense_layers, every moe_every-th
+  (layers f + moe_every - 1, f + 2 * moe_every - 1, ... with f = first_dense_layers)."""
+  f = c.first_dense_layers if c.num_experts else 0
+  return bool(c.num_experts) and i >= f and (i - f + 1) % c.moe_every == 0
+
+
+def dense_prefix(c: ml_collections.ConfigDict) -> int:
+  """Layers before the repeated units: model.first_dense_layers of an MoE model (a stack of their own), else 0."""
+  return c.first_dense_layers if c.num_experts else 0
+
+
+def attention_dims(c: ml_collections.ConfigDict) -> tuple[int, int, int]:
+  """(query/key width per head, value width per head, rotated width per head) of the model's attention."""
+  if c.attention_type == "mla":
+    return c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim, c.qk_rope_head_dim
+  return c.head_dim, c.head_dim, c.head_dim
 
 
 def layers_per_unit(c: ml_collections.ConfigDict) -> int:

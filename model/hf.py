@@ -47,7 +47,7 @@ class Family(NamedTuple):
 
 # The keys that tell the families apart, at their defaults (Llama's layout).
 _FAMILY_KEYS = {"qkv_bias": False, "qk_norm": "none", "norm_offset": False, "embed_scale": False,
-                "norm_position": "pre"}
+                "norm_position": "pre", "attention_type": "mha"}
 _GEMMA = {"norm_offset": True, "embed_scale": True, "norm_position": "sandwich"}
 # Defaults of transformers 5's config classes (a nested config, as Gemma 3's text_config, is written sparsely).
 _LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -64,6 +64,13 @@ _GEMMA_DEFAULTS = {**_LLAMA_DEFAULTS, "vocab_size": 256000, "hidden_size": 2304,
                    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192,
                    "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                    "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0}
+_DEEPSEEK_DEFAULTS = {**_LLAMA_DEFAULTS, "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+                      "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+                      "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+                      "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                      "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+                      "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 4096,
+                      "rms_norm_eps": 1e-6, "rope_interleave": True, "num_nextn_predict_layers": 1}
 FAMILIES = {
     "llama": Family("LlamaForCausalLM", {}, "none", _LLAMA_DEFAULTS),
     "mistral": Family("MistralForCausalLM", {}, "uniform", _MISTRAL_DEFAULTS),
@@ -77,6 +84,12 @@ FAMILIES = {
                           {**_GEMMA_DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072,
                            "final_logit_softcapping": None, "attn_logit_softcapping": None, "rope_theta": 1e6,
                            "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6}),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", {"qk_norm": "head"}, "uniform",
+                        {**_QWEN_DEFAULTS, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                         "num_hidden_layers": 24, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
+                         "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8,
+                         "num_experts": 128, "norm_topk_prob": False, "mlp_only_layers": []}),
+    "deepseek_v3": Family("DeepseekV3ForCausalLM", {"attention_type": "mla"}, "none", _DEEPSEEK_DEFAULTS),
     "olmo2": Family("Olmo2ForCausalLM", {"norm_position": "post", "qk_norm": "proj"}, "none",
                     {**_LLAMA_DEFAULTS, "vocab_size": 50304, "rms_norm_eps": 1e-5}),
 }
@@ -140,14 +153,20 @@ def config_from_hf(hf: Mapping[str, Any]) -> ml_collections.ConfigDict:
     cfg.update(num_experts=int(get("num_local_experts")), experts_per_token=int(get("num_experts_per_tok")),
                expert_mlp_dim=int(get("intermediate_size")), moe_every=1, num_shared_experts=0, capacity_factor=0.0,
                router="topk_softmax")
+  if model_type in _MOE_READERS:
+    cfg.update(_MOE_READERS[model_type](hf, get, num_layers))
   if model_type.startswith("gemma"):
     cfg.update(query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
                final_logit_softcap=float(get("final_logit_softcapping") or 0.0),
                attn_logit_softcap=float(get("attn_logit_softcapping") or 0.0))  # Gemma 3's is refused when set
   kinds, window = _layer_kinds(hf, model_type, get, num_layers)
+  head_dim = int(get("head_dim") or d_model // heads)
+  if model_type == "deepseek_v3":  # MLA: every head its own keys (num_kv_heads = heads); head_dim is the rotated width
+    head_dim, hf = cfg.qk_rope_head_dim, {**hf, "num_key_value_heads": heads}
   cfg.update(
       vocab_size=int(get("vocab_size")), d_model=d_model, num_layers=num_layers, num_heads=heads,
-      num_kv_heads=int(get("num_key_value_heads") or heads), head_dim=int(get("head_dim") or d_model // heads),
+      num_kv_heads=int(hf.get("num_key_value_heads") or family.defaults.get("num_key_value_heads") or heads),
+      head_dim=head_dim,
       mlp_dim=int(get("intermediate_size")),
       mlp_type=_ACTIVATIONS[get("hidden_activation" if model_type.startswith("gemma") else "hidden_act")],
       norm_type="rmsnorm", norm_eps=float(get("rms_norm_eps")), use_bias=False,
@@ -157,12 +176,52 @@ def config_from_hf(hf: Mapping[str, Any]) -> ml_collections.ConfigDict:
   return config_lib.validate(cfg)
 
 
+def _qwen3_moe_keys(hf: Mapping[str, Any], get: Callable[[str], Any], num_layers: int) -> dict:
+  """Qwen3-MoE's experts: layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers
+  (meshlm: moe_every, and mlp_only_layers = the first k layers as first_dense_layers); softmax router, its top k
+  renormalised with norm_topk_prob (= topk_softmax) or not (softmax_topk)."""
+  step, dense = int(get("decoder_sparse_step")), sorted(get("mlp_only_layers") or [])
+  if dense and (dense != list(range(len(dense))) or step != 1):
+    _refuse("mlp_only_layers", dense, "meshlm keeps dense layers only as the first k (model.first_dense_layers) "
+            "with decoder_sparse_step=1")
+  experts = hf.get("num_local_experts", get("num_experts"))  # transformers 5 writes num_experts as num_local_experts
+  return dict(num_experts=int(experts), experts_per_token=int(get("num_experts_per_tok")),
+              expert_mlp_dim=int(get("moe_intermediate_size")), moe_every=step, first_dense_layers=len(dense),
+              router="topk_softmax" if get("norm_topk_prob") else "softmax_topk")
+
+
+def _deepseek_v3_keys(hf: Mapping[str, Any], get: Callable[[str], Any], num_layers: int) -> dict:
+  """DeepSeek-V3: MLA widths, sigmoid routing with its score bias, groups and scale, shared experts, the first k
+  layers dense; transformers applies YaRN's mscale_all_dim to the softmax scale (rope_mscale_all_dim)."""
+  rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+  mscale_all_dim = float(rope.get("mscale_all_dim") or 0.0) if _rope_type(rope) == "yarn" else 0.0
+  return dict(attention_type="mla", q_lora_rank=int(get("q_lora_rank") or 0), kv_lora_rank=int(get("kv_lora_rank")),
+              qk_nope_head_dim=int(get("qk_nope_head_dim")), qk_rope_head_dim=int(get("qk_rope_head_dim")),
+              v_head_dim=int(get("v_head_dim")), rope_interleave=bool(get("rope_interleave")),
+              rope_mscale_all_dim=mscale_all_dim,
+              num_experts=int(get("n_routed_experts")), experts_per_token=int(get("num_experts_per_tok")),
+              expert_mlp_dim=int(get("moe_intermediate_size")), num_shared_experts=int(get("n_shared_experts") or 0),
+              router="sigmoid", router_norm_topk=bool(get("norm_topk_prob")),
+              routed_scaling_factor=float(get("routed_scaling_factor")), router_groups=int(get("n_group") or 1),
+              router_topk_groups=int(get("topk_group") or 1),
+              first_dense_layers=_first_dense(int(get("first_k_dense_replace") or 0), num_layers), moe_every=1)
+
+
+def _first_dense(k: int, num_layers: int) -> int:
+  if not 0 <= k < num_layers:
+    _refuse("first_k_dense_replace", k, f"meshlm's DeepSeek-V3 has at least one MoE layer ({num_layers} layers)")
+  return k
+
+
+_MOE_READERS = {"qwen3_moe": _qwen3_moe_keys, "deepseek_v3": _deepseek_v3_keys}
+
+
 def _layer_kinds(hf: Mapping[str, Any], model_type: str, get: Callable[[str], Any],
                  num_layers: int) -> tuple[list[str], int | None]:
   """Each layer's attention ("sliding" / "full") and the window, as transformers builds them for the family:
   `layer_types`, else Qwen's use_sliding_window + max_window_layers (layers from max_window_layers on slide), Gemma
   2's alternation (even layers slide) or Gemma 3's sliding_window_pattern (every pattern-th layer is full)."""
-  windows, qwen = FAMILIES[model_type].windows, model_type in ("qwen2", "qwen3")
+  windows, qwen = FAMILIES[model_type].windows, model_type in ("qwen2", "qwen3", "qwen3_moe")
   window = None if windows == "none" else get("sliding_window")
   if qwen and not get("use_sliding_window"):
     window = None  # Qwen's config drops the window unless use_sliding_window
@@ -293,14 +352,21 @@ def family_of(cfg: Mapping[str, Any]) -> str:
     layouts = "; ".join(f"{t}: {dict(f.keys) or 'the defaults'}" for t, f in FAMILIES.items() if t != "mistral")
     raise ValueError(f"model {', '.join(f'{k}={v!r}' for k, v in have.items())}: no Hugging Face family has this "
                      f"layout ({layouts})")
-  if fits[0] != "llama":
-    if cfg["num_experts"]:
-      raise ValueError(f"model.num_experts={cfg['num_experts']} with {fits[0]}'s layout: only Mixtral's (Llama's "
-                       "layout) holds experts in a Hugging Face directory")
-    return fits[0]
+  base = fits[0]
   if cfg["num_experts"]:
-    return "mixtral"
+    if base not in _MOE_FAMILIES:
+      raise ValueError(f"model.num_experts={cfg['num_experts']} with {base}'s layout: Hugging Face holds experts in "
+                       f"{', '.join(_MOE_FAMILIES.values())} only (the layouts of {', '.join(_MOE_FAMILIES)})")
+    return _MOE_FAMILIES[base]
+  if base == "deepseek_v3":
+    raise ValueError("model.attention_type='mla' with model.num_experts=0: Hugging Face's DeepSeek-V3 (the family "
+                     "holding MLA) has MoE layers")
+  if base != "llama":
+    return base
   return "mistral" if all(config_lib.layer_windows(cfg)) else "llama"
+
+
+_MOE_FAMILIES = {"llama": "mixtral", "qwen3": "qwen3_moe", "deepseek_v3": "deepseek_v3"}  # dense layout -> MoE family
 
 
 def config_to_hf(cfg: Mapping[str, Any]) -> dict:
@@ -335,16 +401,57 @@ def config_to_hf(cfg: Mapping[str, Any]) -> dict:
               attn_logit_softcapping=cfg.attn_logit_softcap or None, use_bidirectional_attention=False)
   if model_type == "llama":
     hf["mlp_bias"] = False
-  if model_type == "mixtral":
-    mixtral = {"moe_every": 1, "num_shared_experts": 0, "capacity_factor": 0.0, "router": "topk_softmax",
-               "mlp_type": "swiglu"}
-    for key, want in mixtral.items():
-      if cfg[key] != want:
-        raise ValueError(f"model.{key}={cfg[key]!r} has no Hugging Face Mixtral equivalent (needs {want!r})")
-    hf.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
-              intermediate_size=cfg.expert_mlp_dim or cfg.mlp_dim, router_jitter_noise=0.0,
-              output_router_logits=False)
+  if model_type in _MOE_WRITERS:
+    hf.update(_MOE_WRITERS[model_type](cfg))
   return hf
+
+
+def _require(cfg, model_type: str, wants: Mapping[str, Any]) -> None:
+  for key, want in wants.items():
+    if cfg[key] != want:
+      raise ValueError(f"model.{key}={cfg[key]!r} has no Hugging Face {model_type} equivalent (needs {want!r})")
+
+
+def _mixtral_to_hf(cfg) -> dict:
+  _require(cfg, "Mixtral", {"moe_every": 1, "num_shared_experts": 0, "capacity_factor": 0.0, "router": "topk_softmax",
+                            "mlp_type": "swiglu", "first_dense_layers": 0, **_NO_DEEPSEEK_ROUTING})
+  return dict(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+              intermediate_size=cfg.expert_mlp_dim or cfg.mlp_dim, router_jitter_noise=0.0, output_router_logits=False)
+
+
+def _qwen3_moe_to_hf(cfg) -> dict:
+  _require(cfg, "Qwen3-MoE", {"num_shared_experts": 0, "capacity_factor": 0.0, "mlp_type": "swiglu",
+                              **_NO_DEEPSEEK_ROUTING})
+  if cfg.router not in ("topk_softmax", "softmax_topk"):
+    raise ValueError(f"model.router={cfg.router!r} has no Hugging Face Qwen3-MoE equivalent (topk_softmax or "
+                     "softmax_topk)")
+  if cfg.first_dense_layers and cfg.moe_every != 1:
+    raise ValueError("model.first_dense_layers with model.moe_every > 1 has no Hugging Face Qwen3-MoE equivalent")
+  return dict(num_experts=cfg.num_experts, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+              moe_intermediate_size=cfg.expert_mlp_dim or cfg.mlp_dim, decoder_sparse_step=cfg.moe_every,
+              mlp_only_layers=list(range(cfg.first_dense_layers)), norm_topk_prob=cfg.router == "topk_softmax",
+              output_router_logits=False, router_aux_loss_coef=0.0)
+
+
+def _deepseek_v3_to_hf(cfg) -> dict:
+  _require(cfg, "DeepSeek-V3", {"router": "sigmoid", "capacity_factor": 0.0, "moe_every": 1, "mlp_type": "swiglu",
+                                "num_kv_heads": cfg.num_heads, "head_dim": cfg.qk_rope_head_dim})
+  if cfg.rope_mscale_all_dim and cfg.rope_scaling != "yarn":
+    raise ValueError("model.rope_mscale_all_dim needs model.rope_scaling='yarn' in Hugging Face DeepSeek-V3")
+  out = dict(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+             moe_intermediate_size=cfg.expert_mlp_dim or cfg.mlp_dim, n_shared_experts=cfg.num_shared_experts,
+             routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.router_groups,
+             topk_group=cfg.router_topk_groups, norm_topk_prob=cfg.router_norm_topk,
+             first_k_dense_replace=cfg.first_dense_layers, q_lora_rank=cfg.q_lora_rank or None,
+             kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+             qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave,
+             num_nextn_predict_layers=0)
+  return out
+
+
+# Keys of DeepSeek's routing that the softmax families cannot hold, at their off values.
+_NO_DEEPSEEK_ROUTING = {"routed_scaling_factor": 1.0, "router_groups": 1, "router_topk_groups": 1}
+_MOE_WRITERS = {"mixtral": _mixtral_to_hf, "qwen3_moe": _qwen3_moe_to_hf, "deepseek_v3": _deepseek_v3_to_hf}
 
 
 def _number(x: float) -> int | float:
@@ -383,7 +490,8 @@ def _windows_to_hf(cfg, model_type: str, kinds: Sequence[str]) -> dict:
   if windows == "none":
     return {}
   if windows == "uniform":
-    return {"sliding_window": cfg.sliding_window if sliding else None}
+    out = {"sliding_window": cfg.sliding_window if sliding else None}
+    return {**out, "use_sliding_window": sliding} if model_type == "qwen3_moe" else out
   qwen = model_type.startswith("qwen")
   out = {"layer_types": [f"{k}_attention" for k in kinds],
          # Gemma builds the sliding mask even with no sliding layer, so it needs some window.
@@ -406,6 +514,8 @@ def _rope_dict(cfg) -> dict:
                 beta_slow=cfg.rope_yarn_beta_slow, truncate=cfg.rope_yarn_truncate)
     if cfg.rope_attention_factor:
       rope["attention_factor"] = cfg.rope_attention_factor
+    if cfg.rope_mscale_all_dim:  # DeepSeek's softmax scale (transformers' yarn_apply_mscale)
+      rope["mscale_all_dim"] = cfg.rope_mscale_all_dim
   elif cfg.rope_scaling == "dynamic" and cfg.rope_original_max_len != cfg.max_seq_len:
     raise ValueError(f"model.rope_scaling='dynamic' with model.rope_original_max_len={cfg.rope_original_max_len} != "
                      f"model.max_seq_len={cfg.max_seq_len}: transformers' dynamic scaling grows the base past "
@@ -519,9 +629,8 @@ def name_table(cfg, layout: Layout = CAUSAL_LM) -> list[Entry]:
   table = [
       Entry(layout.prefix + "embed_tokens.weight", "embed/embedding", 0),
       Entry(layout.prefix + "norm.weight", "final_norm/scale", 0),
-      Entry(attn + "q_proj.weight", "layers/attn/q", 1),
-      Entry(attn + "k_proj.weight", "layers/attn/k", 1),
-      Entry(attn + "v_proj.weight", "layers/attn/v", 1),
+      *(_mla_entries(cfg, attn) if cfg.attention_type == "mla" else
+        [Entry(attn + f"{p}_proj.weight", f"layers/attn/{p}", 1) for p in "qkv"]),
       Entry(attn + "o_proj.weight", "layers/attn/o", 2),
   ]
   table += [Entry(f"{layer}{theirs}.weight", f"layers/{ours}/scale", 0) for theirs, ours in
@@ -533,18 +642,41 @@ def name_table(cfg, layout: Layout = CAUSAL_LM) -> list[Entry]:
               for p in "qk"]
   if not cfg.tie_embeddings:
     table.append(Entry(layout.head, "unembed", 1))
-  if cfg.num_experts:
+  if cfg.num_experts and family_of(cfg) == "mixtral":
     moe = layer + "block_sparse_moe"
     table += [Entry(f"{moe}.gate.weight", "layers/moe/router", 1),
               Entry(f"{moe}.experts.{{j}}.w1.weight", "layers/moe/gate", 1),
               Entry(f"{moe}.experts.{{j}}.w3.weight", "layers/moe/up", 1),
               Entry(f"{moe}.experts.{{j}}.w2.weight", "layers/moe/down", 1)]
-  else:
+  elif cfg.num_experts:  # Qwen3-MoE, DeepSeek-V3: mlp.gate (+ its score bias), mlp.experts.{j}.*_proj
+    moe = layer + "mlp."
+    table += [Entry(f"{moe}gate.weight", "layers/moe/router", 1)]
+    table += [Entry(f"{moe}experts.{{j}}.{p}_proj.weight", f"layers/moe/{p}", 1) for p in ("gate", "up", "down")]
+    if cfg.router == "sigmoid":
+      table.append(Entry(f"{moe}gate.e_score_correction_bias", "layers/moe/score_bias", 0))
+    if cfg.num_shared_experts:
+      table += [Entry(f"{moe}shared_experts.{p}_proj.weight", f"layers/moe/shared/{p}", 1)
+                for p in ("gate", "up", "down")]
+  if not cfg.num_experts or config_lib.dense_prefix(cfg) or cfg.moe_every > 1:  # the dense layers' MLPs
     table += [Entry(layer + "mlp.up_proj.weight", "layers/mlp/up", 1),
               Entry(layer + "mlp.down_proj.weight", "layers/mlp/down", 1)]
     if cfg.mlp_type in config_lib.GATED:
       table.append(Entry(layer + "mlp.gate_proj.weight", "layers/mlp/gate", 1))
   return table
+
+
+def _mla_entries(cfg, attn: str) -> list[Entry]:
+  """DeepSeek's MLA projections: q_proj or q_a_proj + q_a_layernorm + q_b_proj, kv_a_proj_with_mqa +
+  kv_a_layernorm + kv_b_proj (each Linear [out, in] to meshlm's [in, heads, width] kernels)."""
+  if cfg.q_lora_rank:
+    q = [Entry(attn + "q_a_proj.weight", "layers/attn/q_a", 1),
+         Entry(attn + "q_a_layernorm.weight", "layers/attn/q_a_norm/scale", 0),
+         Entry(attn + "q_b_proj.weight", "layers/attn/q_b", 1)]
+  else:
+    q = [Entry(attn + "q_proj.weight", "layers/attn/q", 1)]
+  return q + [Entry(attn + "kv_a_proj_with_mqa.weight", "layers/attn/kv_a", 1),
+              Entry(attn + "kv_a_layernorm.weight", "layers/attn/kv_a_norm/scale", 0),
+              Entry(attn + "kv_b_proj.weight", "layers/attn/kv_b", 1)]
 
 
 def layout_of(reader: safetensors_io.Reader) -> Layout:
@@ -558,7 +690,12 @@ SHAPE_FIELDS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "num_layer
                 "mlp_dim": "intermediate_size", "tie_embeddings": "tie_word_embeddings",
                 "num_experts": "num_local_experts", "expert_mlp_dim": "intermediate_size",
                 # which parameters exist: q/k/v biases (Qwen2), q/k norms (Qwen3, Gemma 3, OLMo 2), post-norms
-                "qkv_bias": "model_type", "qk_norm": "model_type", "norm_position": "model_type"}
+                "qkv_bias": "model_type", "qk_norm": "model_type", "norm_position": "model_type",
+                # MoE layers and MLA (DeepSeek-V3, Qwen3-MoE)
+                "first_dense_layers": "first_k_dense_replace", "num_shared_experts": "n_shared_experts",
+                "moe_every": "decoder_sparse_step", "router": "model_type", "attention_type": "model_type",
+                "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
+                "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim"}
 
 
 def shape_mismatch(want: Mapping[str, Any], have: Mapping[str, Any]) -> list[str]:
@@ -582,10 +719,11 @@ def _layer_slots(model, cfg) -> list[tuple[Any, int | None]]:
   """Per layer i: (the module holding layer i's parameters, index into their leading stacked dim or None)."""
   if not cfg.scan_layers:
     return [(block, None) for block in model.layers]
-  unit = config_lib.layers_per_unit(cfg)
+  unit, prefix = config_lib.layers_per_unit(cfg), config_lib.dense_prefix(cfg)
+  slots = [(model.dense_layers, i) for i in range(prefix)]
   if unit == 1:
-    return [(model.layers, i) for i in range(cfg.num_layers)]
-  return [(model.layers.blocks[i % unit], i // unit) for i in range(cfg.num_layers)]
+    return slots + [(model.layers, i) for i in range(cfg.num_layers - prefix)]
+  return slots + [(model.layers.blocks[i % unit], i // unit) for i in range(cfg.num_layers - prefix)]
 
 
 def _entries(model, cfg, layout: Layout = CAUSAL_LM):

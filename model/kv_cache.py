@@ -2,7 +2,10 @@
 
 `KVCache` is a plain pytree (a NamedTuple) that the transformer threads through its layer scan:
 
-  k, v   [layers, B, S, G, K]  logical axes (layers, batch, kv_length, kv_heads, head_dim); compute dtype
+  k, v   [layers, B, S, G, K]  logical axes (layers, batch, kv_length, kv_heads, head_dim); compute dtype.
+         Multi-head Latent Attention (model.attention_type=mla) keeps its compressed form instead: k the
+         normalised latent [layers, B, S, 1, kv_lora_rank], v the rotated RoPE key [layers, B, S, 1,
+         qk_rope_head_dim] (`dims`), from which the absorbed decode path attends without expanding K/V.
   index  int32 []              slots written so far = the slot of the next token (the same for every row)
   start  int32 [B]             first real slot of each row (prompts are left-padded to a common length)
 
@@ -43,11 +46,27 @@ class KVCache(NamedTuple):
   start: jax.Array
 
 
+def dims(cfg) -> tuple[tuple[int, int], tuple[int, int]]:
+  """((heads, width) of k, (heads, width) of v) per slot and layer: (num_kv_heads, head_dim) twice, or MLA's
+  latent (1, kv_lora_rank) and RoPE key (1, qk_rope_head_dim)."""
+  if cfg.attention_type == "mla":
+    return (1, cfg.kv_lora_rank), (1, cfg.qk_rope_head_dim)
+  return (cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
+
+
+def names(x: jax.Array, base=NAMES) -> tuple:
+  """The logical names of a cache array (`base`: NAMES, or LAYER_NAMES for one layer's slice); a single kv head
+  (MQA, MLA's latent) is never split over the mesh."""
+  return base if x.shape[-2] > 1 else (*base[:-2], None, base[-1])
+
+
 def zeros(cfg, start_B: jax.Array, length: int) -> KVCache:
   """An empty cache of `length` slots for len(start_B) rows, sharded by the logical axes when rules are active."""
-  shape = (cfg.num_layers, start_B.shape[0], length, cfg.num_kv_heads, cfg.head_dim)
-  kv = axes.constrain(jnp.zeros(shape, DTYPES[cfg.dtype]), NAMES)
-  return KVCache(kv, kv, np.int32(0), start_B.astype(jnp.int32))
+  (gk, kk), (gv, kv_) = dims(cfg)
+  lead = (cfg.num_layers, start_B.shape[0], length)
+  k = jnp.zeros((*lead, gk, kk), DTYPES[cfg.dtype])
+  v = k if (gk, kk) == (gv, kv_) else jnp.zeros((*lead, gv, kv_), DTYPES[cfg.dtype])
+  return KVCache(axes.constrain(k, names(k)), axes.constrain(v, names(v)), np.int32(0), start_B.astype(jnp.int32))
 
 
 def is_empty(cache: KVCache) -> bool:
@@ -77,10 +96,12 @@ def write(layer: KVCache, k_BLGK: jax.Array, v_BLGK: jax.Array) -> KVCache:
   at = (0, layer.index, 0, 0)
   k = jax.lax.dynamic_update_slice(layer.k, k_BLGK.astype(layer.k.dtype), at)
   v = jax.lax.dynamic_update_slice(layer.v, v_BLGK.astype(layer.v.dtype), at)
-  return layer._replace(k=axes.constrain(k, LAYER_NAMES), v=axes.constrain(v, LAYER_NAMES))
+  return layer._replace(k=axes.constrain(k, names(k, LAYER_NAMES)), v=axes.constrain(v, names(v, LAYER_NAMES)))
 
 
 def bytes_per_token(cfg) -> int:
-  """Cache bytes per token per layer: 2 (K and V) x num_kv_heads x head_dim x bytes of the compute dtype."""
-  return 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(DTYPES[cfg.dtype]).itemsize
+  """Cache bytes per token per layer: 2 (K and V) x num_kv_heads x head_dim x bytes of the compute dtype; MLA
+  (kv_lora_rank + qk_rope_head_dim) x bytes."""
+  (gk, kk), (gv, kv_) = dims(cfg)
+  return (gk * kk + gv * kv_) * jnp.dtype(DTYPES[cfg.dtype]).itemsize
 

@@ -39,8 +39,9 @@ class Norm(nnx.Module):
   """
 
   def __init__(self, cfg, *, rngs: nnx.Rngs, shape: tuple[int, ...] | None = None, names=(EMBED,),
-               rms: bool = False):
-    self.kind, self.eps, self.dtype = "rmsnorm" if rms else cfg.norm_type, cfg.norm_eps, DTYPES[cfg.dtype]
+               rms: bool = False, eps: float | None = None):
+    self.kind, self.dtype = "rmsnorm" if rms else cfg.norm_type, DTYPES[cfg.dtype]
+    self.eps = cfg.norm_eps if eps is None else eps
     shape = (cfg.d_model,) if shape is None else tuple(shape)
     self.over, self.offset = tuple(range(-len(shape), 0)), cfg.norm_offset  # the axes normalised
     self.scale = param(rngs, shape, names, cfg, "zeros" if cfg.norm_offset else "ones")
@@ -161,6 +162,108 @@ class Attention(nnx.Module):
     return y_BLD if cache is None else (y_BLD, cache)
 
 
+MLA_NORM_EPS = 1e-6  # the latents' RMSNorm epsilon: DeepSeek's code builds them with the default, not rms_norm_eps
+
+
+class LatentAttention(nnx.Module):
+  """Multi-head Latent Attention (DeepSeek-V2 sec. 2.1, V3): model.attention_type='mla'.
+
+  Shapes: N = qk_nope_head_dim, R = qk_rope_head_dim, V = v_head_dim, C = kv_lora_rank, Q = q_lora_rank.
+    q      = x @ q [D, H, N+R], or q_b(RMSNorm(x @ q_a [D, Q])) with q_b [Q, H, N+R] when Q > 0
+    latent = RMSNorm((x @ kv_a)[:C]),  k_rot = RoPE((x @ kv_a)[C:])   kv_a [D, C+R]: one RoPE key for all heads
+    [k_nope, v] = latent @ kv_b [C, H, N+V];  k = [k_nope, k_rot];  q = [q_nope, RoPE(q_rot)]
+    y = attention(q, k, v) @ o [H, V, D], scores scaled by 1/sqrt(N+R) (times YaRN's mscale^2 with
+    model.rope_mscale_all_dim)
+  model.rope_interleave: the checkpoint's rotated dimensions are interleaved pairs, de-interleaved before RoPE.
+  The KV cache holds (latent, k_rot) (model.kv_cache); decoding through it uses the absorbed products
+  (`attention.latent_cached_attention`), so K and V are never expanded for the cached slots.
+  """
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    D, H = cfg.d_model, cfg.num_heads
+    N, R, V, C, Q = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank,
+                     cfg.q_lora_rank)
+    self.dims, self.dtype = (N, R, V, C), DTYPES[cfg.dtype]
+    self.impl, self.block_size = _attention_impl(cfg), cfg.attention_block_size
+    self.query_block, self.softcap = cfg.attention_query_block, float(cfg.attn_logit_softcap)
+    self.splash = splash_lib.options(cfg) if self.impl == "splash" else None
+    if Q:
+      self.q_a = param(rngs, (D, Q), (EMBED, None), cfg)
+      self.q_a_norm = Norm(cfg, rngs=rngs, shape=(Q,), names=(None,), rms=True, eps=MLA_NORM_EPS)
+      self.q_b = param(rngs, (Q, H, N + R), (None, HEADS, HEAD_DIM), cfg)
+    else:
+      self.q = param(rngs, (D, H, N + R), (EMBED, HEADS, HEAD_DIM), cfg)
+    self.kv_a = param(rngs, (D, C + R), (EMBED, None), cfg)
+    self.kv_a_norm = Norm(cfg, rngs=rngs, shape=(C,), names=(None,), rms=True, eps=MLA_NORM_EPS)
+    self.kv_b = param(rngs, (C, H, N + V), (None, HEADS, HEAD_DIM), cfg)
+    self.o = param(rngs, (H, V, D), (HEADS, HEAD_DIM, EMBED), cfg)
+    self.interleave = cfg.rope_interleave
+    mscale = 1.0
+    if cfg.rope_scaling == "yarn" and cfg.rope_mscale_all_dim and cfg.rope_scaling_factor > 1:
+      mscale = 0.1 * cfg.rope_mscale_all_dim * math.log(cfg.rope_scaling_factor) + 1.0
+    self.score_multiplier = mscale * mscale * mup.query_multiplier(cfg)
+
+  def _rotate(self, x_BLNR, cos_BLF, sin_BLF):
+    if self.interleave:  # pairs (x0, x1), (x2, x3), ... -> halves [x0, x2, ...], [x1, x3, ...]
+      x_BLNR = jnp.concatenate([x_BLNR[..., 0::2], x_BLNR[..., 1::2]], axis=-1)
+    return rope.apply(x_BLNR, cos_BLF, sin_BLF)
+
+  def __call__(self, x_BLD, segment_ids_BL, cos, sin, window, cache: kv_cache.KVCache | None = None,
+               prefix_BL=None, branch_BL=None):
+    """As `Attention.__call__`: -> y_BLD, or (y_BLD, the layer's updated cache of latents and RoPE keys)."""
+    if cache is not None:
+      kv_cache.check_room(cache, x_BLD.shape[1])
+    dt, (N, R, V, C) = self.dtype, self.dims
+    if hasattr(self, "q"):
+      q_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, _value(self.q, dt))
+    else:
+      q_BLQ = self.q_a_norm(jnp.einsum("bld,dq->blq", x_BLD, _value(self.q_a, dt)))
+      q_BLHK = jnp.einsum("blq,qhk->blhk", q_BLQ, _value(self.q_b, dt))
+    ckv_BLX = jnp.einsum("bld,dx->blx", x_BLD, _value(self.kv_a, dt))
+    latent_BLC = self.kv_a_norm(ckv_BLX[..., :C])
+    cos_BLF, sin_BLF = rope.for_window(cos, sin, window)
+    q_nope_BLHN, q_rot_BLHR = q_BLHK[..., :N], self._rotate(q_BLHK[..., N:], cos_BLF, sin_BLF)
+    k_rot_BL1R = self._rotate(ckv_BLX[..., None, C:], cos_BLF, sin_BLF)
+    cached = cache is not None and not kv_cache.is_empty(cache)
+    if cache is not None:
+      cache = kv_cache.write(cache, latent_BLC[:, :, None], k_rot_BL1R)
+    kv_b = _value(self.kv_b, dt)
+    if cached:
+      scale = self.score_multiplier / math.sqrt(N + R)
+      o_BLHV = attention_lib.latent_cached_attention(q_nope_BLHN, q_rot_BLHR, cache.k[:, :, 0], cache.v[:, :, 0],
+                                                     kv_b[..., :N], kv_b[..., N:], cache.index, cache.start, window,
+                                                     scale, self.softcap)
+    else:
+      o_BLHV = self._expanded(q_nope_BLHN, q_rot_BLHR, latent_BLC, k_rot_BL1R, kv_b, segment_ids_BL, window,
+                              prefix_BL, branch_BL)
+    o_BLHV = remat.tag(axes.constrain(o_BLHV, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTN_CONTEXT)
+    y_BLD = jnp.einsum("blhv,hvd->bld", o_BLHV, _value(self.o, dt))
+    y_BLD = remat.tag(axes.constrain(y_BLD, (BATCH, LENGTH, EMBED)), remat.ATTN_OUT)
+    return y_BLD if cache is None else (y_BLD, cache)
+
+  def _expanded(self, q_nope_BLHN, q_rot_BLHR, latent_BLC, k_rot_BL1R, kv_b, segment_ids_BL, window, prefix_BL,
+                branch_BL):
+    """Attention over per-head keys and values expanded from the latent (training, and a prompt into an empty
+    cache), with `model.attention_impl`. The kernels take one width for q, k and v: the narrower side is padded
+    with zeros (values: sliced off after; queries/keys: the score scale corrected), which adds no rounding."""
+    N, R, V, _ = self.dims
+    kv_BLHX = jnp.einsum("blc,chx->blhx", latent_BLC, kv_b)
+    H = kv_BLHX.shape[2]
+    k_BLHK = jnp.concatenate([kv_BLHX[..., :N], jnp.broadcast_to(k_rot_BL1R, (*k_rot_BL1R.shape[:2], H, R))], -1)
+    q_BLHK = jnp.concatenate([q_nope_BLHN, q_rot_BLHR.astype(q_nope_BLHN.dtype)], -1)
+    v_BLHV = kv_BLHX[..., N:]
+    W = max(N + R, V)
+    m = self.score_multiplier * math.sqrt(W / (N + R))  # the kernels divide by sqrt(W)
+    pad = lambda a: a if a.shape[-1] == W else jnp.pad(a, [(0, 0)] * 3 + [(0, W - a.shape[-1])])
+    q_BLHK = q_BLHK * jnp.asarray(m, q_BLHK.dtype) if m != 1.0 else q_BLHK
+    q_BLHK = remat.tag(axes.constrain(pad(q_BLHK), (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.QUERY_PROJ)
+    k_BLHK = remat.tag(axes.constrain(pad(k_BLHK), (BATCH, KV_LENGTH, HEADS, HEAD_DIM)), remat.KEY_PROJ)
+    v_BLHK = remat.tag(axes.constrain(pad(v_BLHV), (BATCH, KV_LENGTH, HEADS, HEAD_DIM)), remat.VALUE_PROJ)
+    o_BLHK = attention_lib.attend(self.impl, q_BLHK, k_BLHK, v_BLHK, segment_ids_BL, window, self.block_size, True,
+                                  prefix_BL, branch_BL, self.query_block, self.splash, self.softcap)
+    return o_BLHK[..., :V]
+
+
 class Block(nnx.Module):
   """One layer: sequential x += attn(norm x); x += mlp(norm x), or parallel x + attn(n x) + mlp(n x).
 
@@ -174,7 +277,7 @@ class Block(nnx.Module):
     pre, post = cfg.norm_position != "post", cfg.norm_position != "pre"
     if pre:
       self.attn_norm = Norm(cfg, rngs=rngs)
-    self.attn = Attention(cfg, rngs=rngs)
+    self.attn = LatentAttention(cfg, rngs=rngs) if cfg.attention_type == "mla" else Attention(cfg, rngs=rngs)
     if not self.parallel and pre:
       self.mlp_norm = Norm(cfg, rngs=rngs)
     if moe:  # a Mixture-of-Experts feed-forward (model/moe.py) in place of the MLP

@@ -40,18 +40,44 @@ AUTO_CPU = "tiled"
 STATS = ("moe_aux_loss", "router_z_loss", "moe_load_max_mean", "moe_dropped_frac", "moe_expert_load")
 
 
-def route(logits_BLE: jax.Array, k: int, kind: str) -> tuple[jax.Array, jax.Array]:
+def route(logits_BLE: jax.Array, k: int, kind: str, bias_E: jax.Array | None = None, groups: int = 1,
+          topk_groups: int = 1, norm_topk: bool = True, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """Top-k routing in float32 -> (weights_BLK float32, experts_BLK int32).
 
   topk_softmax (Mixtral): the k largest logits, softmax over those k (= softmax over all E, keep the top k and
   renormalise them to sum 1). softmax_topk (Switch, DeepSeek-V2): softmax over all E, keep the k largest
-  probabilities without renormalising.
+  probabilities without renormalising. sigmoid (DeepSeek-V3 sec. 2.1.2): scores s = sigmoid(logits); experts are
+  chosen by s + bias_E (the load-balancing bias, selection only: no gradient reaches it) and weighted by their
+  own s, renormalised to sum 1 when norm_topk.
+
+  Group-limited routing (groups > 1, DeepSeek's n_group / topk_group): the E experts form `groups` equal groups,
+  each ranked by the sum of its two best selection scores; a token chooses only among the experts of its
+  `topk_groups` best groups. The weights are then multiplied by `scale` (routed_scaling_factor).
   """
   logits_BLE = logits_BLE.astype(jnp.float32)
-  if kind == "topk_softmax":
-    top_BLK, experts_BLK = jax.lax.top_k(logits_BLE, k)
-    return jax.nn.softmax(top_BLK, axis=-1), experts_BLK.astype(jnp.int32)
-  weights_BLK, experts_BLK = jax.lax.top_k(jax.nn.softmax(logits_BLE, axis=-1), k)
+  if kind == "sigmoid":
+    scores_BLE = jax.nn.sigmoid(logits_BLE)
+  elif kind in ("topk_softmax", "softmax_topk"):
+    scores_BLE = jax.nn.softmax(logits_BLE, axis=-1)
+  else:
+    raise ValueError(f"model.router={kind!r} is not one of topk_softmax, softmax_topk, sigmoid")
+  choice_BLE = scores_BLE if bias_E is None else scores_BLE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
+  if groups > 1:
+    B, L, E = choice_BLE.shape
+    grouped_BLGE = choice_BLE.reshape(B, L, groups, E // groups)
+    group_BLG = jnp.sum(jax.lax.top_k(grouped_BLGE, 2)[0], axis=-1)
+    _, best_BLT = jax.lax.top_k(group_BLG, topk_groups)
+    allowed_BLG = jnp.sum(jax.nn.one_hot(best_BLT, groups, dtype=jnp.int32), axis=-2) > 0
+    choice_BLE = jnp.where(jnp.repeat(allowed_BLG, E // groups, axis=-1), choice_BLE, -jnp.inf)
+  _, experts_BLK = jax.lax.top_k(jax.lax.stop_gradient(choice_BLE), k)
+  if kind == "topk_softmax":  # the renormalised top k of the softmax = the softmax of the k chosen logits
+    weights_BLK = jax.nn.softmax(jnp.take_along_axis(logits_BLE, experts_BLK, axis=-1), axis=-1)
+  else:
+    weights_BLK = jnp.take_along_axis(scores_BLE, experts_BLK, axis=-1)
+  if kind == "sigmoid" and norm_topk:  # DeepSeek-V3's 1e-20 keeps it finite where every chosen score underflows
+    weights_BLK = weights_BLK / (jnp.sum(weights_BLK, axis=-1, keepdims=True) + 1e-20)
+  if scale != 1.0:
+    weights_BLK = weights_BLK * jnp.float32(scale)
   return weights_BLK, experts_BLK.astype(jnp.int32)
 
 
@@ -81,12 +107,14 @@ def keep_mask(experts_BLK: jax.Array, valid_BL: jax.Array, num_experts: int, cap
 
 
 def router_stats(logits_BLE: jax.Array, experts_BLK: jax.Array, keep_BLK: jax.Array,
-                 valid_BL: jax.Array) -> dict[str, jax.Array]:
+                 valid_BL: jax.Array, kind: str = "topk_softmax") -> dict[str, jax.Array]:
   """Float32 statistics of one MoE layer over the valid (non-padding) tokens (scalars, and one [E] vector).
 
     moe_aux_loss      E * sum_e f_e * P_e (Switch Transformer eq. 4-6 with top-k counting, as transformers'
                       `load_balancing_loss_func`): f_e = assignments to e per token (sums to k over e),
-                      P_e = mean router probability of e. Equals k at uniform routing.
+                      P_e = mean router probability of e (router=sigmoid: each token's sigmoid scores
+                      normalised to sum 1, DeepSeek-V3's balance loss over the batch). Equals k at uniform
+                      routing.
     router_z_loss     mean over tokens of logsumexp(router logits)^2 (ST-MoE).
     moe_load_max_mean max_e n_e / mean_e n_e with n_e the assignments to expert e (1 = balanced).
     moe_dropped_frac  assignments dropped by the capacity limit / all assignments.
@@ -97,7 +125,12 @@ def router_stats(logits_BLE: jax.Array, experts_BLK: jax.Array, keep_BLK: jax.Ar
   logits_BLE = logits_BLE.astype(jnp.float32)
   valid_BL = valid_BL.astype(jnp.float32)
   tokens = jnp.maximum(jnp.sum(valid_BL), 1.0)
-  probs_E = jnp.sum(jax.nn.softmax(logits_BLE, -1) * valid_BL[..., None], axis=(0, 1)) / tokens
+  if kind == "sigmoid":
+    scores_BLE = jax.nn.sigmoid(logits_BLE)
+    probs_BLE = scores_BLE / jnp.sum(scores_BLE, -1, keepdims=True)
+  else:
+    probs_BLE = jax.nn.softmax(logits_BLE, -1)
+  probs_E = jnp.sum(probs_BLE * valid_BL[..., None], axis=(0, 1)) / tokens
   load_E = jnp.sum(jax.nn.one_hot(experts_BLK, E) * valid_BL[..., None, None], axis=(0, 1, 2))
   z_BL = jax.nn.logsumexp(logits_BLE, -1)
   return {
@@ -251,6 +284,8 @@ class MoE(nnx.Module):
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     D, E, F = cfg.d_model, cfg.num_experts, cfg.expert_mlp_dim or cfg.mlp_dim
     self.k, self.kind, self.cf = cfg.experts_per_token, cfg.router, cfg.capacity_factor
+    # route()'s group, normalisation and scale options (a tuple: static module attributes must be hashable)
+    self.routing = (cfg.router_groups, cfg.router_topk_groups, cfg.router_norm_topk, float(cfg.routed_scaling_factor))
     self.impl = cfg.moe_impl  # an explicit kernel is checked where it is traced (megablox.gmm): the mesh decides
     if self.impl == "auto":
       self.impl = resolve_impl(cfg, megablox.target_platform())
@@ -259,6 +294,8 @@ class MoE(nnx.Module):
     self.num_experts, self.dtype = E, DTYPES[cfg.dtype]
     self.act = jax.nn.silu if cfg.mlp_type == "swiglu" else lambda g: jax.nn.gelu(g, approximate=True)
     self.router = dense.param(rngs, (D, E), (EMBED, None), cfg)
+    if cfg.router == "sigmoid":  # DeepSeek-V3's e_score_correction_bias: moves selection only, never gets gradient
+      self.score_bias = dense.param(rngs, (E,), (None,), cfg, "zeros")
     self.gate = dense.param(rngs, (E, D, F), (EXPERTS, EMBED, MLP), cfg)
     self.up = dense.param(rngs, (E, D, F), (EXPERTS, EMBED, MLP), cfg)
     self.down = dense.param(rngs, (E, F, D), (EXPERTS, MLP, EMBED), cfg)
@@ -270,7 +307,8 @@ class MoE(nnx.Module):
   def __call__(self, x_BLD: jax.Array, valid_BL: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     dt = self.dtype
     logits_BLE = jnp.einsum("bld,de->ble", x_BLD.astype(jnp.float32), self.router[...].astype(jnp.float32))
-    weights_BLK, experts_BLK = route(logits_BLE, self.k, self.kind)
+    bias_E = self.score_bias[...] if hasattr(self, "score_bias") else None
+    weights_BLK, experts_BLK = route(logits_BLE, self.k, self.kind, bias_E, *self.routing)
     cap = capacity(self.cf, self.k, x_BLD.shape[1], self.num_experts)
     keep_BLK = keep_mask(experts_BLK, valid_BL, self.num_experts, cap)
     y_BLD = dispatch(x_BLD, experts_BLK, weights_BLK, keep_BLK, self.gate[...].astype(dt), self.up[...].astype(dt),
@@ -278,4 +316,4 @@ class MoE(nnx.Module):
     if hasattr(self, "shared"):
       y_BLD = y_BLD + self.shared(x_BLD)
     y_BLD = remat.tag(axes.constrain(y_BLD.astype(dt), (BATCH, LENGTH, EMBED)), remat.MLP_OUT)
-    return y_BLD, router_stats(logits_BLE, experts_BLK, keep_BLK, valid_BL)
+    return y_BLD, router_stats(logits_BLE, experts_BLK, keep_BLK, valid_BL, self.kind)

@@ -18,6 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def rotated_dim(cfg) -> int:
+  """Dimensions per head that RoPE rotates: head_dim, or qk_rope_head_dim of Multi-head Latent Attention."""
+  return cfg.qk_rope_head_dim if cfg.attention_type == "mla" else cfg.head_dim
+
+
 def default_frequencies(theta: float, K: int) -> np.ndarray:
   """float32 [K/2] unscaled angular frequencies 1 / theta^(2i/K) (radians per position)."""
   return (1.0 / (theta ** (np.arange(0, K, 2, dtype=np.float32) / np.float32(K)))).astype(np.float32)
@@ -28,7 +33,7 @@ def inv_frequencies(cfg, seq_len: jax.Array | int | None = None) -> np.ndarray |
   as model.rope_scaling says. Dynamic scaling depends on the input: `seq_len` (max position + 1, may be traced)
   gives its frequencies; None gives the unscaled ones (transformers' before any input, and for seq_len <=
   rope_original_max_len)."""
-  K = cfg.head_dim
+  K = rotated_dim(cfg)
   inv_freq = default_frequencies(cfg.rope_theta, K)
   if cfg.rope_scaling == "llama3":
     return _llama3(cfg, inv_freq)
@@ -57,7 +62,7 @@ def _yarn(cfg) -> np.ndarray:
   """YaRN (Peng et al. 2023) as transformers' `_compute_yarn_parameters`: dimensions rotating fewer than
   beta_slow times over the original context are interpolated (frequency / factor), those rotating more than
   beta_fast times kept, with a linear ramp over the dimensions in between."""
-  K, base, factor = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_factor
+  K, base, factor = rotated_dim(cfg), cfg.rope_theta, cfg.rope_scaling_factor
   old_len = cfg.rope_original_max_len
 
   def dimension(rotations):  # the dimension whose wavelength fits `rotations` times into old_len
@@ -80,7 +85,7 @@ def _dynamic(cfg, seq_len, inv_freq: np.ndarray) -> jax.Array:
   """Dynamic NTK scaling (transformers' `_compute_dynamic_ntk_parameters` with `dynamic_rope_update`): for inputs
   longer than rope_original_max_len the base becomes theta * (factor * len / orig - (factor - 1))^(K / (K - 2));
   shorter ones keep the original frequencies. float32, like transformers."""
-  K, orig, factor = cfg.head_dim, cfg.rope_original_max_len, cfg.rope_scaling_factor
+  K, orig, factor = rotated_dim(cfg), cfg.rope_original_max_len, cfg.rope_scaling_factor
   length = jnp.maximum(jnp.asarray(seq_len), orig).astype(jnp.float32)
   base = jnp.float32(cfg.rope_theta) * ((jnp.float32(factor) * length / orig) - jnp.float32(factor - 1)) ** (
       jnp.float32(K / (K - 2)))
@@ -117,7 +122,7 @@ def tables(cfg, positions_BL: jax.Array, seq_len: jax.Array | int | None = None)
   cos, sin = cos_sin(positions_BL, inv_frequencies(cfg, seq_len), attention_factor(cfg))
   if not cfg.rope_local_theta:
     return cos, sin
-  local_cos, local_sin = cos_sin(positions_BL, default_frequencies(cfg.rope_local_theta, cfg.head_dim))
+  local_cos, local_sin = cos_sin(positions_BL, default_frequencies(cfg.rope_local_theta, rotated_dim(cfg)))
   return jnp.stack([cos, local_cos]), jnp.stack([sin, local_sin])
 
 

@@ -45,14 +45,20 @@ class Transformer(nnx.Module):
     with axes.creation_context():
       self.embed = layers.Embed(cfg, rngs=rngs)
       unit = config_lib.layers_per_unit(cfg)  # the scan repeats units: one block, or a group with one MoE
+      prefix = config_lib.dense_prefix(cfg)  # DeepSeek's first dense layers: a stack of their own before the units
       if cfg.scan_layers:
-        @nnx.split_rngs(splits=cfg.num_layers // unit)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
-        def make_stack(rngs):
-          if unit > 1:
-            return layers.LayerGroup(cfg, rngs=rngs)
-          return layers.Block(cfg, rngs=rngs, moe=config_lib.is_moe_layer(cfg, 0))
-        self.layers = make_stack(rngs)
+        def make_stack(count, build):
+          @nnx.split_rngs(splits=count)
+          @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+          def make(rngs):
+            return build(rngs)
+          return make(rngs)
+        if prefix:
+          self.dense_layers = make_stack(prefix, lambda r: layers.Block(cfg, rngs=r, moe=False))
+        self.layers = make_stack(
+            (cfg.num_layers - prefix) // unit,
+            lambda r: layers.LayerGroup(cfg, rngs=r) if unit > 1 else layers.Block(
+                cfg, rngs=r, moe=config_lib.is_moe_layer(cfg, prefix)))
       else:
         self.layers = nnx.List([layers.Block(cfg, rngs=rngs, moe=config_lib.is_moe_layer(cfg, i))
                                 for i in range(cfg.num_layers)])
@@ -110,9 +116,16 @@ class Transformer(nnx.Module):
       x_BLD, cache = self._cached_layers(apply_block, x_BLD, windows, cache)
       return self.final_norm(x_BLD), cache._replace(index=cache.index + tokens_BL.shape[1])
     if self.cfg.scan_layers:
-      unit = config_lib.layers_per_unit(self.cfg)
+      unit, prefix = config_lib.layers_per_unit(self.cfg), config_lib.dense_prefix(self.cfg)
+      if prefix:
+        x_BLD, _ = self._stack(nnx.split(self.dense_layers), jnp.asarray(windows[:prefix], jnp.int32), x_BLD,
+                               segment_ids_BL, cos, sin, prefix_BL, branch_BL)
+        windows = windows[prefix:]
       windows_U = jnp.asarray(windows, jnp.int32).reshape(-1, unit) if unit > 1 else jnp.asarray(windows, jnp.int32)
       if self.pipeline is not None and axes.mesh_size(LAYERS) > 1:
+        if prefix:
+          raise ValueError(f"model.first_dense_layers={prefix} with mesh.stage > 1: the pipeline splits one stack "
+                           "of identical layers; use first_dense_layers=0 or mesh.stage=1")
         x_BLD, stats = self._pipelined(x_BLD, windows_U, segment_ids_BL, positions_BL, prefix_BL, branch_BL)
       else:
         x_BLD, stats = self._stack(nnx.split(self.layers), windows_U, x_BLD, segment_ids_BL, cos, sin, prefix_BL,
@@ -171,22 +184,36 @@ class Transformer(nnx.Module):
     visits = s.stages * s.repeats * s.microbatches
     return x_BLD, jax.tree.map(lambda v: v[None] / visits, stats)  # [1] per statistic: the mean below keeps it
 
+  def _segments(self) -> list[tuple[Any, int, int, int]]:
+    """The scanned stacks in order as (stack, first layer, end layer, layers per scanned unit): the dense prefix
+    (model.first_dense_layers) when there is one, then the repeated units."""
+    prefix, n = config_lib.dense_prefix(self.cfg), self.cfg.num_layers
+    main = (self.layers, prefix, n, config_lib.layers_per_unit(self.cfg))
+    return [(self.dense_layers, 0, prefix, 1), main] if prefix else [main]
+
   def _cached_layers(self, apply_block, x_BLD, windows, cache):
     """The layer stack with each layer's slice of the cache as scan input and its update as scan output."""
     def layer_view(k, v):
       return cache._replace(k=k, v=v)
 
     if self.cfg.scan_layers:
-      graphdef, state = nnx.split(self.layers)
-      def body(x_BLD, xs):
-        layer_state, window, k, v = xs
-        x_BLD, layer = apply_block(graphdef, layer_state, x_BLD, window, layer_view(k, v))
-        return x_BLD, (layer.k, layer.v)
-      unit = config_lib.layers_per_unit(self.cfg)  # MoE layer groups: the cache scanned as [units, unit, ...]
-      by_unit = lambda a: a.reshape(a.shape[0] // unit, unit, *a.shape[1:]) if unit > 1 else a
-      x_BLD, (k, v) = jax.lax.scan(body, x_BLD, (state, by_unit(jnp.asarray(windows, jnp.int32)),
-                                                 by_unit(cache.k), by_unit(cache.v)))
-      k, v = k.reshape(cache.k.shape), v.reshape(cache.v.shape)
+      def scan(stack, x_BLD, windows, k, v, unit):
+        graphdef, state = nnx.split(stack)
+        def body(x_BLD, xs):
+          layer_state, window, k, v = xs
+          x_BLD, layer = apply_block(graphdef, layer_state, x_BLD, window, layer_view(k, v))
+          return x_BLD, (layer.k, layer.v)
+        # MoE layer groups: the cache scanned as [units, unit, ...]
+        by_unit = lambda a: a.reshape(a.shape[0] // unit, unit, *a.shape[1:]) if unit > 1 else a
+        x_BLD, (k_new, v_new) = jax.lax.scan(body, x_BLD, (state, by_unit(jnp.asarray(windows, jnp.int32)),
+                                                           by_unit(k), by_unit(v)))
+        return x_BLD, k_new.reshape(k.shape), v_new.reshape(v.shape)
+      ks, vs = [], []
+      for stack, lo, hi, unit in self._segments():
+        x_BLD, k, v = scan(stack, x_BLD, windows[lo:hi], cache.k[lo:hi], cache.v[lo:hi], unit)
+        ks.append(k)
+        vs.append(v)
+      k, v = (ks[0], vs[0]) if len(ks) == 1 else (jnp.concatenate(ks), jnp.concatenate(vs))
     else:
       ks, vs = [], []
       for i, (block, window) in enumerate(zip(self.layers, windows)):
@@ -195,7 +222,7 @@ class Transformer(nnx.Module):
         ks.append(layer.k)
         vs.append(layer.v)
       k, v = jnp.stack(ks), jnp.stack(vs)
-    return x_BLD, cache._replace(k=axes.constrain(k, kv_cache.NAMES), v=axes.constrain(v, kv_cache.NAMES))
+    return x_BLD, cache._replace(k=axes.constrain(k, kv_cache.names(k)), v=axes.constrain(v, kv_cache.names(v)))
 
   def logits(self, x_BLD: jax.Array) -> jax.Array:
     """float32 logits_BLV of the output projection (the tied embedding or `unembed`), soft-capped in float32 with
