@@ -782,7 +782,9 @@ def _plan_reads(path: str, reader: safetensors_io.Reader, model, cfg) -> dict[in
                        f"{list(want)} ({fields}); the weights and config.json disagree")
     plan.setdefault(id(var), (var, []))[1].append((index, entry, name))
   decoder = lambda n: layout == CAUSAL_LM or n.startswith(layout.prefix)
-  unused = sorted(n for n in set(reader.names()) - used - {layout.head} if decoder(n))  # tied: head may be there
+  empty = lambda n: not np.prod(reader.shape(n))  # DeepSeek-V3 with n_shared_experts=0 writes [0, D] experts
+  unused = sorted(n for n in set(reader.names()) - used - {layout.head}  # tied: the head may be there
+                  if decoder(n) and not empty(n))
   if unused:
     raise ValueError(f"{path}: tensors meshlm does not map: {', '.join(unused[:5])}"
                      f"{' ...' if len(unused) > 5 else ''}")
