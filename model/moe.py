@@ -38,6 +38,9 @@ TILE_ROWS = 128  # rows per tile of the `tiled` grouped matmul (its padding wast
 # row); a training step of the MoE benchmark model 1.03 s vs 1.96 s (docs/moe.md).
 AUTO_CPU = "tiled"
 STATS = ("moe_aux_loss", "router_z_loss", "moe_load_max_mean", "moe_dropped_frac", "moe_expert_load")
+# [MoE layers, E]: each MoE layer's expert shares, in layer order (model(..., return_aux=True) adds it for
+# router=sigmoid, outside pipelines); the score-bias update reads it.
+LAYER_LOAD = "moe_layer_load"
 
 
 def route(logits_BLE: jax.Array, k: int, kind: str, bias_E: jax.Array | None = None, groups: int = 1,
@@ -140,6 +143,28 @@ def router_stats(logits_BLE: jax.Array, experts_BLK: jax.Array, keep_BLK: jax.Ar
       "moe_dropped_frac": 1.0 - jnp.sum(keep_BLK.astype(jnp.float32)) / (tokens * K),
       "moe_expert_load": load_E / (tokens * K),
   }
+
+
+def update_score_bias(params, layer_load_NE: jax.Array, rate: float):
+  """DeepSeek-V3's auxiliary-loss-free balancing (sec. 2.1.2) on a pure-dict parameter tree: every MoE layer's
+  `score_bias` b [E] becomes b + rate * sign(mean_e load - load_e) from that layer's expert load over the step's
+  global batch (layer_load_NE, rows in layer order: the order the tree's `score_bias` leaves flatten in, one row per
+  layer of a stacked leaf). Overloaded experts' biases fall, underloaded ones' rise; the gradient never moves them."""
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  is_bias = lambda path: getattr(path[-1], "key", None) == "score_bias"
+  biases = [leaf for path, leaf in flat if is_bias(path)]
+  E = layer_load_NE.shape[-1]
+  rows = [leaf.size // E for leaf in biases]
+  if sum(rows) != layer_load_NE.shape[0]:
+    raise ValueError(f"{sum(rows)} MoE layers' score biases but loads for {layer_load_NE.shape[0]}")
+  load_NE = layer_load_NE.astype(jnp.float32)
+  delta_NE = jnp.float32(rate) * jnp.sign(jnp.mean(load_NE, axis=-1, keepdims=True) - load_NE)
+  deltas = iter(jnp.split(delta_NE, [sum(rows[:i]) for i in range(1, len(rows))]))
+  def bump(path, leaf):
+    if not is_bias(path):
+      return leaf
+    return (leaf.astype(jnp.float32) + next(deltas).reshape(leaf.shape)).astype(leaf.dtype)
+  return jax.tree_util.tree_map_with_path(bump, params)
 
 
 def _tile_layout(sizes_E: jax.Array, rows: int, tile: int):

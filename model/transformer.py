@@ -13,6 +13,7 @@ from model import axes
 from model import config as config_lib
 from model import kv_cache
 from model import layers
+from model import moe as moe_lib
 from model import mup
 from model import quant
 from model import remat as remat_lib
@@ -122,7 +123,8 @@ class Transformer(nnx.Module):
                                segment_ids_BL, cos, sin, prefix_BL, branch_BL)
         windows = windows[prefix:]
       windows_U = jnp.asarray(windows, jnp.int32).reshape(-1, unit) if unit > 1 else jnp.asarray(windows, jnp.int32)
-      if self.pipeline is not None and axes.mesh_size(LAYERS) > 1:
+      pipelined = self.pipeline is not None and axes.mesh_size(LAYERS) > 1
+      if pipelined:
         if prefix:
           raise ValueError(f"model.first_dense_layers={prefix} with mesh.stage > 1: the pipeline splits one stack "
                            "of identical layers; use first_dense_layers=0 or mesh.stage=1")
@@ -131,7 +133,7 @@ class Transformer(nnx.Module):
         x_BLD, stats = self._stack(nnx.split(self.layers), windows_U, x_BLD, segment_ids_BL, cos, sin, prefix_BL,
                                    branch_BL)
     else:
-      stats = []
+      stats, pipelined = [], False
       for block, window in zip(self.layers, windows):
         graphdef, state = nnx.split(block)
         step = remat_lib.wrap(lambda s, x, graphdef=graphdef, window=window: apply_block(graphdef, s, x, window),
@@ -140,6 +142,8 @@ class Transformer(nnx.Module):
         stats += [block_stats] if block_stats else []
       stats = jax.tree.map(lambda *v: jnp.stack(v), *stats) if stats else {}
     aux = {k: jnp.mean(v, axis=0) for k, v in stats.items()}  # mean over MoE layers (MaxText, Levanter)
+    if stats and self.cfg.router == "sigmoid" and not pipelined:  # per layer, for the score-bias update
+      aux[moe_lib.LAYER_LOAD] = stats["moe_expert_load"]
     x_BLD = self.final_norm(x_BLD)
     return (x_BLD, aux) if return_aux else x_BLD
 

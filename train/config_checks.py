@@ -72,6 +72,9 @@ validate.conditional(
          severity="warn", needs=("platform",)),
     *(_row(f"train.{k}", "model.num_experts > 0", lambda c, f: c.model.num_experts > 0, "a dense model has no router")
       for k in ("moe_aux_loss", "router_z_loss")),
+    _row("train.router_bias_update_rate", "model.num_experts > 0 and model.router='sigmoid'",
+         lambda c, f: c.model.num_experts > 0 and c.model.router == "sigmoid",
+         "only the sigmoid router chooses experts with a score bias"),
     *(_row(f"train.{k}", "loss scaling is on (train.loss_scale=dynamic, or auto with model.dtype=float16)",
            _loss_scaling) for k in ("loss_scale_init", "loss_scale_period")),
     *(_row(f"train.{k}", "train.lora_rank > 0", lambda c, f: c.train.lora_rank > 0, "LoRA adapters are off")

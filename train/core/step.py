@@ -85,6 +85,7 @@ EVAL_KEY = 2**31 - 1  # folded into the train rng for `Objective.prepare` of eva
 LOSS_SCALE_METRICS = ("loss_scale", "overflow")  # added under dynamic loss scaling
 MOE_METRICS = model_lib.moe.STATS  # MoE models add these (means over MoE layers and microbatches)
 EXPERT_LOAD = "moe_expert_load"  # the [E] vector among them, logged as moe_load/<expert> (share of assignments)
+LAYER_LOAD = model_lib.moe.LAYER_LOAD  # [MoE layers, E] (router=sigmoid): what the score-bias update reads
 
 
 _SAID: set[str] = set()
@@ -147,6 +148,10 @@ class Trainer:
     self._check_batch()  # first: it reads only the devices' processes, which a planning search fakes
     self._check_conditional_keys()
     self.pipeline = self._pipeline_schedule()
+    if t.router_bias_update_rate and not self._layer_loads():
+      raise ValueError(f"config.train.router_bias_update_rate={t.router_bias_update_rate} with mesh.stage > 1: the "
+                       "pipeline averages its stages' expert loads, so no per-layer load reaches the score-bias "
+                       "update; use mesh.stage=1 or router_bias_update_rate=0")
     self.tx = optimizer_lib.with_frozen(optimizer_lib.make(t), tuple(t.freeze))
     self.lr_fn = optimizer_lib.schedule(t)
     self.loss_scaling = optimizer_lib.uses_loss_scaling(config)
@@ -448,12 +453,21 @@ class Trainer:
     m = self.config.model
     zero_sums = {k: jnp.zeros((m.num_experts,) if k == EXPERT_LOAD else (), jnp.float32)
                  for k in tuple(self.objective.sum_keys) + (MOE_METRICS if m.num_experts else ())}
+    if self._layer_loads():
+      moe_layers = sum(model_lib.config.is_moe_layer(m, i) for i in range(m.num_layers))
+      zero_sums[LAYER_LOAD] = jnp.zeros((moe_layers, m.num_experts), jnp.float32)
     def body(carry, microbatch):
       grads, sums = grad_fn(params, frozen, microbatch, normalizer, scale)
       grads = jax.lax.with_sharding_constraint(grads, trainable_shardings)
       return (_tree_add(carry[0], grads), _tree_add(carry[1], sums)), None
     (grads, sums), _ = jax.lax.scan(body, (zeros, zero_sums), self._microbatches(batch))
     return grads, sums
+
+  def _layer_loads(self) -> bool:
+    """Whether the model hands out per-layer expert loads (model.moe.LAYER_LOAD): the sigmoid router outside a
+    pipeline (whose stages average their layers' statistics)."""
+    m = self.config.model
+    return bool(m.num_experts) and m.router == "sigmoid" and self.mesh.shape["stage"] == 1
 
   def _step(self, state, batch):
     with parallel.activate(self.mesh, self.rules, inside_jit=True):
@@ -483,6 +497,9 @@ class Trainer:
       # A conditional, not a select: no second copy of parameters and moments is kept for the skip case.
       new_params, opt_state = jax.lax.cond(finite, update, lambda operands: operands[:2],
                                            (params, state["opt_state"], grads))
+      if self.config.train.router_bias_update_rate:  # after the optimizer, which the bias has no gradient for
+        bumped = model_lib.moe.update_score_bias(new_params, sums[LAYER_LOAD], self.config.train.router_bias_update_rate)
+        new_params = jax.tree.map(lambda b, p: jnp.where(finite, b, p), bumped, new_params)
       nonfinite = ~finite
       new_state = dict(state, params=new_params, opt_state=opt_state, step=step + 1)
       if self.loss_scaling:
