@@ -301,6 +301,7 @@ def _validate_mla(c: ml_collections.ConfigDict) -> None:
     if bad:
       raise ValueError(f"model.{key}={c[key]!r} with model.attention_type='mla': {why}")
 
+
 def _validate_families(c: ml_collections.ConfigDict) -> None:
   """The keys that make the one transformer a Qwen, Gemma or OLMo model (softcaps, qk norms, layer types...)."""
   for k in _OFF_OR_POSITIVE_FLOATS:

@@ -149,31 +149,31 @@ def config_from_hf(hf: Mapping[str, Any]) -> ml_collections.ConfigDict:
   heads, d_model, num_layers = int(get("num_attention_heads")), int(get("hidden_size")), int(get("num_hidden_layers"))
   cfg = config_lib.default_model_config()
   cfg.update(family.keys)
-  if model_type == "mixtral":
-    cfg.update(num_experts=int(get("num_local_experts")), experts_per_token=int(get("num_experts_per_tok")),
-               expert_mlp_dim=int(get("intermediate_size")), moe_every=1, num_shared_experts=0, capacity_factor=0.0,
-               router="topk_softmax")
-  if model_type in _MOE_READERS:
-    cfg.update(_MOE_READERS[model_type](hf, get, num_layers))
   if model_type.startswith("gemma"):
     cfg.update(query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
                final_logit_softcap=float(get("final_logit_softcapping") or 0.0),
                attn_logit_softcap=float(get("attn_logit_softcapping") or 0.0))  # Gemma 3's is refused when set
   kinds, window = _layer_kinds(hf, model_type, get, num_layers)
-  head_dim = int(get("head_dim") or d_model // heads)
-  if model_type == "deepseek_v3":  # MLA: every head its own keys (num_kv_heads = heads); head_dim is the rotated width
-    head_dim, hf = cfg.qk_rope_head_dim, {**hf, "num_key_value_heads": heads}
   cfg.update(
       vocab_size=int(get("vocab_size")), d_model=d_model, num_layers=num_layers, num_heads=heads,
-      num_kv_heads=int(hf.get("num_key_value_heads") or family.defaults.get("num_key_value_heads") or heads),
-      head_dim=head_dim,
+      num_kv_heads=int(get("num_key_value_heads") or heads), head_dim=int(get("head_dim") or d_model // heads),
       mlp_dim=int(get("intermediate_size")),
       mlp_type=_ACTIVATIONS[get("hidden_activation" if model_type.startswith("gemma") else "hidden_act")],
       norm_type="rmsnorm", norm_eps=float(get("rms_norm_eps")), use_bias=False,
       max_seq_len=int(get("max_position_embeddings")), global_every=0, block_type="sequential",
       tie_embeddings=bool(get("tie_word_embeddings")), init_std=float(get("initializer_range")),
       **_window_keys(kinds, window), **_rope_keys(hf, model_type, get, kinds))
+  if model_type in _MOE_READERS:  # the experts (and DeepSeek's MLA): keys beyond the common fields
+    cfg.update(_MOE_READERS[model_type](hf, get, num_layers))
   return config_lib.validate(cfg)
+
+
+def _mixtral_keys(hf: Mapping[str, Any], get: Callable[[str], Any], num_layers: int) -> dict:
+  """Mixtral: top-k softmax experts `intermediate_size` wide in every layer."""
+  del hf, num_layers
+  return dict(num_experts=int(get("num_local_experts")), experts_per_token=int(get("num_experts_per_tok")),
+              expert_mlp_dim=int(get("intermediate_size")), moe_every=1, num_shared_experts=0, capacity_factor=0.0,
+              router="topk_softmax")
 
 
 def _qwen3_moe_keys(hf: Mapping[str, Any], get: Callable[[str], Any], num_layers: int) -> dict:
@@ -191,11 +191,13 @@ def _qwen3_moe_keys(hf: Mapping[str, Any], get: Callable[[str], Any], num_layers
 
 
 def _deepseek_v3_keys(hf: Mapping[str, Any], get: Callable[[str], Any], num_layers: int) -> dict:
-  """DeepSeek-V3: MLA widths, sigmoid routing with its score bias, groups and scale, shared experts, the first k
-  layers dense; transformers applies YaRN's mscale_all_dim to the softmax scale (rope_mscale_all_dim)."""
+  """DeepSeek-V3: MLA widths (every head its own keys; head_dim is the rotated width), sigmoid routing with its
+  score bias, groups and scale, shared experts, the first k layers dense; transformers applies YaRN's
+  mscale_all_dim to the softmax scale (rope_mscale_all_dim)."""
   rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
   mscale_all_dim = float(rope.get("mscale_all_dim") or 0.0) if _rope_type(rope) == "yarn" else 0.0
-  return dict(attention_type="mla", q_lora_rank=int(get("q_lora_rank") or 0), kv_lora_rank=int(get("kv_lora_rank")),
+  return dict(attention_type="mla", num_kv_heads=int(get("num_attention_heads")),
+              head_dim=int(get("qk_rope_head_dim")), q_lora_rank=int(get("q_lora_rank") or 0), kv_lora_rank=int(get("kv_lora_rank")),
               qk_nope_head_dim=int(get("qk_nope_head_dim")), qk_rope_head_dim=int(get("qk_rope_head_dim")),
               v_head_dim=int(get("v_head_dim")), rope_interleave=bool(get("rope_interleave")),
               rope_mscale_all_dim=mscale_all_dim,
@@ -213,7 +215,7 @@ def _first_dense(k: int, num_layers: int) -> int:
   return k
 
 
-_MOE_READERS = {"qwen3_moe": _qwen3_moe_keys, "deepseek_v3": _deepseek_v3_keys}
+_MOE_READERS = {"mixtral": _mixtral_keys, "qwen3_moe": _qwen3_moe_keys, "deepseek_v3": _deepseek_v3_keys}
 
 
 def _layer_kinds(hf: Mapping[str, Any], model_type: str, get: Callable[[str], Any],
@@ -438,7 +440,7 @@ def _deepseek_v3_to_hf(cfg) -> dict:
                                 "num_kv_heads": cfg.num_heads, "head_dim": cfg.qk_rope_head_dim})
   if cfg.rope_mscale_all_dim and cfg.rope_scaling != "yarn":
     raise ValueError("model.rope_mscale_all_dim needs model.rope_scaling='yarn' in Hugging Face DeepSeek-V3")
-  out = dict(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+  return dict(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
              moe_intermediate_size=cfg.expert_mlp_dim or cfg.mlp_dim, n_shared_experts=cfg.num_shared_experts,
              routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.router_groups,
              topk_group=cfg.router_topk_groups, norm_topk_prob=cfg.router_norm_topk,
@@ -446,7 +448,6 @@ def _deepseek_v3_to_hf(cfg) -> dict:
              kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
              qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave,
              num_nextn_predict_layers=0)
-  return out
 
 
 # Keys of DeepSeek's routing that the softmax families cannot hold, at their off values.

@@ -304,6 +304,9 @@ class Trainer:
       return None
     if not m.scan_layers:
       raise ValueError("config.mesh.stage > 1 needs config.model.scan_layers=True: stages split the scanned stack")
+    if model_lib.config.dense_prefix(m):
+      raise ValueError(f"config.model.first_dense_layers={m.first_dense_layers} with config.mesh.stage={S}: the "
+                       "pipeline splits one stack of identical layers; use first_dense_layers=0 or mesh.stage=1")
     if dict(self.rules)["layers"] != pipeline_lib.AXIS:
       raise ValueError(f"config.mesh.stage={S} but config.mesh.rules maps 'layers' to {dict(self.rules)['layers']!r};"
                        " pipeline stages need the default ('layers', 'stage')")
@@ -492,14 +495,14 @@ class Trainer:
       def update(operands):
         params, opt_state, grads = operands
         updates, opt_state = self.tx.update(grads, opt_state, params)
-        return optimizer_lib.apply_lr(params, updates, lr), opt_state
+        params = optimizer_lib.apply_lr(params, updates, lr)
+        if self.config.train.router_bias_update_rate:  # the biases have no gradient: their own rule, after the update
+          params = model_lib.moe.update_score_bias(params, sums[LAYER_LOAD], self.config.train.router_bias_update_rate)
+        return params, opt_state
 
       # A conditional, not a select: no second copy of parameters and moments is kept for the skip case.
       new_params, opt_state = jax.lax.cond(finite, update, lambda operands: operands[:2],
                                            (params, state["opt_state"], grads))
-      if self.config.train.router_bias_update_rate:  # after the optimizer, which the bias has no gradient for
-        bumped = model_lib.moe.update_score_bias(new_params, sums[LAYER_LOAD], self.config.train.router_bias_update_rate)
-        new_params = jax.tree.map(lambda b, p: jnp.where(finite, b, p), bumped, new_params)
       nonfinite = ~finite
       new_state = dict(state, params=new_params, opt_state=opt_state, step=step + 1)
       if self.loss_scaling:
