@@ -57,6 +57,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.schedule_steps = 0  # learning-rate schedule horizon in steps; 0 = train.steps (a resumed run keeps its own)
   t.moe_aux_loss = 0.01  # coefficient of the MoE load-balancing loss (Switch: E * sum_e f_e P_e, mean over MoE layers)
   t.router_z_loss = 0.001  # coefficient of the MoE router z-loss (mean logsumexp(router logits)^2, ST-MoE)
+  t.mtp_loss_weight = 0.3  # model.mtp_depth > 0: weight of the multi-token-prediction loss (DeepSeek-V3: 0.3, later 0.1)
   t.router_bias_update_rate = 0.0  # model.router=sigmoid: each step every MoE layer's score bias moves by this times
   # sign(mean load - expert load) (DeepSeek-V3's auxiliary-loss-free balancing: 0.001); 0 = fixed biases
   t.eval_tasks = ""  # benchmark tasks NAME:PATH[,...] (docs/evaluation.md) run at every evaluation; empty = none

@@ -1,5 +1,5 @@
 """DeepSeek-V3 (HF deepseek-ai/DeepSeek-V3, its config.json): 671B parameters, 37B active per token (the main
-model; the checkpoint's multi-token-prediction layer adds 14B). MLA (q LoRA 1536, kv latent 512, 128 + 64 rotated
+model; the checkpoint's multi-token-prediction layer, `--config.model.mtp_depth=1`, adds 14B). MLA (q LoRA 1536, kv latent 512, 128 + 64 rotated
 q/k widths, v 128), 3 dense layers then 58 MoE layers of 256 routed experts (top 8 of 8 groups limited to 4) plus 1
 shared, sigmoid routing scaled by 2.5, YaRN x40 over 4096 positions with mscale 1.0 / mscale_all_dim 1.0.
 

@@ -91,6 +91,7 @@ RANGES: dict[str, Range] = {
     "train.moe_aux_loss": _AT_LEAST_0,
     "train.router_z_loss": _AT_LEAST_0,
     "train.router_bias_update_rate": _AT_LEAST_0,
+    "train.mtp_loss_weight": _AT_LEAST_0,
     "train.eval_tasks_limit": Range(lo=1, special=((0, "all documents"),)),
     "train.eval_generations": _AT_LEAST_0,
     "train.eval_max_new_tokens": _AT_LEAST_1,

@@ -205,6 +205,8 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.router_groups = 1  # group-limited routing: experts in this many groups (n_group; 1 = off)
   c.router_topk_groups = 1  # group-limited routing: a token picks its experts from this many groups (topk_group),
   # the groups ranked by the sum of their two best scores
+  c.mtp_depth = 0  # multi-token prediction (DeepSeek-V3 sec. 2.2): modules predicting token t+1+d, d = 1..depth,
+  # trained with train.mtp_loss_weight, not run by generation; 0 = off
   c.first_dense_layers = 0  # the first k layers keep a dense MLP (mlp_dim wide; DeepSeek's first_k_dense_replace)
   c.moe_impl = "auto"  # grouped expert matmul: auto (megablox on TPU, ragged on GPU, tiled on CPU; model.moe.resolve_impl)
   # | ragged (jax.lax.ragged_dot) | tiled (row tiles, batched; small models/CPU) | megablox (Pallas TPU kernels)
@@ -279,6 +281,11 @@ def validate(cfg: Mapping[str, Any]) -> ml_collections.ConfigDict:
                      "(a token sees window-1 tokens before it); use sliding_window=0 for a bidirectional encoder")
   _validate_moe(c)
   _validate_mla(c)
+  if not isinstance(c.mtp_depth, int) or isinstance(c.mtp_depth, bool) or c.mtp_depth < 0:
+    raise ValueError(f"model.mtp_depth={c.mtp_depth!r} must be an integer >= 0 (0 = no multi-token prediction)")
+  if c.mtp_depth and not c.causal:
+    raise ValueError(f"model.mtp_depth={c.mtp_depth} with model.causal=False: multi-token prediction is a "
+                     "decoder's objective")
   return c
 
 

@@ -19,6 +19,7 @@ Hugging Face's sharded layout.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
@@ -206,7 +207,8 @@ def _deepseek_v3_keys(hf: Mapping[str, Any], get: Callable[[str], Any], num_laye
               router="sigmoid", router_norm_topk=bool(get("norm_topk_prob")),
               routed_scaling_factor=float(get("routed_scaling_factor")), router_groups=int(get("n_group") or 1),
               router_topk_groups=int(get("topk_group") or 1),
-              first_dense_layers=_first_dense(int(get("first_k_dense_replace") or 0), num_layers), moe_every=1)
+              first_dense_layers=_first_dense(int(get("first_k_dense_replace") or 0), num_layers), moe_every=1,
+              mtp_depth=int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0))
 
 
 def _first_dense(k: int, num_layers: int) -> int:
@@ -384,6 +386,9 @@ def config_to_hf(cfg: Mapping[str, Any]) -> dict:
   model_type = family_of(cfg)
   gemma = model_type.startswith("gemma")
   _check_family_extras(cfg, model_type)
+  if cfg.mtp_depth and model_type != "deepseek_v3":
+    raise ValueError(f"model.mtp_depth={cfg.mtp_depth} has no Hugging Face {model_type} equivalent: only DeepSeek-V3 "
+                     "checkpoints hold multi-token-prediction layers")
   kinds = ["sliding" if w else "full" for w in config_lib.layer_windows(cfg)]
   hf = {
       "architectures": [FAMILIES[model_type].architecture], "model_type": model_type,
@@ -447,7 +452,7 @@ def _deepseek_v3_to_hf(cfg) -> dict:
              first_k_dense_replace=cfg.first_dense_layers, q_lora_rank=cfg.q_lora_rank or None,
              kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
              qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave,
-             num_nextn_predict_layers=0)
+             num_nextn_predict_layers=cfg.mtp_depth)
 
 
 # Keys of DeepSeek's routing that the softmax families cannot hold, at their off values.
@@ -696,7 +701,8 @@ SHAPE_FIELDS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "num_layer
                 "first_dense_layers": "first_k_dense_replace", "num_shared_experts": "n_shared_experts",
                 "moe_every": "decoder_sparse_step", "router": "model_type", "attention_type": "model_type",
                 "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
-                "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim"}
+                "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim",
+                "mtp_depth": "num_nextn_predict_layers"}
 
 
 def shape_mismatch(want: Mapping[str, Any], have: Mapping[str, Any]) -> list[str]:
@@ -731,15 +737,17 @@ def _entries(model, cfg, layout: Layout = CAUSAL_LM):
   """Yields (table entry, HF name, variable, index of the tensor inside the variable) for every HF tensor; the
   index selects the layer in stacked parameters and the expert for `{j}` names (() = the whole variable)."""
   slots = _layer_slots(model, cfg)
+  moe = [config_lib.is_moe_layer(cfg, i) for i in range(cfg.num_layers)]
+  # DeepSeek's multi-token heads are layers num_layers + d of its checkpoints: a block, then their own tensors
+  slots += [(head.block, None) for head in (model.mtp if cfg.mtp_depth else ())]
+  moe += [bool(cfg.num_experts)] * cfg.mtp_depth
   for e in name_table(cfg, layout):
     if not e.path.startswith("layers/"):
       yield e, e.hf, _get(model, e.path), ()
       continue
-    for i in range(cfg.num_layers):
-      holder, stacked = slots[i]
-      if "layers/moe/" in e.path and not config_lib.is_moe_layer(cfg, i):
-        continue
-      if "layers/mlp/" in e.path and config_lib.is_moe_layer(cfg, i):
+    for i, ((holder, stacked), is_moe) in enumerate(zip(slots, moe)):
+      kind = "moe" if "layers/moe/" in e.path else "mlp" if "layers/mlp/" in e.path else None
+      if kind and (kind == "moe") != is_moe:  # an MLP entry on an MoE layer or the reverse
         continue
       var = _get(holder, e.path[len("layers/"):])
       index = () if stacked is None else (stacked,)
@@ -748,6 +756,21 @@ def _entries(model, cfg, layout: Layout = CAUSAL_LM):
           yield e, e.hf.format(i=i, j=j), var, index + (j,)
       else:
         yield e, e.hf.format(i=i), var, index
+  for d in range(cfg.mtp_depth):
+    for e in _mtp_entries(layout, cfg.num_layers + d):
+      yield e, e.hf, _get(model.mtp[d], e.path), ()
+
+
+def _mtp_entries(layout: Layout, i: int) -> list[Entry]:
+  """A multi-token head's own tensors at checkpoint layer i (paths inside model.layers.MultiTokenHead): enorm,
+  hnorm, eh_proj ([D, 2D]: the embedding's half first) and shared_head.norm. The layer's embed_tokens and
+  shared_head.head are copies of the main model's (MTP_SHARED), not read."""
+  at = f"{layout.prefix}layers.{i}."
+  return [Entry(at + "enorm.weight", "enorm/scale", 0), Entry(at + "hnorm.weight", "hnorm/scale", 0),
+          Entry(at + "eh_proj.weight", "proj", 2), Entry(at + "shared_head.norm.weight", "norm/scale", 0)]
+
+
+MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # an MTP layer's copies of the shared tensors
 
 
 def _get(tree, path: str):
@@ -784,7 +807,8 @@ def _plan_reads(path: str, reader: safetensors_io.Reader, model, cfg) -> dict[in
     plan.setdefault(id(var), (var, []))[1].append((index, entry, name))
   decoder = lambda n: layout == CAUSAL_LM or n.startswith(layout.prefix)
   empty = lambda n: not np.prod(reader.shape(n))  # DeepSeek-V3 with n_shared_experts=0 writes [0, D] experts
-  unused = sorted(n for n in set(reader.names()) - used - {layout.head}  # tied: the head may be there
+  shared = {f"{layout.prefix}layers.{cfg.num_layers + d}.{t}" for d in range(cfg.mtp_depth) for t in MTP_SHARED}
+  unused = sorted(n for n in set(reader.names()) - used - {layout.head} - shared  # tied: the head may be there
                   if decoder(n) and not empty(n))
   if unused:
     raise ValueError(f"{path}: tensors meshlm does not map: {', '.join(unused[:5])}"
@@ -847,6 +871,12 @@ def load(path: str, dtype: str = "float32", compute_dtype: str | None = None, *,
   cfg.update(param_dtype=dtype, dtype=compute_dtype or dtype, **model_overrides)
   cfg = config_lib.validate(cfg)
   reader = safetensors_io.Reader(path)
+  mtp_probe = f"{layout_of(reader).prefix}layers.{cfg.num_layers}.eh_proj.weight"
+  if cfg.mtp_depth and mtp_probe not in reader and "mtp_depth" not in model_overrides:
+    # transformers runs no MTP layers and saves none, but keeps num_nextn_predict_layers in config.json
+    logging.warning("%s: config.json has num_nextn_predict_layers=%d but the files hold no MTP layer (%s); "
+                    "loading without multi-token heads (model.mtp_depth=0)", path, cfg.mtp_depth, mtp_probe)
+    cfg.mtp_depth = 0
   if mesh is None:
     mesh, rules = _active_mesh() or (None, None)
   pdtype = np.dtype(config_lib.DTYPES[cfg.param_dtype])

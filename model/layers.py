@@ -330,6 +330,31 @@ class Block(nnx.Module):
     return hasattr(self, "moe") and self.moe.cf > 0
 
 
+class MultiTokenHead(nnx.Module):
+  """One multi-token-prediction module (DeepSeek-V3 sec. 2.2), depth d of model.mtp_depth.
+
+  h'_i = [RMSNorm(Emb(t_{i+d})), RMSNorm(h_i)] @ proj [2, D, D] (the embedding of the token d places ahead beside
+  the previous depth's representation h_i, the main model's for d = 1; DeepSeek's eh_proj takes them in this
+  order), then one transformer block (MoE when the
+  model has experts) and its own final norm; the model's output projection turns it into the logits of token
+  t_{i+d+1}. `head(h_BLD, e_BLD, segment_ids_BL, cos, sin, window) -> (h_BLD for the next depth, normed x_BLD)`.
+  """
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    self.hnorm, self.enorm = Norm(cfg, rngs=rngs), Norm(cfg, rngs=rngs)
+    self.proj = param(rngs, (2, cfg.d_model, cfg.d_model), (None, EMBED, None), cfg)
+    self.block = Block(cfg, rngs=rngs, moe=bool(cfg.num_experts))
+    self.norm = Norm(cfg, rngs=rngs)
+    self.dtype = DTYPES[cfg.dtype]
+
+  def __call__(self, h_BLD, e_BLD, segment_ids_BL, cos, sin, window):
+    proj = _value(self.proj, self.dtype)
+    x_BLD = (jnp.einsum("bld,de->ble", self.enorm(e_BLD), proj[0])
+             + jnp.einsum("bld,de->ble", self.hnorm(h_BLD), proj[1]))
+    x_BLD, _ = self.block(axes.constrain(x_BLD, (BATCH, LENGTH, EMBED)), segment_ids_BL, cos, sin, window)
+    return x_BLD, self.norm(x_BLD)
+
+
 class Embed(nnx.Module):
   """Token embedding table [V, D]; `attend` is the tied output projection (of the unscaled table).
 

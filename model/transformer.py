@@ -21,6 +21,8 @@ from model import rope
 from model.axes import BATCH, EMBED, LAYERS, LENGTH, VOCAB
 from parallel import pipeline as pipeline_lib
 
+MTP_FEATURES = "mtp_features"  # aux key of the multi-token heads' features (Transformer.__call__ with mtp=True)
+
 
 class Transformer(nnx.Module):
   """Decoder-only LM. `model(tokens_BL, segment_ids_BL=None, positions_BL=None) -> logits_BLV` (float32).
@@ -66,20 +68,25 @@ class Transformer(nnx.Module):
       self.final_norm = layers.Norm(cfg, rngs=rngs)
       if not cfg.tie_embeddings:
         self.unembed = layers.param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB), cfg)
+      if cfg.mtp_depth:  # last: the main model's parameters are drawn as without them
+        self.mtp = nnx.List([layers.MultiTokenHead(cfg, rngs=rngs) for _ in range(cfg.mtp_depth)])
 
   def __call__(self, tokens_BL: jax.Array, segment_ids_BL: jax.Array | None = None,
                positions_BL: jax.Array | None = None, *, return_aux: bool = False, prefix_BL: jax.Array | None = None,
-               branch_BL: jax.Array | None = None):
+               branch_BL: jax.Array | None = None, mtp: bool = False):
     """-> logits_BLV float32; with return_aux, (logits_BLV, aux): aux holds the MoE router statistics
-    (model.moe.STATS, float32 scalars and the [E] expert load, averaged over the MoE layers; {} when dense)."""
+    (model.moe.STATS, float32 scalars and the [E] expert load, averaged over the MoE layers; {} when dense), and
+    with `mtp` (model.mtp_depth > 0) MTP_FEATURES: [depth, B, L, D] the normed features of the multi-token heads,
+    depth d's at position i predicting token i + d + 1 (`logits` projects them)."""
     x_BLD, aux = self.features(tokens_BL, segment_ids_BL, positions_BL, return_aux=True, prefix_BL=prefix_BL,
-                               branch_BL=branch_BL)
+                               branch_BL=branch_BL, mtp=mtp)
     logits_BLV = self.logits(x_BLD)
     return (logits_BLV, aux) if return_aux else logits_BLV
 
   def features(self, tokens_BL: jax.Array, segment_ids_BL: jax.Array | None = None,
                positions_BL: jax.Array | None = None, cache: kv_cache.KVCache | None = None, *,
-               return_aux: bool = False, prefix_BL: jax.Array | None = None, branch_BL: jax.Array | None = None):
+               return_aux: bool = False, prefix_BL: jax.Array | None = None, branch_BL: jax.Array | None = None,
+               mtp: bool = False):
     """The final-normed residual stream x_BLD; with a `cache` (model.kv_cache), (x_BLD, cache advanced by L);
     with return_aux (no cache), (x_BLD, MoE statistics as in __call__). With a cache the L tokens go to slots
     [index, index + L) and attend to the row's cached slots and to each other causally (a whole prompt, a chunk
@@ -144,8 +151,22 @@ class Transformer(nnx.Module):
     aux = {k: jnp.mean(v, axis=0) for k, v in stats.items()}  # mean over MoE layers (MaxText, Levanter)
     if stats and self.cfg.router == "sigmoid" and not pipelined:  # per layer, for the score-bias update
       aux[moe_lib.LAYER_LOAD] = stats["moe_expert_load"]
+    if mtp:
+      if not self.cfg.mtp_depth:
+        raise ValueError("mtp=True needs model.mtp_depth > 0 (the model has no multi-token heads)")
+      aux[MTP_FEATURES] = self._mtp(x_BLD, tokens_BL, segment_ids_BL, cos, sin, windows[-1])
     x_BLD = self.final_norm(x_BLD)
     return (x_BLD, aux) if return_aux else x_BLD
+
+  def _mtp(self, h_BLD, tokens_BL, segment_ids_BL, cos, sin, window) -> jax.Array:
+    """[depth, B, L, D]: the multi-token heads in sequence, depth d combining the previous depth's h with the
+    embedding of the token d places ahead (zeros' embedding past the end: those positions have no target)."""
+    outs = []
+    for d, head in enumerate(self.mtp, start=1):
+      ahead_BL = jnp.pad(tokens_BL[:, d:], ((0, 0), (0, d)))
+      h_BLD, out_BLD = head(h_BLD, self.embed(ahead_BL), segment_ids_BL, cos, sin, window)
+      outs.append(out_BLD)
+    return jnp.stack(outs)
 
   def _stack(self, split_layers, windows_U, x_BLD, segment_ids_BL, cos, sin, prefix_BL=None, branch_BL=None):
     """The scanned stack (or a stage's slice of it): -> (x_BLD, stats with a leading [units] dimension); cos, sin:

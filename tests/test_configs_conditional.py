@@ -73,6 +73,8 @@ CASES = {
     "model.moe_impl": ("tiled", {}, _MOE),
     "model.routed_scaling_factor": (2.5, {}, _MOE),
     "train.router_bias_update_rate": (0.001, _MOE, {**_MOE, "model.router": "sigmoid"}),
+    "train.mtp_loss_weight": (0.1, {}, {"model.mtp_depth": 1}),
+    "model.mtp_depth": (1, {"train.objective": "sft", **_CHAT}, {}),
     "model.router_groups": (2, {}, _MOE),
     "model.router_topk_groups": (2, {}, {**_MOE, "model.router_groups": 4}),
     "model.first_dense_layers": (1, {}, _MOE),

@@ -4,6 +4,7 @@ group-limited routing, shared experts, the first layers dense), the save round t
 MLA's latent cache against transformers' generate, and the routing rule against a per-token NumPy reference."""
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -206,3 +207,26 @@ def test_mla_through_the_attention_kernels_equals_xla(impl):
     cfg.update(attention_impl=name, **extra)
     logits[name] = np.asarray(Transformer(cfg, rngs=nnx.Rngs(0))(tokens))
   np.testing.assert_allclose(logits[impl], logits["xla"], atol=1e-6, rtol=0)
+
+
+def test_deepseek_multi_token_heads_round_trip(built, tmp_path):
+  """A DeepSeek-V3 model with one multi-token head (model.mtp_depth) saved as checkpoint layer num_layers (enorm,
+  hnorm, eh_proj, shared_head.norm and a full block): transformers loads the directory and gives the main model's
+  logits (it runs no MTP layer), and reading it back restores every head tensor exactly."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from model import Transformer  # pylint: disable=g-import-not-at-top
+  ref, _ = built("deepseek_v3_plain")
+  cfg = hf.config_from_hf(ref.config.to_dict())
+  cfg.mtp_depth = 1
+  model = Transformer(cfg, rngs=nnx.Rngs(5))
+  hf.save(model, str(tmp_path))
+  assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
+  np.testing.assert_allclose(_logits(back, TOKENS), np.asarray(model(jnp.asarray(TOKENS))), atol=TOL, rtol=0)
+  again = hf.load(str(tmp_path), dtype="float32")
+  assert again.cfg.mtp_depth == 1
+  for a, b in zip(jax.tree.leaves(nnx.state(again.mtp)), jax.tree.leaves(nnx.state(model.mtp))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # transformers' own save of that model keeps num_nextn_predict_layers but no MTP layer: read without heads
+  back.save_pretrained(tmp_path / "hf_saved")
+  assert hf.load(str(tmp_path / "hf_saved"), dtype="float32").cfg.mtp_depth == 0

@@ -72,6 +72,11 @@ validate.conditional(
          severity="warn", needs=("platform",)),
     *(_row(f"train.{k}", "model.num_experts > 0", lambda c, f: c.model.num_experts > 0, "a dense model has no router")
       for k in ("moe_aux_loss", "router_z_loss")),
+    _row("train.mtp_loss_weight", "model.mtp_depth > 0", lambda c, f: c.model.mtp_depth > 0,
+         "the model has no multi-token heads"),
+    _row("model.mtp_depth", "train.objective is lm or prefix_lm (python -m train)",
+         lambda c, f: c.train.objective in ("lm", "prefix_lm") and f.get("command") != "rl",
+         "the multi-token heads are trained by the next-token objectives only", needs=("command",)),
     _row("train.router_bias_update_rate", "model.num_experts > 0 and model.router='sigmoid'",
          lambda c, f: c.model.num_experts > 0 and c.model.router == "sigmoid",
          "only the sigmoid router chooses experts with a score bias"),

@@ -23,6 +23,8 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
+from model.transformer import MTP_FEATURES
+
 TOKEN_BATCH_KEYS = {"inputs": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
                     "loss_mask": jnp.float32}
 
@@ -41,14 +43,17 @@ class Objective(abc.ABC):
   def __init__(self, config):
     self.config = config
 
-  def forward(self, model, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(logits_BLV float32, MoE router statistics of this microbatch / grad_accum; {} for dense models).
+  def forward(self, model, batch: Mapping[str, jax.Array], mtp: bool = False):
+    """(logits_BLV float32, MoE router statistics of this microbatch / grad_accum; {} for dense models), and with
+    `mtp` a third item: the multi-token heads' features [depth, B, L, D] (model.transformer.MTP_FEATURES).
 
     Objectives put the statistics into their sums so the Trainer adds the MoE losses and reports the load.
     """
     logits_BLV, aux = model(batch["inputs"], batch["segment_ids"], batch["positions"], return_aux=True,
-                            prefix_BL=batch.get("prefix"))
-    return logits_BLV, {k: v / self.config.train.grad_accum for k, v in aux.items()}
+                            prefix_BL=batch.get("prefix"), mtp=mtp)
+    features = aux.pop(MTP_FEATURES, None)
+    sums = {k: v / self.config.train.grad_accum for k, v in aux.items()}
+    return (logits_BLV, sums, features) if mtp else (logits_BLV, sums)
 
   def prepare(self, batch: Mapping[str, jax.Array], key: jax.Array) -> Mapping[str, jax.Array]:
     """The batch to train (or evaluate) on; `key` = fold_in(train rng, step) for training, a fixed key for
