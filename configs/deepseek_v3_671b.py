@@ -1,6 +1,7 @@
 """DeepSeek-V3 (HF deepseek-ai/DeepSeek-V3, its config.json): 671B parameters, 37B active per token (the main
-model; the checkpoint's multi-token-prediction layer, `--config.model.mtp_depth=1`, adds 14B). MLA (q LoRA 1536, kv latent 512, 128 + 64 rotated
-q/k widths, v 128), 3 dense layers then 58 MoE layers of 256 routed experts (top 8 of 8 groups limited to 4) plus 1
+model; its multi-token-prediction layer, `--config.model.mtp_depth=1`, adds 11.6B here: the checkpoint's 14B
+also counts that layer's copies of the embedding and output head). MLA (q LoRA 1536, kv latent 512, 128 + 64
+rotated q/k widths, v 128), 3 dense layers then 58 MoE layers of 256 routed experts (top 8 of 8 groups limited to 4) plus 1
 shared, sigmoid routing scaled by 2.5, YaRN x40 over 4096 positions with mscale 1.0 / mscale_all_dim 1.0.
 
 config.json: vocab_size 129280, hidden_size 7168, intermediate_size 18432, moe_intermediate_size 2048,

@@ -14,9 +14,10 @@ def count_params(cfg_model: Mapping[str, Any]) -> dict[str, int]:
 
   Embedding matrices (Kaplan et al. 2020) are the input table [V, D] and, when untied, the output projection
   [D, V]. "active" = parameters used per token: total minus the (E - k) unchosen experts' weights
-  (3 * D * expert_mlp_dim each) in every MoE layer. Shapes come from `nnx.eval_shape` of the real model, so
-  nothing is allocated, and every parameter the options create is counted: biases (use_bias, qkv_bias), q/k norms
-  (qk_norm), the post norms of norm_position sandwich/post (and no pre-norms under post).
+  (3 * D * expert_mlp_dim each) in every MoE layer, the multi-token heads' included. Shapes come from
+  `nnx.eval_shape` of the real model, so nothing is allocated, and every parameter the options create is counted:
+  biases (use_bias, qkv_bias), q/k norms (qk_norm), the post norms of norm_position sandwich/post (and no pre-norms
+  under post).
   """
   from model.transformer import Transformer  # local: transformer imports this package's siblings
   cfg = config_lib.validate(cfg_model)
@@ -25,7 +26,8 @@ def count_params(cfg_model: Mapping[str, Any]) -> dict[str, int]:
   embedding = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
   counts = {"total": total, "non_embedding": total - embedding}
   if cfg.num_experts:
-    moe_layers = sum(config_lib.is_moe_layer(cfg, i) for i in range(cfg.num_layers))
+    # the multi-token heads' blocks are MoE layers too (model.layers.MultiTokenHead)
+    moe_layers = sum(config_lib.is_moe_layer(cfg, i) for i in range(cfg.num_layers)) + cfg.mtp_depth
     per_expert = 3 * cfg.d_model * (cfg.expert_mlp_dim or cfg.mlp_dim)
     counts["active"] = total - moe_layers * (cfg.num_experts - cfg.experts_per_token) * per_expert
   return counts
