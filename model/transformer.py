@@ -78,6 +78,8 @@ class Transformer(nnx.Module):
     (model.moe.STATS, float32 scalars and the [E] expert load, averaged over the MoE layers; {} when dense), and
     with `mtp` (model.mtp_depth > 0) MTP_FEATURES: [depth, B, L, D] the normed features of the multi-token heads,
     depth d's at position i predicting token i + d + 1 (`logits` projects them)."""
+    if mtp and not return_aux:
+      raise ValueError("mtp=True returns the multi-token heads' features in aux: pass return_aux=True as well")
     x_BLD, aux = self.features(tokens_BL, segment_ids_BL, positions_BL, return_aux=True, prefix_BL=prefix_BL,
                                branch_BL=branch_BL, mtp=mtp)
     logits_BLV = self.logits(x_BLD)
