@@ -337,7 +337,8 @@ class MultiTokenHead(nnx.Module):
   the previous depth's representation h_i, the main model's for d = 1; DeepSeek's eh_proj takes them in this
   order), then one transformer block (MoE when the
   model has experts) and its own final norm; the model's output projection turns it into the logits of token
-  t_{i+d+1}. `head(h_BLD, e_BLD, segment_ids_BL, cos, sin, window) -> (h_BLD for the next depth, normed x_BLD)`.
+  t_{i+d+1}. `head(h_BLD, e_BLD, segment_ids_BL, cos, sin, window) -> (h_BLD for the next depth, normed x_BLD, the
+  block's MoE statistics ({} when dense))`.
   """
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
@@ -351,8 +352,8 @@ class MultiTokenHead(nnx.Module):
     proj = _value(self.proj, self.dtype)
     x_BLD = (jnp.einsum("bld,de->ble", self.enorm(e_BLD), proj[0])
              + jnp.einsum("bld,de->ble", self.hnorm(h_BLD), proj[1]))
-    x_BLD, _ = self.block(axes.constrain(x_BLD, (BATCH, LENGTH, EMBED)), segment_ids_BL, cos, sin, window)
-    return x_BLD, self.norm(x_BLD)
+    x_BLD, stats = self.block(axes.constrain(x_BLD, (BATCH, LENGTH, EMBED)), segment_ids_BL, cos, sin, window)
+    return x_BLD, self.norm(x_BLD), stats
 
 
 class Embed(nnx.Module):

@@ -38,8 +38,8 @@ TILE_ROWS = 128  # rows per tile of the `tiled` grouped matmul (its padding wast
 # row); a training step of the MoE benchmark model 1.03 s vs 1.96 s (docs/moe.md).
 AUTO_CPU = "tiled"
 STATS = ("moe_aux_loss", "router_z_loss", "moe_load_max_mean", "moe_dropped_frac", "moe_expert_load")
-# [MoE layers, E]: each MoE layer's expert shares, in layer order (model(..., return_aux=True) adds it for
-# router=sigmoid, outside pipelines); the score-bias update reads it.
+# [MoE layers, E]: each MoE layer's expert shares, in layer order, then the multi-token heads' when they run
+# (model(..., return_aux=True) adds it for router=sigmoid, outside pipelines); the score-bias update reads it.
 LAYER_LOAD = "moe_layer_load"
 
 

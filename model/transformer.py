@@ -156,19 +156,23 @@ class Transformer(nnx.Module):
     if mtp:
       if not self.cfg.mtp_depth:
         raise ValueError("mtp=True needs model.mtp_depth > 0 (the model has no multi-token heads)")
-      aux[MTP_FEATURES] = self._mtp(x_BLD, tokens_BL, segment_ids_BL, cos, sin, windows[-1])
+      aux[MTP_FEATURES], mtp_loads = self._mtp(x_BLD, tokens_BL, segment_ids_BL, cos, sin, windows[-1])
+      if moe_lib.LAYER_LOAD in aux:  # the heads' MoE blocks have score biases too: their loads follow the layers'
+        aux[moe_lib.LAYER_LOAD] = jnp.concatenate([aux[moe_lib.LAYER_LOAD], mtp_loads])
     x_BLD = self.final_norm(x_BLD)
     return (x_BLD, aux) if return_aux else x_BLD
 
-  def _mtp(self, h_BLD, tokens_BL, segment_ids_BL, cos, sin, window) -> jax.Array:
-    """[depth, B, L, D]: the multi-token heads in sequence, depth d combining the previous depth's h with the
-    embedding of the token d places ahead (zeros' embedding past the end: those positions have no target)."""
-    outs = []
+  def _mtp(self, h_BLD, tokens_BL, segment_ids_BL, cos, sin, window) -> tuple[jax.Array, jax.Array | None]:
+    """([depth, B, L, D] the multi-token heads' features, [depth, E] their MoE blocks' expert loads or None when
+    dense): the heads in sequence, depth d combining the previous depth's h with the embedding of the token d
+    places ahead (zeros' embedding past the end: those positions have no target)."""
+    outs, loads = [], []
     for d, head in enumerate(self.mtp, start=1):
       ahead_BL = jnp.pad(tokens_BL[:, d:], ((0, 0), (0, d)))
-      h_BLD, out_BLD = head(h_BLD, self.embed(ahead_BL), segment_ids_BL, cos, sin, window)
+      h_BLD, out_BLD, stats = head(h_BLD, self.embed(ahead_BL), segment_ids_BL, cos, sin, window)
       outs.append(out_BLD)
-    return jnp.stack(outs)
+      loads += [stats["moe_expert_load"]] if stats else []
+    return jnp.stack(outs), jnp.stack(loads) if loads else None
 
   def _stack(self, split_layers, windows_U, x_BLD, segment_ids_BL, cos, sin, prefix_BL=None, branch_BL=None):
     """The scanned stack (or a stage's slice of it): -> (x_BLD, stats with a leading [units] dimension); cos, sin:

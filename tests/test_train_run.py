@@ -213,3 +213,33 @@ def test_nan_steps_are_skipped_counted_and_halt(env, reference):
   assert lines[3]["nonfinite"] == 0.0 and np.isfinite(lines[3]["loss"])
   assert lines[3]["param_norm"] != lines[2]["param_norm"]  # and training went on
   assert lines[5]["nonfinite"] == 1.0 and 6 not in lines  # halted at step 6, before logging it
+
+
+# A DeepSeek-style model: MLA, sigmoid routing in 2 groups with score-bias updates, the first layer dense, one
+# multi-token head; its state adds the biases (moved by their own rule, not the optimizer) and the head.
+DEEPSEEK = ["--config.model.num_experts=4", "--config.model.expert_mlp_dim=32", "--config.model.router=sigmoid",
+            "--config.model.router_groups=2", "--config.model.first_dense_layers=1",
+            "--config.model.attention_type=mla", "--config.model.q_lora_rank=16", "--config.model.kv_lora_rank=16",
+            "--config.model.qk_nope_head_dim=8", "--config.model.qk_rope_head_dim=8", "--config.model.v_head_dim=16",
+            "--config.model.mtp_depth=1", "--config.train.router_bias_update_rate=0.01"]
+
+
+def test_sigkill_resume_is_bit_exact_with_score_biases_and_mtp_heads(env, reference):
+  del reference  # it trains the shared tokenizer
+  want = env["root"] / "deepseek_reference"
+  proc = _run(env, want, *MESH_222, *DEEPSEEK)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  workdir = env["root"] / "deepseek_sigkill"
+  proc = _start(env, workdir, *MESH_222, *DEEPSEEK)
+  _wait_for(lambda: os.path.isdir(workdir / "checkpoints" / "4"), proc)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+  assert proc.returncode == -signal.SIGKILL and max(_train_lines(workdir), default=0) < STEPS
+  proc = _run(env, workdir, *MESH_222, *DEEPSEEK)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "resumed from" in proc.stdout
+  _assert_same_run(workdir, want)  # every parameter bit-equal, the biases and the head included
+  # the biases moved (the sign rule can swing a layer's biases back to 0 on even steps: any layer or head counts)
+  biases = [v for k, v in ocp.tree.to_flat_dict(_params(workdir, STEPS)).items() if k[-1] == "score_bias"]
+  assert len(biases) == 2 and any(np.any(b != 0) for b in biases)
+  assert "mtp_loss" in _train_lines(workdir)[STEPS]

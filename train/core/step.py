@@ -457,7 +457,7 @@ class Trainer:
     zero_sums = {k: jnp.zeros((m.num_experts,) if k == EXPERT_LOAD else (), jnp.float32)
                  for k in tuple(self.objective.sum_keys) + (MOE_METRICS if m.num_experts else ())}
     if self._layer_loads():
-      moe_layers = sum(model_lib.config.is_moe_layer(m, i) for i in range(m.num_layers))
+      moe_layers = sum(model_lib.config.is_moe_layer(m, i) for i in range(m.num_layers)) + m.mtp_depth
       zero_sums[LAYER_LOAD] = jnp.zeros((moe_layers, m.num_experts), jnp.float32)
     def body(carry, microbatch):
       grads, sums = grad_fn(params, frozen, microbatch, normalizer, scale)
