@@ -5,7 +5,9 @@
 Prints one JSON object. For each device count (1: one CPU device; 8: eight simulated CPU devices as mesh
 data=2 x expert=4): step time and tokens/s of `train.core.step.Trainer.step_fn` for a dense model (MLP 1024 wide) and a
 top-2-of-8 MoE (experts 512 wide, so 1024 active hidden units per token: the same active parameters up to the
-router) with `moe_impl` ragged and tiled, and the MoE / dense step-time ratio (target <= 1.5). On one device it
+router) with `moe_impl` ragged and tiled (tiled is what `auto` runs on CPUs), a DeepSeek-style fine-grained MoE
+(top 8 of 64 experts 128 wide plus 1 shared, sigmoid routing, default moe_impl) against a dense MLP 1152 wide, and
+each MoE / dense step-time ratio (target <= 1.3). On one device it
 also times one MoE feed-forward layer, forward + backward: the two grouped-matmul paths against a per-expert loop
 (each expert applied to every token, masked by the routing: the dense one-hot formulation).
 Times are the fastest of the timed steps (load on the shared machine only adds time).
@@ -35,7 +37,14 @@ VARIANTS = {
                    "model.expert_mlp_dim": 512, "model.moe_impl": "ragged"},
     "moe_tiled": {"model.mlp_dim": 1024, "model.num_experts": 8, "model.experts_per_token": 2,
                   "model.expert_mlp_dim": 512, "model.moe_impl": "tiled"},
+    # DeepSeek-style fine-grained experts: top 8 of 64, 128 wide, plus one shared expert (9 x 128 = 1152 active
+    # hidden units per token), sigmoid routing with the score-bias update, against a dense MLP 1152 wide.
+    "dense_1152": {"model.mlp_dim": 1152},
+    "finegrained_auto": {"model.mlp_dim": 1152, "model.num_experts": 64, "model.experts_per_token": 8,
+                         "model.expert_mlp_dim": 128, "model.num_shared_experts": 1, "model.router": "sigmoid",
+                         "train.router_bias_update_rate": 0.001},
 }
+RATIOS = {"moe_ragged": "dense", "moe_tiled": "dense", "finegrained_auto": "dense_1152"}  # MoE row -> its dense row
 
 
 def _best(fn, steps):
@@ -71,8 +80,8 @@ def bench_steps(devices: int, steps: int) -> dict:
     counts = model.count_params(config.model)
     out[name] = {"step_time_s": seconds, "tokens_per_sec": config.train.batch_size * config.train.seq_len / seconds,
                  "active_params": counts.get("active", counts["total"]), "total_params": counts["total"]}
-  for impl in ("ragged", "tiled"):
-    out[f"step_time_ratio_moe_{impl}_over_dense"] = out[f"moe_{impl}"]["step_time_s"] / out["dense"]["step_time_s"]
+  for moe_row, dense_row in RATIOS.items():
+    out[f"step_time_ratio_{moe_row}_over_{dense_row}"] = out[moe_row]["step_time_s"] / out[dense_row]["step_time_s"]
   return out
 
 

@@ -123,11 +123,15 @@ def cached_attention(q_BTHK, k_BSGK, v_BSGK, index, start_B, window=0, softcap: 
   Same arithmetic as `xla_attention`; the scores are [B, H, T, S] float32, so chunk length bounds the memory.
   Queries in the left padding (i < start_B[b]) see no key; their outputs are finite and never read.
   """
-  T, S = q_BTHK.shape[1], k_BSGK.shape[1]
+  mask_BTS = _cache_mask(q_BTHK.shape[0], q_BTHK.shape[1], k_BSGK.shape[1], index, start_B, window)
+  return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, softcap=softcap)
+
+
+def _cache_mask(B: int, T: int, S: int, index, start_B, window) -> jax.Array:
+  """bool [B, T, S]: queries at cache slots [index, index + T) see slots start_B[b] <= j <= i (inside the window)."""
   slots_S = jnp.arange(S)
   real_BS = (slots_S[None, :] >= start_B[:, None]).astype(jnp.int32)
-  mask_BTS = mask_fn(index + jnp.arange(T), slots_S, jnp.ones(q_BTHK.shape[:2], jnp.int32), real_BS, window)
-  return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, softcap=softcap)
+  return mask_fn(index + jnp.arange(T), slots_S, jnp.ones((B, T), jnp.int32), real_BS, window)
 
 
 def latent_cached_attention(q_nope_BTHN, q_rot_BTHR, latent_BSC, k_rot_BSR, w_uk_CHN, w_uv_CHV, index, start_B,
@@ -138,10 +142,7 @@ def latent_cached_attention(q_nope_BTHN, q_rot_BTHR, latent_BSC, k_rot_BSR, w_uk
   sum_s p_s (latent_s @ w_uv_h) = (sum_s p_s latent_s) @ w_uv_h. Scores are float32, times `scale` (the softmax
   scale), masked as `cached_attention` masks them. Returns o_BTHV in q's dtype.
   """
-  T, S = q_nope_BTHN.shape[1], latent_BSC.shape[1]
-  slots_S = jnp.arange(S)
-  real_BS = (slots_S[None, :] >= start_B[:, None]).astype(jnp.int32)
-  mask_BTS = mask_fn(index + jnp.arange(T), slots_S, jnp.ones(q_nope_BTHN.shape[:2], jnp.int32), real_BS, window)
+  mask_BTS = _cache_mask(q_nope_BTHN.shape[0], q_nope_BTHN.shape[1], latent_BSC.shape[1], index, start_B, window)
   f32 = jnp.float32
   q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, w_uk_CHN, preferred_element_type=f32)
   s_BHTS = (jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC.astype(f32))
