@@ -90,6 +90,7 @@ def bench_layer(steps: int, tokens: int = 2048, d: int = 256, f: int = 512, e: i
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from model import experts as experts_lib
   from model import moe
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(tokens, d)), jnp.float32)
@@ -105,7 +106,7 @@ def bench_layer(steps: int, tokens: int = 2048, d: int = 256, f: int = 512, e: i
       out = out + coef[:, None] * ((jax.nn.silu(x @ gate[j]) * (x @ up[j])) @ down[j])
     return out
 
-  fns = {impl: (lambda impl: lambda x, g, u, dn: moe.expert_ffn(x, experts, weights, keep, g, u, dn, 0,
+  fns = {impl: (lambda impl: lambda x, g, u, dn: experts_lib.expert_ffn(x, experts, weights, keep, g, u, dn, 0,
                                                                  jax.nn.silu, impl))(impl)
          for impl in ("ragged", "tiled")}
   fns["per_expert_loop"] = loop

@@ -1,25 +1,13 @@
-"""Mixture-of-Experts feed-forward: a float32 top-k router, dropless or capacity-limited grouped expert matmuls,
-expert parallelism under `jax.shard_map`, and the per-layer statistics the training losses read.
+"""Mixture-of-Experts feed-forward: a float32 top-k router (softmax or sigmoid scores, group-limited selection, a
+selection-only score bias), dropless or capacity-limited assignments, and the per-layer statistics the training
+losses read. The experts' computation and its all-to-all dispatch over the mesh are model/experts.py.
 
-Shapes: B batch, L length, D model width, E experts (E_loc: on this device), F expert hidden width, K experts per
-token (top-k), T tokens (flattened B*L on one device), A = T*K token-expert assignments, C capacity per sequence.
-
-Compute: the A assignments are sorted by expert so each expert's tokens are contiguous, then one grouped matmul
-per projection (`grouped_matmul`: `jax.lax.ragged_dot`; `tiled`: each expert's rows padded to whole tiles and the
-tiles multiplied as one batched matmul, which is what runs fast on CPUs; `megablox`: the Pallas TPU kernels of
-model/megablox.py), then un-sorted and mixed with the routing weights. No Python loop over experts.
-
-Expert parallelism: expert weights [E, D, F] carry the logical name `experts` (mesh axis `expert` by default) and
-the batch is split over `expert` outside MoE layers too. Inside `shard_map` each device all-gathers the tokens of
-its `expert` group, runs its E/ep local experts on them (the others' assignments are masked out), and a
-reduce-scatter sums the experts' contributions and returns each device its own tokens (MaxText's
-ring-of-experts; CPUs have no `ragged_all_to_all`). D sharded over fsdp is all-gathered like FSDP weights;
-F sharded over tensor gives partial sums, added by a psum.
+Shapes: B batch, L length, D model width, E experts, F expert hidden width, K experts per token (top-k),
+C capacity per sequence.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +15,12 @@ from flax import nnx
 
 from model import axes
 from model import dense
+from model import experts
 from model import megablox
 from model import remat
 from model.axes import BATCH, EMBED, EXPERTS, LENGTH, MLP
 from model.config import DTYPES
 
-TILE_ROWS = 128  # rows per tile of the `tiled` grouped matmul (its padding waste is < E * TILE_ROWS rows)
 # moe_impl=auto on CPUs: tiled. One MoE layer forward + backward over 2048 tokens on the 2-core CPU machine
 # (benchmarks/moe.py): tiled 0.12 s against ragged 0.41 s (XLA's CPU ragged_dot multiplies every group with every
 # row); a training step of the MoE benchmark model 1.03 s vs 1.96 s (docs/moe.md).
@@ -167,26 +155,6 @@ def update_score_bias(params, layer_load_NE: jax.Array, rate: float):
   return jax.tree_util.tree_map_with_path(bump, params)
 
 
-def _tile_layout(sizes_E: jax.Array, rows: int, tile: int):
-  """Where the rows of each expert go when every expert's rows are padded to whole tiles.
-
-  Returns (dest_A: row of each sorted assignment in the padded buffer, tile_expert_N: expert of each tile,
-  padded_rows). padded_rows = rows + E * tile, rounded up to a tile: enough for any sizes summing to <= rows.
-  """
-  E = sizes_E.shape[0]
-  padded_rows = -(-(rows + E * tile) // tile) * tile
-  padded_E = -(-sizes_E // tile) * tile
-  start_E = jnp.cumsum(sizes_E) - sizes_E
-  pstart_E = jnp.cumsum(padded_E) - padded_E
-  expert_A = jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(rows), side="right")
-  expert_A = jnp.minimum(expert_A, E - 1)
-  dest_A = pstart_E[expert_A] + jnp.arange(rows) - start_E[expert_A]
-  dest_A = jnp.where(jnp.arange(rows) < jnp.sum(sizes_E), dest_A, padded_rows)  # unused rows: dropped
-  tile_start_N = jnp.arange(padded_rows // tile) * tile
-  tile_expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_E), tile_start_N, side="right"), E - 1)
-  return dest_A, tile_expert_N, padded_rows
-
-
 def resolve_impl(cfg, platform: str) -> str:
   """The grouped matmul a model config's experts run on `platform` ("cpu", "gpu", "tpu"): for model.moe_impl=auto,
   megablox on TPUs (the Pallas kernels), ragged on GPUs (`jax.lax.ragged_dot`, XLA's grouped GEMM), tiled on CPUs
@@ -200,103 +168,6 @@ def resolve_impl(cfg, platform: str) -> str:
   if impl == "megablox":
     megablox.check_platform(cfg.pallas_interpret, platform)
   return impl
-
-
-def grouped_matmul(impl: str | megablox.MegabloxOptions, sizes_E: jax.Array,
-                   rows: int) -> Callable[[jax.Array, jax.Array], jax.Array]:
-  """The grouped matmul `mm(a_AX, w_EXY) -> y_AY` of `impl` over `rows` rows sorted by group: group e is the
-  sizes_E[e] rows after groups 0 .. e-1, times w_EXY[e]; rows past sum(sizes_E) come out 0.
-
-  impl: "ragged" (`jax.lax.ragged_dot`), "tiled" (each group's rows padded to whole TILE_ROWS tiles, all tiles one
-  batched matmul with their experts' weights gathered), or megablox: a MegabloxOptions (the Pallas TPU kernels,
-  model/megablox.py), or "megablox" for its default tiles without interpret mode. Built once per layer, so the
-  three projections share the tiled layout.
-  """
-  if impl == "ragged":
-    return lambda a_AX, w_EXY: jax.lax.ragged_dot(a_AX, w_EXY, sizes_E)
-  if impl == "megablox" or isinstance(impl, megablox.MegabloxOptions):
-    opts = impl if isinstance(impl, megablox.MegabloxOptions) else megablox.MegabloxOptions()
-    return lambda a_AX, w_EXY: megablox.gmm(a_AX, w_EXY, sizes_E, opts)
-  if impl != "tiled":
-    raise ValueError(f"model.moe_impl={impl!r} is not one of ragged, tiled, megablox")
-  dest_A, tile_expert_N, padded = _tile_layout(sizes_E, rows, TILE_ROWS)
-
-  def mm(a_AX, w_EXY):
-    a_NRX = jnp.zeros((padded, a_AX.shape[-1]), a_AX.dtype).at[dest_A].set(a_AX, mode="drop")
-    a_NRX = a_NRX.reshape(padded // TILE_ROWS, TILE_ROWS, -1)
-    y_NRY = jnp.einsum("nrx,nxy->nry", a_NRX, w_EXY[tile_expert_N])
-    return y_NRY.reshape(padded, -1).at[dest_A].get(mode="fill", fill_value=0)
-  return mm
-
-
-def expert_ffn(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, keep_TK: jax.Array,
-               gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array, first_expert, act: Callable,
-               impl: str | megablox.MegabloxOptions = "ragged") -> jax.Array:
-  """sum_k weights_tk * down_e(act(gate_e x_t) * up_e x_t) over the kept assignments of the local experts.
-
-  Local experts are first_expert .. first_expert + E_loc - 1 (E_loc = gate_EDF.shape[0]); other experts'
-  assignments and dropped ones (keep 0) contribute nothing. `impl` picks the grouped matmul (`grouped_matmul`).
-  Returns [T, D] in x's dtype.
-  """
-  T, K = experts_TK.shape
-  E_loc = gate_EDF.shape[0]
-  expert_A = experts_TK.reshape(-1) - first_expert
-  ok_A = keep_TK.reshape(-1) & (expert_A >= 0) & (expert_A < E_loc)
-  group_A = jnp.where(ok_A, expert_A, E_loc)  # E_loc: a sentinel group sorted last and never computed
-  order_A = jnp.argsort(group_A, stable=True)
-  sizes_E = jnp.bincount(group_A, length=E_loc + 1)[:E_loc].astype(jnp.int32)
-  xs_AD = x_TD[order_A // K]
-  mm = grouped_matmul(impl, sizes_E, T * K)
-  h_AF = act(remat.tag(mm(xs_AD, gate_EDF), remat.MLP_IN)) * remat.tag(mm(xs_AD, up_EDF), remat.MLP_IN)
-  y_AD = mm(remat.tag(h_AF, remat.MLP_HIDDEN), down_EFD)
-  y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD)  # back to (token, k) order
-  coef_A = jnp.where(ok_A, weights_TK.reshape(-1), 0.0).astype(y_AD.dtype)
-  return jnp.sum((y_AD * coef_A[:, None]).reshape(T, K, -1), axis=1)
-
-
-def _flat(spec_entry) -> tuple[str, ...]:
-  return () if spec_entry is None else (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
-
-
-def dispatch(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_EFD, act, impl) -> jax.Array:
-  """`expert_ffn` on the whole batch: directly without a mesh, else under `jax.shard_map` (module docstring)."""
-  if not axes.active():
-    B, L, D = x_BLD.shape
-    y_TD = expert_ffn(x_BLD.reshape(B * L, D), experts_BLK.reshape(B * L, -1), weights_BLK.reshape(B * L, -1),
-                      keep_BLK.reshape(B * L, -1), gate_EDF, up_EDF, down_EFD, 0, act, impl)
-    return y_TD.reshape(B, L, D)
-  tok_spec = axes.spec((BATCH, LENGTH, None))
-  w_spec, down_spec = axes.spec((EXPERTS, EMBED, MLP)), axes.spec((EXPERTS, MLP, EMBED))
-  ep_axes, d_axes, f_axes = _flat(w_spec[0]), _flat(w_spec[1]), _flat(w_spec[2])
-  tok_axes = set(_flat(tok_spec[0])) | set(_flat(tok_spec[1]))
-  gather_axes = tuple(a for a in ep_axes if a in tok_axes)  # tokens split over these: gather, reduce-scatter
-  sum_axes = tuple(a for a in ep_axes if a not in tok_axes)  # tokens replicated over these: psum
-
-  def local(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_EFD):
-    B, L, D = x_BLD.shape
-    def tokens(a):  # [b, l, ...] -> [T, ...] with T all tokens of this device's expert group
-      a = a.reshape(B * L, *a.shape[2:])
-      return jax.lax.all_gather(a, gather_axes, axis=0, tiled=True) if gather_axes else a
-    if d_axes:  # FSDP: whole rows of D for the matmuls
-      gate_EDF = jax.lax.all_gather(gate_EDF, d_axes, axis=1, tiled=True)
-      up_EDF = jax.lax.all_gather(up_EDF, d_axes, axis=1, tiled=True)
-      down_EFD = jax.lax.all_gather(down_EFD, d_axes, axis=2, tiled=True)
-    first = jax.lax.axis_index(ep_axes) * gate_EDF.shape[0] if ep_axes else 0
-    y_TD = expert_ffn(tokens(x_BLD), tokens(experts_BLK), tokens(weights_BLK), tokens(keep_BLK),
-                      gate_EDF, up_EDF, down_EFD, first, act, impl)
-    if f_axes:  # tensor-split F: partial sums of the down projection
-      y_TD = jax.lax.psum(y_TD, f_axes)
-    if sum_axes:
-      y_TD = jax.lax.psum(y_TD, sum_axes)
-    if gather_axes:
-      y_TD = jax.lax.psum_scatter(y_TD, gather_axes, scatter_dimension=0, tiled=True)
-    return y_TD.reshape(B, L, D)
-
-  x_BLD = axes.constrain(x_BLD, (BATCH, LENGTH, None))
-  # check_vma=False: under the pipeline's vmap over stages (spmd_axis_name="stage") jax adds `stage` to the specs
-  # but its varying-axes check still compares against the unbatched out_specs; the collectives are unchanged.
-  return jax.shard_map(local, in_specs=(tok_spec, tok_spec, tok_spec, tok_spec, w_spec, w_spec, down_spec),
-                       out_specs=tok_spec, check_vma=False)(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_EFD)
 
 
 class MoE(nnx.Module):
@@ -336,7 +207,7 @@ class MoE(nnx.Module):
     weights_BLK, experts_BLK = route(logits_BLE, self.k, self.kind, bias_E, *self.routing)
     cap = capacity(self.cf, self.k, x_BLD.shape[1], self.num_experts)
     keep_BLK = keep_mask(experts_BLK, valid_BL, self.num_experts, cap)
-    y_BLD = dispatch(x_BLD, experts_BLK, weights_BLK, keep_BLK, self.gate[...].astype(dt), self.up[...].astype(dt),
+    y_BLD = experts.dispatch(x_BLD, experts_BLK, weights_BLK, keep_BLK, self.gate[...].astype(dt), self.up[...].astype(dt),
                      self.down[...].astype(dt), self.act, self.impl)
     if hasattr(self, "shared"):
       y_BLD = y_BLD + self.shared(x_BLD)

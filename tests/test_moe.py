@@ -9,6 +9,7 @@ from flax import nnx
 
 import configs
 import model
+from model import experts as experts_lib
 from model import moe
 
 T, D, F, E, K = 40, 16, 24, 6, 2
@@ -45,13 +46,13 @@ def test_grouped_matmul_equals_per_expert_loop(case, impl, dropless):
   keep = keep_all if dropless else keep_some
 
   def sparse(x, weights, gate, up, down):
-    return jnp.sum(moe.expert_ffn(x, experts, weights, keep, gate, up, down, 0, jax.nn.silu, impl) * cot)
+    return jnp.sum(experts_lib.expert_ffn(x, experts, weights, keep, gate, up, down, 0, jax.nn.silu, impl) * cot)
 
   def loop(x, weights, gate, up, down):
     return jnp.sum(_loop_reference(x, experts, weights, keep, gate, up, down) * cot)
 
   args = (x, weights, gate, up, down)
-  got = moe.expert_ffn(x, experts, weights, keep, gate, up, down, 0, jax.nn.silu, impl)
+  got = experts_lib.expert_ffn(x, experts, weights, keep, gate, up, down, 0, jax.nn.silu, impl)
   np.testing.assert_allclose(got, _loop_reference(x, experts, weights, keep, gate, up, down), atol=1e-5, rtol=0)
   for g_sparse, g_loop in zip(jax.grad(sparse, argnums=range(5))(*args), jax.grad(loop, argnums=range(5))(*args)):
     np.testing.assert_allclose(g_sparse, g_loop, atol=1e-5, rtol=0)
@@ -60,8 +61,8 @@ def test_grouped_matmul_equals_per_expert_loop(case, impl, dropless):
 def test_local_experts_sum_to_all_experts(case):
   """Expert parallelism's arithmetic: devices holding experts [0, 3) and [3, 6) add up to all six."""
   x, experts, weights, (gate, up, down), _, keep_all, _ = case
-  full = moe.expert_ffn(x, experts, weights, keep_all, gate, up, down, 0, jax.nn.silu)
-  parts = [moe.expert_ffn(x, experts, weights, keep_all, gate[s:s + 3], up[s:s + 3], down[s:s + 3], s, jax.nn.silu)
+  full = experts_lib.expert_ffn(x, experts, weights, keep_all, gate, up, down, 0, jax.nn.silu)
+  parts = [experts_lib.expert_ffn(x, experts, weights, keep_all, gate[s:s + 3], up[s:s + 3], down[s:s + 3], s, jax.nn.silu)
            for s in (0, 3)]
   np.testing.assert_allclose(parts[0] + parts[1], full, atol=1e-5, rtol=0)
 

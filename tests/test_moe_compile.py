@@ -1,5 +1,6 @@
 """Ahead-of-time compilation of an MoE train step with expert parallelism for a TPU v4 slice (libtpu's compiler,
-no TPU attached): expert weights split over `expert`, tokens gathered over it, per-chip state and model FLOPs."""
+no TPU attached): expert weights split over `expert`, assignments exchanged over it by ragged all-to-alls, per-chip
+state and model FLOPs."""
 import configs
 import model
 from train.planning import compile as aot
@@ -24,12 +25,17 @@ def test_expert_parallel_step_compiles_with_experts_split():
   state = 3 * 4 * (dense + expert / 4)
   r = aot.summarize(config, V4_16, trainer, seconds=0.0)
   assert state <= r["memory"]["argument_bytes"] <= state * 1.05
-  # Each chip holds 16 / (data 2 x expert 4) = 2 rows; an MoE layer gathers its expert group's 8 rows x 64 tokens.
-  # The reduce-scatter returns its 2 x 64 tokens; in the backward pass the two swap roles (once per layer each).
+  # Each chip holds 16 / (data 2 x expert 4) = 2 rows x 64 tokens x top-2 = 256 assignments. An MoE layer sends
+  # them to their experts' chips into a worst-case buffer of 4 x 256 rows (with their local expert ids), and the
+  # results come back into 256 rows; the backward pass sends both ways once more. No token is gathered.
   ops = aot.collective_ops(compiled.as_text())
-  gathered = [op for op in ops if op["kind"] == "all-gather" and f"f32[{8 * 64},{D}]" in op["shapes"]]
-  scattered = [op for op in ops if op["kind"] == "reduce-scatter" and f"f32[{2 * 64},{D}]" in op["shapes"]]
-  assert len(gathered) == len(scattered) == 2 and all(op["per_step"] == LAYERS for op in gathered + scattered)
+  assert not [op for op in ops if op["kind"] in ("all-gather", "reduce-scatter") and f",{D}]" in op["shapes"]]
+  ragged = [op for op in ops if op["kind"] == "ragged-all-to-all"]
+  sent = [op for op in ragged if op["shapes"].startswith(f"f32[{4 * 256},")]
+  back = [op for op in ragged if op["shapes"].startswith(f"f32[{256},")]
+  ids = [op for op in ragged if op["shapes"].startswith(f"s32[{4 * 256},")]
+  assert (len(sent), len(back), len(ids)) == (2, 2, 1) and len(ragged) == 5
+  assert all(op["per_step"] == LAYERS and op["group"] == 4 for op in ragged)
   # Model FLOPs count the k active experts, not all E.
   active = model.count_params(config.model)["active"]
   assert active == model.count_params(config.model)["total"] - LAYERS * (E - K) * 3 * D * F

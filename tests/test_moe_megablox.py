@@ -15,6 +15,7 @@ import configs
 from test_moe import _loop_reference  # the per-expert loop both files check against
 import parallel
 from configs import validate as config_validate
+from model import experts as experts_lib
 from model import megablox
 from model import moe
 from model.transformer import Transformer
@@ -55,7 +56,7 @@ def test_expert_layer_equals_per_expert_loop(case, first, local):
     return jax.jit(lambda *args: (fn(*args), jax.grad(loss, argnums=range(5))(*args)))(x, weights, *w)
 
   got, got_grads = value_and_grads(
-      lambda x, wt, g, u, d: moe.expert_ffn(x, experts, wt, keep, g, u, d, first, jax.nn.silu, INTERPRET))
+      lambda x, wt, g, u, d: experts_lib.expert_ffn(x, experts, wt, keep, g, u, d, first, jax.nn.silu, INTERPRET))
   want, want_grads = value_and_grads(
       lambda x, wt, g, u, d: _loop_reference(x, experts, wt, keep, g, u, d, first))
   MEASURED[f"layer {first}+{local}: values"] = float(jnp.max(jnp.abs(got - want)))

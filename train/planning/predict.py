@@ -63,12 +63,14 @@ def ring_bandwidth(group: int, chip: hardware.Chip, torus: tuple[int, ...] = ())
 def collective_seconds(kind: str, nbytes: float, group: int, bandwidth: float) -> float:
   """Ring-algorithm time of one collective: `nbytes` is the per-chip result (the gathered array of an
   all-gather, the shard of a reduce-scatter, the reduced array of an all-reduce), `group` the chips in each
-  replica group, `bandwidth` bytes/s per chip (ring_bandwidth)."""
+  replica group, `bandwidth` bytes/s per chip (ring_bandwidth). A ragged all-to-all's result is its worst-case
+  buffer (every chip sending all its rows to one); under balanced routing 1/group of it is filled."""
   if group <= 1 or nbytes <= 0:
     return 0.0
   frac = (group - 1) / group
   moved = {"all-gather": frac * nbytes, "reduce-scatter": (group - 1) * nbytes, "all-reduce": 2 * frac * nbytes,
-           "all-to-all": frac * nbytes, "collective-permute": nbytes}.get(kind, nbytes)
+           "all-to-all": frac * nbytes, "ragged-all-to-all": frac * nbytes / group,
+           "collective-permute": nbytes}.get(kind, nbytes)
   return moved / bandwidth
 
 

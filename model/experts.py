@@ -1,0 +1,338 @@
+"""The routed experts' computation: rows laid out by expert, one grouped matmul per projection, and expert
+parallelism as an all-to-all exchange inside `jax.shard_map`.
+
+Shapes: as model/moe.py (T tokens, K experts per token, A = T*K assignments, E experts, E_loc on this device, D, F),
+plus R rows handed to the experts (the assignments on one device; the rows received under expert parallelism),
+P rows of the expert-sorted buffer, N = P / tile tiles, G devices exchanging tokens, S = G * A send slots.
+
+Layout: rows are sorted by expert with a stable argsort and every expert's rows padded to whole tiles (`tiled`) or
+packed (`ragged`, `megablox`). Rows move by gathers only, forward and backward (`permute`: the transpose of a
+gather by a one-to-one map is the gather by its inverse), because XLA:CPU runs scatters of rows one element at a
+time; only small integer maps are scattered. `tiled` runs the whole FFN tile by tile in a loop over the tiles in
+use (`tiles_ffn`), so its cost follows the real rows however large the buffer: what XLA:CPU runs fastest
+(benchmarks/moe.py), and what the megablox kernels do on TPUs.
+
+Expert parallelism (tokens split over the expert axes, as everywhere outside MoE layers): each device sends every
+kept assignment to the device holding its expert (all_to_all over worst-case buffers: any device may send all its
+A assignments to one device; ragged_all_to_all, which sends only real rows, is not run by XLA:CPU), runs its E_loc
+experts on the rows it received, and an all_to_all returns each row to its token's device. The received rows are
+~A on average and G*A at worst: the buffer holds the worst case, so nothing is ever dropped, and the tile loop
+computes only the real rows.
+Expert axes over which the tokens are replicated (not split) need no exchange: each device of such a group takes
+its own experts' assignments and a psum adds the groups. D split over fsdp is all-gathered like FSDP weights; F
+split over tensor gives partial sums, added by a psum.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from model import axes
+from model import megablox
+from model import remat
+from model import splash
+from model.axes import BATCH, EMBED, EXPERTS, LENGTH, MLP
+
+# The exchange by platform: ragged_all_to_all (only real rows travel) where XLA runs it and it was compiled here
+# (TPU, ahead of time); the dense all_to_all over worst-case buffers elsewhere (CPU; GPUs until run on one).
+RAGGED_EXCHANGE = {"tpu": True}
+TILE_ROWS = 256  # the largest tile of the `tiled` expert FFN (tile_rows picks smaller ones for few rows)
+
+
+def tile_rows(rows: int, experts: int) -> int:
+  """Rows per tile of the `tiled` expert FFN for `rows` rows over `experts` groups: TILE_ROWS, halved (down to 8)
+  while the padding bound experts * tile exceeds half the rows (larger tiles multiply faster, smaller ones pad
+  less; measured in benchmarks/moe.py)."""
+  tile = TILE_ROWS
+  while tile > 8 and experts * tile * 2 > rows:
+    tile //= 2
+  return tile
+
+
+@jax.custom_vjp
+def permute(x_RD: jax.Array, idx_P: jax.Array, inv_R: jax.Array) -> jax.Array:
+  """y[p] = x_RD[idx_P[p]] (a zero row where idx_P[p] is out of range) for a one-to-one map: inv_R[r] is the row
+  that row r goes to (out of range: nowhere). inv_R makes the gradient a gather as well. Returns [P, ...]."""
+  return jnp.take(x_RD, idx_P, axis=0, mode="fill", fill_value=0)
+
+
+def _permute_fwd(x_RD, idx_P, inv_R):
+  return permute(x_RD, idx_P, inv_R), (idx_P, inv_R)
+
+
+def _permute_bwd(res, g_PD):
+  idx_P, inv_R = res
+  return jnp.take(g_PD, inv_R, axis=0, mode="fill", fill_value=0), None, None
+
+
+permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+class Layout(NamedTuple):
+  """Where R rows go in an expert-sorted buffer. dest_R: buffer row of each row (`absent` when not computed);
+  sizes_E / padded_E: rows per expert before / after padding to whole tiles; used: sum(padded_E)."""
+  dest_R: jax.Array
+  sizes_E: jax.Array
+  padded_E: jax.Array
+  used: jax.Array
+  tile: int
+
+
+def layout(group_R: jax.Array, num_groups: int, tile: int, absent: int) -> Layout:
+  """Sort R rows by group (group_R == num_groups: a row no expert computes) with each group's rows padded to whole
+  tiles of `tile` rows (1: packed). Rows keep their order within a group."""
+  R, E = group_R.shape[0], num_groups
+  order_R = jnp.argsort(group_R, stable=True)
+  sizes_E = jnp.bincount(group_R, length=E + 1)[:E].astype(jnp.int32)
+  padded_E = -(-sizes_E // tile) * tile
+  start_E, pstart_E = jnp.cumsum(sizes_E) - sizes_E, jnp.cumsum(padded_E) - padded_E
+  g_R = group_R[order_R]
+  e_R = jnp.minimum(g_R, E - 1)
+  dest_sorted_R = jnp.where(g_R < E, pstart_E[e_R] + jnp.arange(R, dtype=jnp.int32) - start_E[e_R], absent)
+  dest_R = jnp.zeros((R,), jnp.int32).at[order_R].set(dest_sorted_R.astype(jnp.int32))
+  return Layout(dest_R, sizes_E, padded_E, jnp.sum(padded_E), tile)
+
+
+def grouped_matmul(impl: str | megablox.MegabloxOptions, sizes_E: jax.Array) -> Callable[[jax.Array, jax.Array],
+                                                                                         jax.Array]:
+  """The grouped matmul `mm(a_PX, w_EXY) -> y_PY` of packed rows: group e is the sizes_E[e] rows after groups
+  0 .. e-1, times w_EXY[e]; rows past sum(sizes_E) come out 0.
+
+  impl: "ragged" (`jax.lax.ragged_dot`), or megablox: a MegabloxOptions (the Pallas TPU kernels,
+  model/megablox.py), or "megablox" for its default tiles without interpret mode.
+  """
+  if impl == "ragged":
+    return lambda a_PX, w_EXY: jax.lax.ragged_dot(a_PX, w_EXY, sizes_E)
+  if impl == "megablox" or isinstance(impl, megablox.MegabloxOptions):
+    opts = impl if isinstance(impl, megablox.MegabloxOptions) else megablox.MegabloxOptions()
+    return lambda a_PX, w_EXY: megablox.gmm(a_PX, w_EXY, sizes_E, opts)
+  raise ValueError(f"model.moe_impl={impl!r} is not one of ragged, tiled, megablox")
+
+
+def _tile(a, n, tile):
+  return jax.lax.dynamic_slice_in_dim(a, n * tile, tile)
+
+
+def _expert(w_EXY, e):
+  return jax.lax.dynamic_index_in_dim(w_EXY, e, 0, keepdims=False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def tiles_ffn(x_PD: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array, expert_N: jax.Array,
+              used: jax.Array, act: Callable, tile: int) -> jax.Array:
+  """The expert FFN of whole tiles: tile n (rows n*tile ..) through expert expert_N[n], for the first `used` tiles
+  only (a loop with a run-time trip count: a worst-case buffer costs its real rows); rows of later tiles are 0.
+
+  Forward and backward are loops over the used tiles with the expert's weights sliced in place (no [N, D, F]
+  weight gather, and no element-wise work on unused rows); the gate and up products are the saved residuals.
+  Returns [P, D].
+  """
+  return _tiles_fwd(x_PD, gate_EDF, up_EDF, down_EFD, expert_N, used, act, tile)[0]
+
+
+def _tiles_fwd(x_PD, gate_EDF, up_EDF, down_EFD, expert_N, used, act, tile):
+  P, F = x_PD.shape[0], gate_EDF.shape[-1]
+
+  def body(n, carry):
+    put = lambda buf, v: jax.lax.dynamic_update_slice_in_dim(buf, v.astype(buf.dtype), n * tile, 0)
+    x_RD, e = _tile(x_PD, n, tile), expert_N[n]
+    g_RF, u_RF = x_RD @ _expert(gate_EDF, e), x_RD @ _expert(up_EDF, e)
+    y_RD = (act(g_RF) * u_RF) @ _expert(down_EFD, e)
+    return tuple(put(buf, v) for buf, v in zip(carry, (y_RD, g_RF, u_RF)))
+  zeros = lambda width: jnp.zeros((P, width), x_PD.dtype)
+  return jax.lax.fori_loop(0, used, body, (zeros(x_PD.shape[1]), zeros(F), zeros(F)))
+
+
+def _tiles_fwd_rule(x_PD, gate_EDF, up_EDF, down_EFD, expert_N, used, act, tile):
+  y_PD, g_PF, u_PF = _tiles_fwd(x_PD, gate_EDF, up_EDF, down_EFD, expert_N, used, act, tile)
+  return y_PD, (x_PD, gate_EDF, up_EDF, down_EFD, expert_N, used, g_PF, u_PF)
+
+
+def _tiles_bwd_rule(act, tile, res, dy_PD):
+  x_PD, gate_EDF, up_EDF, down_EFD, expert_N, used, g_PF, u_PF = res
+  f32 = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
+
+  def body(n, carry):
+    dx_PD, dgate, dup, ddown = carry
+    x_RD, g_RF, u_RF, dy_RD = (_tile(a, n, tile) for a in (x_PD, g_PF, u_PF, dy_PD))
+    e = expert_N[n]
+    h_RF, h_vjp = jax.vjp(lambda g, u: act(g) * u, g_RF, u_RF)
+    dg_RF, du_RF = h_vjp((dy_RD @ _expert(down_EFD, e).T).astype(h_RF.dtype))
+    dx_RD = dg_RF @ _expert(gate_EDF, e).T + du_RF @ _expert(up_EDF, e).T
+    add = lambda acc, v: jax.lax.dynamic_update_index_in_dim(acc, _expert(acc, e) + v, e, 0)
+    return (jax.lax.dynamic_update_slice_in_dim(dx_PD, dx_RD.astype(dx_PD.dtype), n * tile, 0),
+            add(dgate, f32(x_RD.T, dg_RF)), add(dup, f32(x_RD.T, du_RF)), add(ddown, f32(h_RF.T, dy_RD)))
+  f32_zeros = lambda w: jnp.zeros(w.shape, jnp.float32)
+  init = (jnp.zeros_like(x_PD), f32_zeros(gate_EDF), f32_zeros(up_EDF), f32_zeros(down_EFD))
+  dx_PD, dgate, dup, ddown = jax.lax.fori_loop(0, used, body, init)
+  return (dx_PD, dgate.astype(gate_EDF.dtype), dup.astype(up_EDF.dtype), ddown.astype(down_EFD.dtype), None, None)
+
+
+tiles_ffn.defvjp(_tiles_fwd_rule, _tiles_bwd_rule)
+
+
+def grouped_ffn(x_RD: jax.Array, group_R: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array,
+                act: Callable, impl, load: int | None = None) -> jax.Array:
+  """down_e(act(gate_e x_r) * up_e x_r) for each row r with e = group_R[r] (E_loc = gate_EDF.shape[0]: no expert,
+  a zero row). `load`: the rows expected to be real (default R), which sizes the tiles. Returns [R, D]."""
+  R, E = x_RD.shape[0], gate_EDF.shape[0]
+  tile = tile_rows(load or R, E) if impl == "tiled" else 1
+  rows = -(-(R + E * (tile - 1)) // tile) * tile  # any split of R rows into E groups padded to tiles fits
+  lay = layout(group_R, E, tile, absent=rows)
+  src_P = jnp.full((rows,), R, jnp.int32).at[lay.dest_R].set(jnp.arange(R, dtype=jnp.int32), mode="drop")
+  x_PD = permute(x_RD, src_P, lay.dest_R)
+  if impl == "tiled":
+    expert_N = jnp.searchsorted(jnp.cumsum(lay.padded_E), jnp.arange(rows // tile) * tile, side="right")
+    y_PD = tiles_ffn(x_PD, gate_EDF, up_EDF, down_EFD, jnp.minimum(expert_N, E - 1), lay.used // tile, act, tile)
+  else:
+    mm = grouped_matmul(impl, lay.sizes_E)
+    h_PF = act(remat.tag(mm(x_PD, gate_EDF), remat.MLP_IN)) * remat.tag(mm(x_PD, up_EDF), remat.MLP_IN)
+    y_PD = mm(remat.tag(h_PF, remat.MLP_HIDDEN), down_EFD)
+  return permute(y_PD, lay.dest_R, src_P)
+
+
+def _combine(y_AD: jax.Array, weights_TK: jax.Array, ok_A: jax.Array) -> jax.Array:
+  """sum_k weights_tk * y_(t,k) over the kept assignments: [T, D]."""
+  T, K = weights_TK.shape
+  coef_A = jnp.where(ok_A, weights_TK.reshape(-1), 0.0).astype(y_AD.dtype)
+  return jnp.sum((y_AD * coef_A[:, None]).reshape(T, K, -1), axis=1)
+
+
+def expert_ffn(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, keep_TK: jax.Array,
+               gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array, first_expert, act: Callable,
+               impl: str | megablox.MegabloxOptions = "ragged") -> jax.Array:
+  """sum_k weights_tk * down_e(act(gate_e x_t) * up_e x_t) over the kept assignments of the local experts, on this
+  device's tokens (no exchange).
+
+  Local experts are first_expert .. first_expert + E_loc - 1 (E_loc = gate_EDF.shape[0]); other experts'
+  assignments and dropped ones (keep 0) contribute nothing. `impl` picks the grouped matmul (`grouped_matmul`).
+  Returns [T, D] in x's dtype.
+  """
+  K, E_loc = experts_TK.shape[1], gate_EDF.shape[0]
+  expert_A = experts_TK.reshape(-1) - first_expert
+  ok_A = keep_TK.reshape(-1) & (expert_A >= 0) & (expert_A < E_loc)
+  y_AD = grouped_ffn(jnp.repeat(x_TD, K, axis=0), jnp.where(ok_A, expert_A, E_loc), gate_EDF, up_EDF, down_EFD,
+                     act, impl)
+  return _combine(y_AD, weights_TK, ok_A)
+
+
+def _owners(experts_A, keep_A, E_loc: int, ep_axes, a2a_axes):
+  """(dest_A, mine_A): the a2a-group index of each assignment's expert's device, and whether this device sends it.
+  Expert e lives on the device with linear index e // E_loc over ep_axes; over the other expert axes (tokens
+  replicated there) a device takes only its own experts' assignments."""
+  owner_A = experts_A // E_loc
+  dest_A, mine_A, stride = jnp.zeros_like(owner_A), keep_A, 1
+  for name in reversed(ep_axes):  # the owner's coordinate on each expert axis, row-major
+    size = jax.lax.axis_size(name)
+    coord_A = (owner_A // stride) % size
+    stride *= size
+    if name in a2a_axes:
+      dest_A = dest_A + coord_A * math.prod(jax.lax.axis_size(a) for a in a2a_axes[a2a_axes.index(name) + 1:])
+    else:
+      mine_A = mine_A & (coord_A == jax.lax.axis_index(name))
+  return dest_A, mine_A
+
+
+def _dense_exchange(rows, a2a_axes, G: int, A: int):
+  """(slot_A, slots, send, back): every destination gets a block of A slots (the worst case), one all_to_all each
+  way. rows: (dest_A, mine_A, packed_A: each assignment's row when packed by destination, start_G: where each
+  destination's rows start there). send(a, fill) / back(y) move [slots, ...] rows there and back."""
+  dest_A, mine_A, packed_A, start_G = rows
+  slot_A = jnp.where(mine_A, packed_A - start_G[jnp.minimum(dest_A, G - 1)] + dest_A * A, G * A)
+  exchange = functools.partial(jax.lax.all_to_all, axis_name=a2a_axes, split_axis=0, concat_axis=0, tiled=True)
+  return slot_A, G * A, lambda a, fill=0: exchange(a), exchange
+
+
+def _ragged_exchange(rows, a2a_axes, G: int, A: int):
+  """As `_dense_exchange` with ragged_all_to_all: only real rows travel (TPUs; XLA:CPU does not run it). Sender
+  rows are packed by destination; a receiver stacks its senders' rows in sender order, so sender s's rows land
+  after those of senders 0 .. s-1 on each receiver."""
+  dest_A, mine_A, packed_A, start_G = rows
+  sizes_G = jnp.bincount(jnp.where(mine_A, dest_A, G), length=G + 1)[:G].astype(jnp.int32)
+  recv_G = jax.lax.all_to_all(sizes_G, a2a_axes, 0, 0, tiled=True)
+  sizes_SG = jax.lax.all_gather(sizes_G, a2a_axes, axis=0, tiled=False)  # [senders, receivers]
+  land_G = (jnp.cumsum(sizes_SG, 0) - sizes_SG)[jax.lax.axis_index(a2a_axes)]
+  recv_start_G = jnp.cumsum(recv_G) - recv_G
+  home_G = jax.lax.all_to_all(start_G.astype(jnp.int32), a2a_axes, 0, 0, tiled=True)  # senders' own offsets
+
+  def send(a_AX, fill=0):
+    out = jnp.full((G * A, *a_AX.shape[1:]), fill, a_AX.dtype)
+    return jax.lax.ragged_all_to_all(a_AX, out, start_G.astype(jnp.int32), sizes_G, land_G, recv_G,
+                                     axis_name=a2a_axes)
+
+  def back(y_SX):
+    out = jnp.zeros((A, *y_SX.shape[1:]), y_SX.dtype)
+    return jax.lax.ragged_all_to_all(y_SX, out, recv_start_G, recv_G, home_G, sizes_G, axis_name=a2a_axes)
+  return jnp.where(mine_A, packed_A, A), A, send, back
+
+
+def _exchange_ffn(x_TD, experts_TK, weights_TK, keep_TK, gate_EDF, up_EDF, down_EFD, act, impl,
+                  ep_axes: tuple[str, ...], a2a_axes: tuple[str, ...], ragged: bool = False) -> jax.Array:
+  """`expert_ffn` for the tokens of one device under expert parallelism: assignments travel to their experts'
+  devices over `a2a_axes` (all_to_all, or ragged_all_to_all if `ragged`) and back. Returns [T, D], partial over the
+  expert axes the tokens are replicated on (the caller's psum adds them)."""
+  T, K = experts_TK.shape
+  A, E_loc = T * K, gate_EDF.shape[0]
+  G = math.prod(jax.lax.axis_size(a) for a in a2a_axes)
+  experts_A = experts_TK.reshape(-1)
+  dest_A, mine_A = _owners(experts_A, keep_TK.reshape(-1), E_loc, ep_axes, a2a_axes)
+  by_dest = layout(jnp.where(mine_A, dest_A, G), G, 1, absent=A)  # assignments packed by destination
+  start_G = jnp.cumsum(by_dest.sizes_E) - by_dest.sizes_E
+  slot_A, slots, send, back = (_ragged_exchange if ragged else _dense_exchange)(
+      (dest_A, mine_A, by_dest.dest_R, start_G), a2a_axes, G, A)
+  src_S = jnp.full((slots,), A, jnp.int32).at[slot_A].set(jnp.arange(A, dtype=jnp.int32), mode="drop")
+  local_S = jnp.take(experts_A % E_loc, src_S, mode="fill", fill_value=E_loc)
+  x_SD = permute(jnp.repeat(x_TD, K, axis=0), src_S, slot_A)
+  groups = send(local_S, E_loc)  # rows nobody sent (ragged: past the received ones) are no expert's
+  y_RD = grouped_ffn(send(x_SD), groups, gate_EDF, up_EDF, down_EFD, act, impl, load=A)
+  return _combine(permute(back(y_RD), slot_A, src_S), weights_TK, mine_A)
+
+
+def _flat(spec_entry) -> tuple[str, ...]:
+  return () if spec_entry is None else (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
+
+
+def dispatch(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_EFD, act, impl) -> jax.Array:
+  """The routed experts' output [B, L, D] for the whole batch: `expert_ffn` without a mesh, else each device's
+  tokens through `_exchange_ffn` under `jax.shard_map` (module docstring)."""
+  if not axes.active():
+    B, L, D = x_BLD.shape
+    y_TD = expert_ffn(x_BLD.reshape(B * L, D), experts_BLK.reshape(B * L, -1), weights_BLK.reshape(B * L, -1),
+                      keep_BLK.reshape(B * L, -1), gate_EDF, up_EDF, down_EFD, 0, act, impl)
+    return y_TD.reshape(B, L, D)
+  tok_spec = axes.spec((BATCH, LENGTH, None))
+  w_spec, down_spec = axes.spec((EXPERTS, EMBED, MLP)), axes.spec((EXPERTS, MLP, EMBED))
+  ep_axes, d_axes, f_axes = _flat(w_spec[0]), _flat(w_spec[1]), _flat(w_spec[2])
+  tok_axes = set(_flat(tok_spec[0])) | set(_flat(tok_spec[1]))
+  mesh_shape = jax.sharding.get_abstract_mesh().shape
+  a2a_axes = tuple(a for a in ep_axes if a in tok_axes and mesh_shape[a] > 1)  # tokens split: exchange
+  sum_axes = tuple(a for a in ep_axes if a not in tok_axes)  # tokens replicated: each its own experts, psum
+  ragged = RAGGED_EXCHANGE.get(splash.target_platform(), False)
+
+  def local(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_EFD):
+    B, L, D = x_BLD.shape
+    if d_axes:  # FSDP: whole rows of D for the matmuls
+      gate_EDF = jax.lax.all_gather(gate_EDF, d_axes, axis=1, tiled=True)
+      up_EDF = jax.lax.all_gather(up_EDF, d_axes, axis=1, tiled=True)
+      down_EFD = jax.lax.all_gather(down_EFD, d_axes, axis=2, tiled=True)
+    args = (x_BLD.reshape(B * L, D), *(a.reshape(B * L, -1) for a in (experts_BLK, weights_BLK, keep_BLK)),
+            gate_EDF, up_EDF, down_EFD, act, impl)
+    if a2a_axes:
+      y_TD = _exchange_ffn(*args, ep_axes=ep_axes, a2a_axes=a2a_axes, ragged=ragged)
+    else:
+      first = jax.lax.axis_index(ep_axes) * gate_EDF.shape[0] if ep_axes else 0
+      y_TD = expert_ffn(*args[:7], first, act, impl)
+    if f_axes + sum_axes:  # tensor-split F: partial sums of the down projection; replicated tokens: expert groups
+      y_TD = jax.lax.psum(y_TD, f_axes + sum_axes)
+    return y_TD.reshape(B, L, D)
+
+  x_BLD = axes.constrain(x_BLD, (BATCH, LENGTH, None))
+  # check_vma=False: under the pipeline's vmap over stages (spmd_axis_name="stage") jax adds `stage` to the specs
+  # but its varying-axes check still compares against the unbatched out_specs; the collectives are unchanged.
+  return jax.shard_map(local, in_specs=(tok_spec, tok_spec, tok_spec, tok_spec, w_spec, w_spec, down_spec),
+                       out_specs=tok_spec, check_vma=False)(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF,
+                                                             down_EFD)
