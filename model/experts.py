@@ -3,14 +3,13 @@ parallelism as an all-to-all exchange inside `jax.shard_map`.
 
 Shapes: as model/moe.py (T tokens, K experts per token, A = T*K assignments, E experts, E_loc on this device, D, F),
 plus R rows handed to the experts (the assignments on one device; the rows received under expert parallelism),
-P rows of the expert-sorted buffer, N = P / tile tiles, G devices exchanging tokens, S = G * A send slots.
+P rows of the expert-sorted buffer, G devices exchanging tokens, S send slots.
 
-Layout: rows are sorted by expert with a stable argsort and every expert's rows padded to whole tiles (`tiled`) or
-packed (`ragged`, `megablox`). Rows move by gathers only, forward and backward (`permute`: the transpose of a
-gather by a one-to-one map is the gather by its inverse), because XLA:CPU runs scatters of rows one element at a
-time; only small integer maps are scattered. `tiled` runs the whole FFN tile by tile in a loop over the tiles in
-use (`tiles_ffn`), so its cost follows the real rows however large the buffer: what XLA:CPU runs fastest
-(benchmarks/moe.py), and what the megablox kernels do on TPUs.
+Layout: rows are packed by expert with a stable argsort. Rows move by gathers only, forward and backward
+(`permute`: the transpose of a gather by a one-to-one map is the gather by its inverse), because XLA:CPU runs
+scatters of rows one element at a time; only small integer maps are scattered. `tiled` runs the whole FFN in loops
+over the experts and their rows' tiles (`tiles_ffn`), so its cost follows the real rows however large the buffer:
+what XLA:CPU runs fastest (benchmarks/moe.py), and what the megablox kernels do on TPUs.
 
 Expert parallelism (tokens split over the expert axes, as everywhere outside MoE layers): each device sends every
 kept assignment to the device holding its expert (all_to_all over worst-case buffers: any device may send all its
@@ -40,17 +39,9 @@ from model.axes import BATCH, EMBED, EXPERTS, LENGTH, MLP
 # The exchange by platform: ragged_all_to_all (only real rows travel) where XLA runs it and it was compiled here
 # (TPU, ahead of time); the dense all_to_all over worst-case buffers elsewhere (CPU; GPUs until run on one).
 RAGGED_EXCHANGE = {"tpu": True}
-TILE_ROWS = 256  # the largest tile of the `tiled` expert FFN (tile_rows picks smaller ones for few rows)
-
-
-def tile_rows(rows: int, experts: int) -> int:
-  """Rows per tile of the `tiled` expert FFN for `rows` rows over `experts` groups: TILE_ROWS, halved (down to 8)
-  while the padding bound experts * tile exceeds half the rows (larger tiles multiply faster, smaller ones pad
-  less; measured in benchmarks/moe.py)."""
-  tile = TILE_ROWS
-  while tile > 8 and experts * tile * 2 > rows:
-    tile //= 2
-  return tile
+# Rows per tile of the `tiled` expert FFN: whole tiles of TILE_ROWS, each expert's remainder in tiles of
+# SMALL_TILE_ROWS (the fastest pair for one MoE layer on the 2-core CPU machine, benchmarks/moe.py).
+TILE_ROWS, SMALL_TILE_ROWS = 256, 32
 
 
 @jax.custom_vjp
@@ -73,28 +64,20 @@ permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 class Layout(NamedTuple):
-  """Where R rows go in an expert-sorted buffer. dest_R: buffer row of each row (`absent` when not computed);
-  sizes_E / padded_E: rows per expert before / after padding to whole tiles; used: sum(padded_E)."""
+  """Where R rows go when packed by group. dest_R: row of each row in the packed order (`absent` when no group
+  takes it); sizes_E: rows per group."""
   dest_R: jax.Array
   sizes_E: jax.Array
-  padded_E: jax.Array
-  used: jax.Array
-  tile: int
 
 
-def layout(group_R: jax.Array, num_groups: int, tile: int, absent: int) -> Layout:
-  """Sort R rows by group (group_R == num_groups: a row no expert computes) with each group's rows padded to whole
-  tiles of `tile` rows (1: packed). Rows keep their order within a group."""
+def layout(group_R: jax.Array, num_groups: int, absent: int) -> Layout:
+  """Pack R rows by group (group_R == num_groups: a row no group takes), keeping their order within a group."""
   R, E = group_R.shape[0], num_groups
   order_R = jnp.argsort(group_R, stable=True)
   sizes_E = jnp.bincount(group_R, length=E + 1)[:E].astype(jnp.int32)
-  padded_E = -(-sizes_E // tile) * tile
-  start_E, pstart_E = jnp.cumsum(sizes_E) - sizes_E, jnp.cumsum(padded_E) - padded_E
-  g_R = group_R[order_R]
-  e_R = jnp.minimum(g_R, E - 1)
-  dest_sorted_R = jnp.where(g_R < E, pstart_E[e_R] + jnp.arange(R, dtype=jnp.int32) - start_E[e_R], absent)
-  dest_R = jnp.zeros((R,), jnp.int32).at[order_R].set(dest_sorted_R.astype(jnp.int32))
-  return Layout(dest_R, sizes_E, padded_E, jnp.sum(padded_E), tile)
+  dest_sorted_R = jnp.where(group_R[order_R] < E, jnp.arange(R, dtype=jnp.int32), absent)
+  dest_R = jnp.zeros((R,), jnp.int32).at[order_R].set(dest_sorted_R)
+  return Layout(dest_R, sizes_E)
 
 
 def grouped_matmul(impl: str | megablox.MegabloxOptions, sizes_E: jax.Array) -> Callable[[jax.Array, jax.Array],
@@ -113,81 +96,101 @@ def grouped_matmul(impl: str | megablox.MegabloxOptions, sizes_E: jax.Array) -> 
   raise ValueError(f"model.moe_impl={impl!r} is not one of ragged, tiled, megablox")
 
 
-def _tile(a, n, tile):
-  return jax.lax.dynamic_slice_in_dim(a, n * tile, tile)
+def _rows(a, r0, rows):
+  return jax.lax.dynamic_slice_in_dim(a, r0, rows)
+
+
+def _put(buf, r0, v):
+  return jax.lax.dynamic_update_slice_in_dim(buf, v.astype(buf.dtype), r0, 0)
 
 
 def _expert(w_EXY, e):
   return jax.lax.dynamic_index_in_dim(w_EXY, e, 0, keepdims=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def tiles_ffn(x_PD: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array, expert_N: jax.Array,
-              used: jax.Array, act: Callable, tile: int) -> jax.Array:
-  """The expert FFN of whole tiles: tile n (rows n*tile ..) through expert expert_N[n], for the first `used` tiles
-  only (a loop with a run-time trip count: a worst-case buffer costs its real rows); rows of later tiles are 0.
-
-  Forward and backward are loops over the used tiles with the expert's weights sliced in place (no [N, D, F]
-  weight gather, and no element-wise work on unused rows); the gate and up products are the saved residuals.
-  Returns [P, D].
-  """
-  return _tiles_fwd(x_PD, gate_EDF, up_EDF, down_EFD, expert_N, used, act, tile)[0]
+def _over_tiles(start, end, fn, carry):
+  """carry = fn(r0, rows, carry) over rows [start, end): whole TILE_ROWS tiles, then SMALL_TILE_ROWS tiles over the
+  rest (the last may overhang `end`)."""
+  n_big = (end - start) // TILE_ROWS
+  carry = jax.lax.fori_loop(0, n_big, lambda i, c: fn(start + i * TILE_ROWS, TILE_ROWS, c), carry)
+  rest = start + n_big * TILE_ROWS
+  n_small = -(-(end - rest) // SMALL_TILE_ROWS)
+  return jax.lax.fori_loop(0, n_small, lambda i, c: fn(rest + i * SMALL_TILE_ROWS, SMALL_TILE_ROWS, c), carry)
 
 
-def _tiles_fwd(x_PD, gate_EDF, up_EDF, down_EFD, expert_N, used, act, tile):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def tiles_ffn(x_PD: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array, sizes_E: jax.Array,
+              act: Callable) -> jax.Array:
+  """The expert FFN of packed rows (expert e: the sizes_E[e] rows after experts 0 .. e-1) as loops: over experts
+  (each expert's weights sliced once), over its rows in tiles (run-time trip counts: a worst-case buffer costs
+  only its real rows). A tile overhanging its expert's rows is overwritten by the next expert's tiles in the
+  forward pass and masked out of the weight gradients, so experts need no padding; x_PD must have TILE_ROWS rows
+  past the last expert's. The gate and up products are the saved residuals. Returns [P, D] (rows past the
+  experts' undefined: the caller drops them)."""
+  return _tiles_fwd(x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, act)[0]
+
+
+def _tiles_fwd(x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, act):
   P, F = x_PD.shape[0], gate_EDF.shape[-1]
+  end_E = jnp.cumsum(sizes_E)
 
-  def body(n, carry):
-    put = lambda buf, v: jax.lax.dynamic_update_slice_in_dim(buf, v.astype(buf.dtype), n * tile, 0)
-    x_RD, e = _tile(x_PD, n, tile), expert_N[n]
-    g_RF, u_RF = x_RD @ _expert(gate_EDF, e), x_RD @ _expert(up_EDF, e)
-    y_RD = (act(g_RF) * u_RF) @ _expert(down_EFD, e)
-    return tuple(put(buf, v) for buf, v in zip(carry, (y_RD, g_RF, u_RF)))
+  def per_expert(e, carry):
+    w_gate, w_up, w_down = (_expert(w, e) for w in (gate_EDF, up_EDF, down_EFD))
+
+    def tile(r0, rows, bufs):
+      x_RD = _rows(x_PD, r0, rows)
+      g_RF, u_RF = x_RD @ w_gate, x_RD @ w_up
+      return tuple(_put(b, r0, v) for b, v in zip(bufs, ((act(g_RF) * u_RF) @ w_down, g_RF, u_RF)))
+    return _over_tiles(end_E[e] - sizes_E[e], end_E[e], tile, carry)
   zeros = lambda width: jnp.zeros((P, width), x_PD.dtype)
-  return jax.lax.fori_loop(0, used, body, (zeros(x_PD.shape[1]), zeros(F), zeros(F)))
+  return jax.lax.fori_loop(0, gate_EDF.shape[0], per_expert, (zeros(x_PD.shape[1]), zeros(F), zeros(F)))
 
 
-def _tiles_fwd_rule(x_PD, gate_EDF, up_EDF, down_EFD, expert_N, used, act, tile):
-  y_PD, g_PF, u_PF = _tiles_fwd(x_PD, gate_EDF, up_EDF, down_EFD, expert_N, used, act, tile)
-  return y_PD, (x_PD, gate_EDF, up_EDF, down_EFD, expert_N, used, g_PF, u_PF)
+def _tiles_fwd_rule(x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, act):
+  y_PD, g_PF, u_PF = _tiles_fwd(x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, act)
+  return y_PD, (x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, g_PF, u_PF)
 
 
-def _tiles_bwd_rule(act, tile, res, dy_PD):
-  x_PD, gate_EDF, up_EDF, down_EFD, expert_N, used, g_PF, u_PF = res
-  f32 = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
+def _tiles_bwd_rule(act, res, dy_PD):
+  x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, g_PF, u_PF = res
+  end_E = jnp.cumsum(sizes_E)
+  f32 = lambda a_RX, b_RY: jnp.matmul(a_RX.T, b_RY, preferred_element_type=jnp.float32)  # summed over rows
 
-  def body(n, carry):
+  def per_expert(e, carry):
     dx_PD, dgate, dup, ddown = carry
-    x_RD, g_RF, u_RF, dy_RD = (_tile(a, n, tile) for a in (x_PD, g_PF, u_PF, dy_PD))
-    e = expert_N[n]
-    h_RF, h_vjp = jax.vjp(lambda g, u: act(g) * u, g_RF, u_RF)
-    dg_RF, du_RF = h_vjp((dy_RD @ _expert(down_EFD, e).T).astype(h_RF.dtype))
-    dx_RD = dg_RF @ _expert(gate_EDF, e).T + du_RF @ _expert(up_EDF, e).T
-    add = lambda acc, v: jax.lax.dynamic_update_index_in_dim(acc, _expert(acc, e) + v, e, 0)
-    return (jax.lax.dynamic_update_slice_in_dim(dx_PD, dx_RD.astype(dx_PD.dtype), n * tile, 0),
-            add(dgate, f32(x_RD.T, dg_RF)), add(dup, f32(x_RD.T, du_RF)), add(ddown, f32(h_RF.T, dy_RD)))
-  f32_zeros = lambda w: jnp.zeros(w.shape, jnp.float32)
-  init = (jnp.zeros_like(x_PD), f32_zeros(gate_EDF), f32_zeros(up_EDF), f32_zeros(down_EFD))
-  dx_PD, dgate, dup, ddown = jax.lax.fori_loop(0, used, body, init)
-  return (dx_PD, dgate.astype(gate_EDF.dtype), dup.astype(up_EDF.dtype), ddown.astype(down_EFD.dtype), None, None)
+    w_gate, w_up, w_down = (_expert(w, e) for w in (gate_EDF, up_EDF, down_EFD))
+
+    def tile(r0, rows, c):
+      dx_PD, acc_gate, acc_up, acc_down = c
+      x_RD, g_RF, u_RF, dy_RD = (_rows(a, r0, rows) for a in (x_PD, g_PF, u_PF, dy_PD))
+      dy_RD = jnp.where((r0 + jnp.arange(rows) < end_E[e])[:, None], dy_RD, 0)  # an overhang: the next expert's
+      h_RF, h_vjp = jax.vjp(lambda g, u: act(g) * u, g_RF, u_RF)
+      dg_RF, du_RF = h_vjp((dy_RD @ w_down.T).astype(h_RF.dtype))
+      return (_put(dx_PD, r0, dg_RF @ w_gate.T + du_RF @ w_up.T), acc_gate + f32(x_RD, dg_RF),
+              acc_up + f32(x_RD, du_RF), acc_down + f32(h_RF, dy_RD))
+    f32_zeros = lambda w: jnp.zeros(w.shape, jnp.float32)
+    dx_PD, *acc = _over_tiles(end_E[e] - sizes_E[e], end_E[e], tile,
+                              (dx_PD, f32_zeros(w_gate), f32_zeros(w_up), f32_zeros(w_down)))
+    put = lambda grad, a: jax.lax.dynamic_update_index_in_dim(grad, a.astype(grad.dtype), e, 0)
+    return (dx_PD, *(put(g, a) for g, a in zip((dgate, dup, ddown), acc)))
+  init = (jnp.zeros_like(x_PD), jnp.zeros_like(gate_EDF), jnp.zeros_like(up_EDF), jnp.zeros_like(down_EFD))
+  return (*jax.lax.fori_loop(0, gate_EDF.shape[0], per_expert, init), None)
 
 
 tiles_ffn.defvjp(_tiles_fwd_rule, _tiles_bwd_rule)
 
 
 def grouped_ffn(x_RD: jax.Array, group_R: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array,
-                act: Callable, impl, load: int | None = None) -> jax.Array:
+                act: Callable, impl) -> jax.Array:
   """down_e(act(gate_e x_r) * up_e x_r) for each row r with e = group_R[r] (E_loc = gate_EDF.shape[0]: no expert,
-  a zero row). `load`: the rows expected to be real (default R), which sizes the tiles. Returns [R, D]."""
+  a zero row). Returns [R, D]."""
   R, E = x_RD.shape[0], gate_EDF.shape[0]
-  tile = tile_rows(load or R, E) if impl == "tiled" else 1
-  rows = -(-(R + E * (tile - 1)) // tile) * tile  # any split of R rows into E groups padded to tiles fits
-  lay = layout(group_R, E, tile, absent=rows)
+  rows = R + TILE_ROWS if impl == "tiled" else R  # tiled: room for the last tile's overhang
+  lay = layout(group_R, E, absent=rows)
   src_P = jnp.full((rows,), R, jnp.int32).at[lay.dest_R].set(jnp.arange(R, dtype=jnp.int32), mode="drop")
   x_PD = permute(x_RD, src_P, lay.dest_R)
   if impl == "tiled":
-    expert_N = jnp.searchsorted(jnp.cumsum(lay.padded_E), jnp.arange(rows // tile) * tile, side="right")
-    y_PD = tiles_ffn(x_PD, gate_EDF, up_EDF, down_EFD, jnp.minimum(expert_N, E - 1), lay.used // tile, act, tile)
+    y_PD = tiles_ffn(x_PD, gate_EDF, up_EDF, down_EFD, lay.sizes_E, act)
   else:
     mm = grouped_matmul(impl, lay.sizes_E)
     h_PF = act(remat.tag(mm(x_PD, gate_EDF), remat.MLP_IN)) * remat.tag(mm(x_PD, up_EDF), remat.MLP_IN)
@@ -280,7 +283,7 @@ def _exchange_ffn(x_TD, experts_TK, weights_TK, keep_TK, gate_EDF, up_EDF, down_
   G = math.prod(jax.lax.axis_size(a) for a in a2a_axes)
   experts_A = experts_TK.reshape(-1)
   dest_A, mine_A = _owners(experts_A, keep_TK.reshape(-1), E_loc, ep_axes, a2a_axes)
-  by_dest = layout(jnp.where(mine_A, dest_A, G), G, 1, absent=A)  # assignments packed by destination
+  by_dest = layout(jnp.where(mine_A, dest_A, G), G, absent=A)  # assignments packed by destination
   start_G = jnp.cumsum(by_dest.sizes_E) - by_dest.sizes_E
   slot_A, slots, send, back = (_ragged_exchange if ragged else _dense_exchange)(
       (dest_A, mine_A, by_dest.dest_R, start_G), a2a_axes, G, A)
@@ -288,7 +291,7 @@ def _exchange_ffn(x_TD, experts_TK, weights_TK, keep_TK, gate_EDF, up_EDF, down_
   local_S = jnp.take(experts_A % E_loc, src_S, mode="fill", fill_value=E_loc)
   x_SD = permute(jnp.repeat(x_TD, K, axis=0), src_S, slot_A)
   groups = send(local_S, E_loc)  # rows nobody sent (ragged: past the received ones) are no expert's
-  y_RD = grouped_ffn(send(x_SD), groups, gate_EDF, up_EDF, down_EFD, act, impl, load=A)
+  y_RD = grouped_ffn(send(x_SD), groups, gate_EDF, up_EDF, down_EFD, act, impl)
   return _combine(permute(back(y_RD), slot_A, src_S), weights_TK, mine_A)
 
 

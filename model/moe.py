@@ -31,6 +31,18 @@ STATS = ("moe_aux_loss", "router_z_loss", "moe_load_max_mean", "moe_dropped_frac
 LAYER_LOAD = "moe_layer_load"
 
 
+def _top_k(x_BL_, k: int) -> tuple[jax.Array, jax.Array]:
+  """jax.lax.top_k over the last axis of a selection score (no gradient), each device on its own tokens: XLA's
+  SPMD partitioner replicates a TopK, so a batch split over the mesh would be gathered and ranked whole on every
+  device."""
+  x_BL_ = jax.lax.stop_gradient(x_BL_)
+  if not axes.active():
+    return jax.lax.top_k(x_BL_, k)
+  spec = axes.spec((BATCH, LENGTH) + (None,) * (x_BL_.ndim - 2))
+  return jax.shard_map(lambda a: tuple(jax.lax.top_k(a, k)), in_specs=spec, out_specs=(spec, spec),
+                       check_vma=False)(x_BL_)
+
+
 def route(logits_BLE: jax.Array, k: int, kind: str, bias_E: jax.Array | None = None, groups: int = 1,
           topk_groups: int = 1, norm_topk: bool = True, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """Top-k routing in float32 -> (weights_BLK float32, experts_BLK int32).
@@ -56,11 +68,11 @@ def route(logits_BLE: jax.Array, k: int, kind: str, bias_E: jax.Array | None = N
   if groups > 1:
     B, L, E = choice_BLE.shape
     grouped_BLGE = choice_BLE.reshape(B, L, groups, E // groups)
-    group_BLG = jnp.sum(jax.lax.top_k(grouped_BLGE, 2)[0], axis=-1)
-    _, best_BLT = jax.lax.top_k(group_BLG, topk_groups)
+    group_BLG = jnp.sum(_top_k(grouped_BLGE, 2)[0], axis=-1)
+    _, best_BLT = _top_k(group_BLG, topk_groups)
     allowed_BLG = jnp.sum(jax.nn.one_hot(best_BLT, groups, dtype=jnp.int32), axis=-2) > 0
     choice_BLE = jnp.where(jnp.repeat(allowed_BLG, E // groups, axis=-1), choice_BLE, -jnp.inf)
-  _, experts_BLK = jax.lax.top_k(jax.lax.stop_gradient(choice_BLE), k)
+  _, experts_BLK = _top_k(choice_BLE, k)
   if kind == "topk_softmax":  # the renormalised top k of the softmax = the softmax of the k chosen logits
     weights_BLK = jax.nn.softmax(jnp.take_along_axis(logits_BLE, experts_BLK, axis=-1), axis=-1)
   else:
