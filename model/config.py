@@ -209,7 +209,7 @@ def default_model_config() -> ml_collections.ConfigDict:
   # trained with train.mtp_loss_weight, not run by generation; 0 = off
   c.first_dense_layers = 0  # the first k layers keep a dense MLP (mlp_dim wide; DeepSeek's first_k_dense_replace)
   c.moe_impl = "auto"  # grouped expert matmul: auto (megablox on TPU, ragged on GPU, tiled on CPU; model.moe.resolve_impl)
-  # | ragged (jax.lax.ragged_dot) | tiled (row tiles, batched; small models/CPU) | megablox (Pallas TPU kernels)
+  # | ragged (jax.lax.ragged_dot) | tiled (loops over experts and row tiles; CPU) | megablox (Pallas TPU kernels)
   c.megablox_tile_m = 512  # megablox: most rows (token-expert assignments) per tile; multiple of 128
   c.megablox_tile_k = 1024  # megablox: most contraction columns per tile (a divisor of both padded widths)
   c.megablox_tile_n = 1024  # megablox: most output columns per tile (a divisor of both padded widths)

@@ -42,6 +42,9 @@ RAGGED_EXCHANGE = {"tpu": True}
 # Rows per tile of the `tiled` expert FFN: whole tiles of TILE_ROWS, each expert's remainder in tiles of
 # SMALL_TILE_ROWS (the fastest pair for one MoE layer on the 2-core CPU machine, benchmarks/moe.py).
 TILE_ROWS, SMALL_TILE_ROWS = 256, 32
+# Under expert parallelism the experts run inside this named scope + G: their buffer has room for G devices' rows
+# and balanced routing fills 1/G of it, which the performance model (train/planning/predict.py) prices.
+RECEIVED_SCOPE = "moe_rows_filled_1_of_"
 
 
 @jax.custom_vjp
@@ -291,7 +294,8 @@ def _exchange_ffn(x_TD, experts_TK, weights_TK, keep_TK, gate_EDF, up_EDF, down_
   local_S = jnp.take(experts_A % E_loc, src_S, mode="fill", fill_value=E_loc)
   x_SD = permute(jnp.repeat(x_TD, K, axis=0), src_S, slot_A)
   groups = send(local_S, E_loc)  # rows nobody sent (ragged: past the received ones) are no expert's
-  y_RD = grouped_ffn(send(x_SD), groups, gate_EDF, up_EDF, down_EFD, act, impl)
+  with jax.named_scope(f"{RECEIVED_SCOPE}{G}"):
+    y_RD = grouped_ffn(send(x_SD), groups, gate_EDF, up_EDF, down_EFD, act, impl)
   return _combine(permute(back(y_RD), slot_A, src_S), weights_TK, mine_A)
 
 

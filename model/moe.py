@@ -22,8 +22,8 @@ from model.axes import BATCH, EMBED, EXPERTS, LENGTH, MLP
 from model.config import DTYPES
 
 # moe_impl=auto on CPUs: tiled. One MoE layer forward + backward over 2048 tokens on the 2-core CPU machine
-# (benchmarks/moe.py): tiled 0.12 s against ragged 0.41 s (XLA's CPU ragged_dot multiplies every group with every
-# row); a training step of the MoE benchmark model 1.03 s vs 1.96 s (docs/moe.md).
+# (benchmarks/moe.py): tiled 0.068 s against ragged 0.40 s (XLA's CPU ragged_dot multiplies every group with every
+# row); a training step of the MoE benchmark model 0.63 s vs 1.85 s (docs/moe.md).
 AUTO_CPU = "tiled"
 STATS = ("moe_aux_loss", "router_z_loss", "moe_load_max_mean", "moe_dropped_frac", "moe_expert_load")
 # [MoE layers, E]: each MoE layer's expert shares, in layer order, then the multi-token heads' when they run

@@ -11,6 +11,7 @@ import math
 import ml_collections
 
 from model import attention
+from model import config as model_config
 from model import remat
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -132,10 +133,19 @@ def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int, expert:
   """
   c = BYTES[m.dtype]
   h, g, k, f, d = m.num_heads / tensor, m.num_kv_heads / tensor, m.head_dim, m.mlp_dim / tensor, m.d_model
+  qkv, context = (h + 2 * g) * k, h * k
+  if m.attention_type == "mla":
+    # Latent attention (model.layers.LatentAttention): q, k and v expanded per head at one width W (the kernels'),
+    # plus the latents it differentiates through: the q LoRA product and its RMSNorm (raw, float32 intermediates,
+    # normalised), the joint kv product [C + R], the normalised latent with its norm's, the rotated key.
+    qk, vd, _ = model_config.attention_dims(m)
+    Q, C, R = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
+    qkv = 3 * h * max(qk, vd) + 3 * Q + (C + R) + 3 * C + R
+    context = h * vd
   if m.num_experts:
-    # An MoE layer holds F-wide rows for the k choices of every token of its expert group (`expert` devices'
-    # tokens gathered; an upper bound, each device computes only its own experts' share) plus shared experts;
-    # averaged with the dense layers of each moe_every group.
+    # An MoE layer holds F-wide rows for the k choices of every token of its expert group (the all-to-all's
+    # worst-case receive buffer; an upper bound, each device computes only its own experts' share) plus shared
+    # experts; averaged with the dense layers of each moe_every group.
     fe = m.expert_mlp_dim or m.mlp_dim
     moe_f = (m.experts_per_token * expert + m.num_shared_experts) * fe / tensor
     f = ((m.moe_every - 1) * f + moe_f) / m.moe_every
@@ -155,8 +165,8 @@ def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int, expert:
   return {
       "input": d * c,  # the layer input (the scan carry), kept by every policy
       "norms": 5 * d * c,
-      "qkv": (h + 2 * g) * k * c,
-      "context": h * k * c,
+      "qkv": qkv * c,
+      "context": context * c,
       "scores": scores,
       "attn_out": d * c,  # only the dot-saving policies keep it; without remat it is folded into `norms`
       "mlp_in": mlp_inputs * f * c,

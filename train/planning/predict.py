@@ -217,7 +217,19 @@ def _megablox_cost(instr: hlo.Instruction, shapes: dict[str, str]) -> tuple[floa
     return None
   (dtype, lhs), (_, rhs) = floats
   out_dims = tuple(int(d) for d in out.group(2).split(",") if d)
-  return megablox.kernel_cost(kind.group(1), lhs, rhs, out_dims, hlo.shape_bytes(f"{dtype}[1]")[0])
+  return _filled(instr, megablox.kernel_cost(kind.group(1), lhs, rhs, out_dims, hlo.shape_bytes(f"{dtype}[1]")[0]))
+
+
+def _filled(instr: hlo.Instruction, cost: tuple[float, float] | None) -> tuple[float, float] | None:
+  """A grouped matmul over an expert-parallel receive buffer (model.experts.RECEIVED_SCOPE + G in its op name):
+  the kernels skip the row tiles no group covers, and balanced routing fills 1/G of the buffer, so its FLOPs are
+  the closed form's / G (the closed form's upper bound is G times the expected work); bytes stay (the weights
+  dominate and are read whole)."""
+  from model import experts  # pylint: disable=g-import-not-at-top
+  scope = re.search(re.escape(experts.RECEIVED_SCOPE) + r"(\d+)", instr.rest)
+  if cost is None or not scope:
+    return cost
+  return cost[0] / int(scope.group(1)), cost[1]
 
 
 def _online_softmax_cost(instr: hlo.Instruction, shapes: dict[str, str]) -> tuple[float, float] | None:
@@ -255,7 +267,7 @@ def _ragged_dot_cost(instr: hlo.Instruction, shapes: dict[str, str]) -> tuple[fl
     return None
   (dtype, lhs), (_, rhs) = floats
   out_dims = tuple(int(d) for d in out.group(2).split(",") if d)
-  return megablox.kernel_cost("gmm", lhs, rhs, out_dims, hlo.shape_bytes(f"{dtype}[1]")[0])
+  return _filled(instr, megablox.kernel_cost("gmm", lhs, rhs, out_dims, hlo.shape_bytes(f"{dtype}[1]")[0]))
 
 
 # Closed forms of custom-call kernels: each (instruction, shapes of its computation) -> (FLOPs, HBM bytes) of one
