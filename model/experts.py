@@ -313,11 +313,12 @@ def dispatch(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_E
     return y_TD.reshape(B, L, D)
   tok_spec = axes.spec((BATCH, LENGTH, None))
   w_spec, down_spec = axes.spec((EXPERTS, EMBED, MLP)), axes.spec((EXPERTS, MLP, EMBED))
-  ep_axes, d_axes, f_axes = _flat(w_spec[0]), _flat(w_spec[1]), _flat(w_spec[2])
-  tok_axes = set(_flat(tok_spec[0])) | set(_flat(tok_spec[1]))
   mesh_shape = jax.sharding.get_abstract_mesh().shape
-  a2a_axes = tuple(a for a in ep_axes if a in tok_axes and mesh_shape[a] > 1)  # tokens split: exchange
-  sum_axes = tuple(a for a in ep_axes if a not in tok_axes)  # tokens replicated: each its own experts, psum
+  split = lambda entry: tuple(a for a in _flat(entry) if mesh_shape[a] > 1)  # a collective over 1 device copies
+  ep_axes, d_axes, f_axes = _flat(w_spec[0]), split(w_spec[1]), split(w_spec[2])
+  tok_axes = set(_flat(tok_spec[0])) | set(_flat(tok_spec[1]))
+  a2a_axes = tuple(a for a in split(w_spec[0]) if a in tok_axes)  # tokens split: exchange
+  sum_axes = tuple(a for a in split(w_spec[0]) if a not in tok_axes)  # tokens replicated: own experts, psum
   ragged = RAGGED_EXCHANGE.get(splash.target_platform(), False)
 
   def local(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_EFD):
