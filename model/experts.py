@@ -121,20 +121,22 @@ def _over_tiles(start, end, fn, carry):
   return jax.lax.fori_loop(0, n_small, lambda i, c: fn(rest + i * SMALL_TILE_ROWS, SMALL_TILE_ROWS, c), carry)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def tiles_ffn(x_PD: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array, sizes_E: jax.Array,
-              act: Callable) -> jax.Array:
+              act: Callable, keep_products: bool = True) -> jax.Array:
   """The expert FFN of packed rows (expert e: the sizes_E[e] rows after experts 0 .. e-1) as loops: over experts
   (each expert's weights sliced once), over its rows in tiles (run-time trip counts: a worst-case buffer costs
   only its real rows). A tile overhanging its expert's rows is overwritten by the next expert's tiles in the
   forward pass and masked out of the weight gradients, so experts need no padding; x_PD must have TILE_ROWS rows
-  past the last expert's. The gate and up products are the saved residuals. Returns [P, D] (rows past the
-  experts' undefined: the caller drops them)."""
-  return _tiles_fwd(x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, act)[0]
+  past the last expert's. keep_products: the gate and up products are saved residuals ([P, F] each); else the
+  backward pass recomputes them tile by tile (for a worst-case buffer mostly empty, two F-wide buffers of P rows
+  cost more than two more products over the real rows). Returns [P, D] (rows past the experts' undefined: the
+  caller drops them)."""
+  return _tiles_fwd(x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, act, keep_products)[0]
 
 
-def _tiles_fwd(x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, act):
-  P, F = x_PD.shape[0], gate_EDF.shape[-1]
+def _tiles_fwd(x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, act, keep_products):
+  P, F = x_PD.shape[0], gate_EDF.shape[-1] if keep_products else 0
   end_E = jnp.cumsum(sizes_E)
 
   def per_expert(e, carry):
@@ -143,18 +145,21 @@ def _tiles_fwd(x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, act):
     def tile(r0, rows, bufs):
       x_RD = _rows(x_PD, r0, rows)
       g_RF, u_RF = x_RD @ w_gate, x_RD @ w_up
-      return tuple(_put(b, r0, v) for b, v in zip(bufs, ((act(g_RF) * u_RF) @ w_down, g_RF, u_RF)))
+      outs = ((act(g_RF) * u_RF) @ w_down, g_RF, u_RF) if keep_products else ((act(g_RF) * u_RF) @ w_down,)
+      return tuple(_put(b, r0, v) for b, v in zip(bufs, outs))
     return _over_tiles(end_E[e] - sizes_E[e], end_E[e], tile, carry)
   zeros = lambda width: jnp.zeros((P, width), x_PD.dtype)
-  return jax.lax.fori_loop(0, gate_EDF.shape[0], per_expert, (zeros(x_PD.shape[1]), zeros(F), zeros(F)))
+  init = (zeros(x_PD.shape[1]), zeros(F), zeros(F)) if keep_products else (zeros(x_PD.shape[1]),)
+  out = jax.lax.fori_loop(0, gate_EDF.shape[0], per_expert, init)
+  return out if keep_products else (out[0], None, None)
 
 
-def _tiles_fwd_rule(x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, act):
-  y_PD, g_PF, u_PF = _tiles_fwd(x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, act)
+def _tiles_fwd_rule(x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, act, keep_products):
+  y_PD, g_PF, u_PF = _tiles_fwd(x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, act, keep_products)
   return y_PD, (x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, g_PF, u_PF)
 
 
-def _tiles_bwd_rule(act, res, dy_PD):
+def _tiles_bwd_rule(act, keep_products, res, dy_PD):
   x_PD, gate_EDF, up_EDF, down_EFD, sizes_E, g_PF, u_PF = res
   end_E = jnp.cumsum(sizes_E)
   f32 = lambda a_RX, b_RY: jnp.matmul(a_RX.T, b_RY, preferred_element_type=jnp.float32)  # summed over rows
@@ -165,7 +170,11 @@ def _tiles_bwd_rule(act, res, dy_PD):
 
     def tile(r0, rows, c):
       dx_PD, acc_gate, acc_up, acc_down = c
-      x_RD, g_RF, u_RF, dy_RD = (_rows(a, r0, rows) for a in (x_PD, g_PF, u_PF, dy_PD))
+      x_RD, dy_RD = _rows(x_PD, r0, rows), _rows(dy_PD, r0, rows)
+      if keep_products:
+        g_RF, u_RF = _rows(g_PF, r0, rows), _rows(u_PF, r0, rows)
+      else:
+        g_RF, u_RF = x_RD @ w_gate, x_RD @ w_up
       dy_RD = jnp.where((r0 + jnp.arange(rows) < end_E[e])[:, None], dy_RD, 0)  # an overhang: the next expert's
       h_RF, h_vjp = jax.vjp(lambda g, u: act(g) * u, g_RF, u_RF)
       dg_RF, du_RF = h_vjp((dy_RD @ w_down.T).astype(h_RF.dtype))
@@ -184,16 +193,17 @@ tiles_ffn.defvjp(_tiles_fwd_rule, _tiles_bwd_rule)
 
 
 def grouped_ffn(x_RD: jax.Array, group_R: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array,
-                act: Callable, impl) -> jax.Array:
+                act: Callable, impl, load: int | None = None) -> jax.Array:
   """down_e(act(gate_e x_r) * up_e x_r) for each row r with e = group_R[r] (E_loc = gate_EDF.shape[0]: no expert,
-  a zero row). Returns [R, D]."""
+  a zero row). load: the rows expected to be real (default R); `tiled` recomputes its products in the backward
+  pass when R is more than twice that. Returns [R, D]."""
   R, E = x_RD.shape[0], gate_EDF.shape[0]
   rows = R + TILE_ROWS if impl == "tiled" else R  # tiled: room for the last tile's overhang
   lay = layout(group_R, E, absent=rows)
   src_P = jnp.full((rows,), R, jnp.int32).at[lay.dest_R].set(jnp.arange(R, dtype=jnp.int32), mode="drop")
   x_PD = permute(x_RD, src_P, lay.dest_R)
   if impl == "tiled":
-    y_PD = tiles_ffn(x_PD, gate_EDF, up_EDF, down_EFD, lay.sizes_E, act)
+    y_PD = tiles_ffn(x_PD, gate_EDF, up_EDF, down_EFD, lay.sizes_E, act, R <= 2 * (load or R))
   else:
     mm = grouped_matmul(impl, lay.sizes_E)
     h_PF = act(remat.tag(mm(x_PD, gate_EDF), remat.MLP_IN)) * remat.tag(mm(x_PD, up_EDF), remat.MLP_IN)
@@ -295,7 +305,7 @@ def _exchange_ffn(x_TD, experts_TK, weights_TK, keep_TK, gate_EDF, up_EDF, down_
   x_SD = permute(jnp.repeat(x_TD, K, axis=0), src_S, slot_A)
   groups = send(local_S, E_loc)  # rows nobody sent (ragged: past the received ones) are no expert's
   with jax.named_scope(f"{RECEIVED_SCOPE}{G}"):
-    y_RD = grouped_ffn(send(x_SD), groups, gate_EDF, up_EDF, down_EFD, act, impl)
+    y_RD = grouped_ffn(send(x_SD), groups, gate_EDF, up_EDF, down_EFD, act, impl, load=A)
   return _combine(permute(back(y_RD), slot_A, src_S), weights_TK, mine_A)
 
 
