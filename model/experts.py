@@ -1,5 +1,5 @@
-"""The routed experts' computation: rows laid out by expert, one grouped matmul per projection, and expert
-parallelism as an all-to-all exchange inside `jax.shard_map`.
+"""The routed experts' computation: rows laid out by expert, the experts' FFN over them (grouped matmuls or the
+`tiled` loops), and expert parallelism as an all-to-all exchange inside `jax.shard_map`.
 
 Shapes: as model/moe.py (T tokens, K experts per token, A = T*K assignments, E experts, E_loc on this device, D, F),
 plus R rows handed to the experts (the assignments on one device; the rows received under expert parallelism),
@@ -12,11 +12,11 @@ over the experts and their rows' tiles (`tiles_ffn`), so its cost follows the re
 what XLA:CPU runs fastest (benchmarks/moe.py), and what the megablox kernels do on TPUs.
 
 Expert parallelism (tokens split over the expert axes, as everywhere outside MoE layers): each device sends every
-kept assignment to the device holding its expert (all_to_all over worst-case buffers: any device may send all its
-A assignments to one device; ragged_all_to_all, which sends only real rows, is not run by XLA:CPU), runs its E_loc
-experts on the rows it received, and an all_to_all returns each row to its token's device. The received rows are
-~A on average and G*A at worst: the buffer holds the worst case, so nothing is ever dropped, and the tile loop
-computes only the real rows.
+kept assignment to the device holding its expert, runs its E_loc experts on the rows it received, and a second
+exchange returns each row to its token's device. Any device may send all its A assignments to one device, so the
+receive buffer holds G*A rows (about A of them real) and nothing is ever dropped: on TPUs ragged_all_to_all moves
+only the real rows into it; elsewhere all_to_all moves blocks of A slots per destination (XLA:CPU does not run the
+ragged form), and the tile loops compute only the real rows.
 Expert axes over which the tokens are replicated (not split) need no exchange: each device of such a group takes
 its own experts' assignments and a psum adds the groups. D split over fsdp is all-gathered like FSDP weights; F
 split over tensor gives partial sums, added by a psum.
