@@ -38,6 +38,7 @@ from model import axes
 from model import config as model_config
 from model import splash as splash_lib
 from model.axes import BATCH, HEAD_DIM, HEADS, KV_HEADS, KV_LENGTH, LENGTH
+from parallel import context as parallel_context
 from parallel import kernels
 
 _log = logging.getLogger(__name__)
@@ -361,12 +362,12 @@ def _pad_to(x, length, axis, value=0):
   return jnp.pad(x, widths, constant_values=value)
 
 
-def _block_visible(i, j, bq, bk, window, causal=True):
-  """Whether any (query, key) pair of block (i, j) can be visible under the causal + window mask."""
+def _span_visible(q_idx, k_idx, window, causal=True):
+  """Whether any (query, key) pair of two sets of token indices (1-D) can be visible under the causal + window
+  mask: exact for contiguous runs of indices, conservative (True) otherwise."""
   if not causal:
     return jnp.bool_(True)
-  q_min, q_max = i * bq, i * bq + bq - 1
-  k_min, k_max = j * bk, j * bk + bk - 1
+  q_min, q_max, k_min, k_max = q_idx.min(), q_idx.max(), k_idx.min(), k_idx.max()
   return (q_max >= k_min) & ((window == 0) | (q_min - k_max < window))
 
 
@@ -376,20 +377,25 @@ def blockwise_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_
   B, T, H, K = q_BTHK.shape
   blk = min(block_size, T)
   Tp = -(-T // blk) * blk
-  # Padded positions get segment -1: they match no real token (real segments are >= 0).
-  seg_BT = _pad_to(segment_ids_BT.astype(jnp.int32), Tp, 1, value=-1)
+  side, flags = token_side(segment_ids_BT, prefix_BT, branch_BT, causal, jnp.arange(T, dtype=jnp.int32), Tp)
   q, k, v = (_pad_to(a, Tp, 1) for a in (q_BTHK, k_BSGK, v_BSGK))
-  window = jnp.asarray(window, jnp.int32)
+  o = _flash(q, k, v, side, side, jnp.asarray(window, jnp.int32), blk, *flags, float(softcap))
+  return o[:, :T]
+
+
+def token_side(segment_ids_BT, prefix_BT, branch_BT, causal: bool, index_T, length: int):
+  """The per-token operands of the blockwise kernel, padded to `length`: (index_T int32 token indices in the row,
+  segment ids [B, T] with -1 for padding, tree codes [B, T] = prefix bit + 2 * branch), and its static flags
+  (causal, has_prefix, has_branch). Padded tokens get segment -1 (they match no real token) and the last index."""
   # With a prefix every block may hold visible pairs above the diagonal: none is skipped (causal=False does that).
   has_prefix = prefix_BT is not None and causal
   has_branch = branch_BT is not None
-  # One int array carries both per-token codes through the blocks: prefix bit + 2 * branch.
   tree = (prefix_BT > 0).astype(jnp.int32) if has_prefix else jnp.zeros(segment_ids_BT.shape, jnp.int32)
   if has_branch:
     tree = tree + 2 * branch_BT.astype(jnp.int32)
-  tree = _pad_to(tree, Tp, 1)
-  o = _flash(q, k, v, seg_BT, window, tree, blk, causal and not has_prefix, has_prefix, has_branch, float(softcap))
-  return o[:, :T]
+  index_T = jnp.pad(index_T.astype(jnp.int32), (0, length - index_T.shape[0]), mode="edge")
+  side = (index_T, _pad_to(segment_ids_BT.astype(jnp.int32), length, 1, value=-1), _pad_to(tree, length, 1))
+  return side, (causal and not has_prefix, has_prefix, has_branch)
 
 
 def _split_blocks(x, blk):
@@ -404,30 +410,38 @@ def _merge_blocks(x):
   return jnp.moveaxis(x, 0, 1).reshape(B, n * blk, *x.shape[3:])
 
 
+def _side_blocks(side, blk):
+  """(index_T, seg_BT, tree_BT) -> ([n, blk], [n, B, blk], [n, B, blk])."""
+  index_T, seg_BT, tree_BT = side
+  return index_T.reshape(-1, blk), _split_blocks(seg_BT, blk), _split_blocks(tree_BT, blk)
+
+
 def _scores(q_BQGRK, k_BSGK, scale, softcap: float = 0.0):
   return cap_scores(jnp.einsum("bqgrk,bsgk->bgrqs", q_BQGRK, k_BSGK, preferred_element_type=jnp.float32) * scale,
                     softcap)
 
 
-def _flash_forward(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch, softcap):
-  """Returns o_BTHK (q dtype) and the row logsumexp lse_BGRT (float32)."""
+def flash_forward(q, k, v, q_side, k_side, window, blk, causal, has_prefix, has_branch, softcap):
+  """Online-softmax attention of queries q [B, T, H, K] against keys/values k, v [B, S, G, K] (T, S multiples of
+  blk), their tokens described by `token_side` tuples -> (o_BTHK float32, lse_BGRT float32). A query that sees no
+  key gets o = 0 and lse = -1e30, so partial results over disjoint key sets combine by their lse (ring attention).
+  Tiles that the causal + window mask hides entirely are skipped."""
   B, T, H, K = q.shape
   G = k.shape[2]
   R = H // G
   scale = 1.0 / jnp.sqrt(jnp.float32(K))
   qb = _split_blocks(_group(q, G), blk)  # [n, B, blk, G, R, K]
-  kb, vb, segb = _split_blocks(k, blk), _split_blocks(v, blk), _split_blocks(seg_BT, blk)
-  treeb = _split_blocks(tree_BT, blk)
-  n = T // blk
+  kb, vb = _split_blocks(k, blk), _split_blocks(v, blk)
+  qs, ks = _side_blocks(q_side, blk), _side_blocks(k_side, blk)
 
-  def q_block(i, q_BQGRK, segq_BQ, treeq_BQ):
+  def q_block(q_BQGRK, qi_Q, segq_BQ, treeq_BQ):
     def k_step(carry, xs):
-      j, k_BSGK, v_BSGK, segk_BS, treek_BS = xs
+      k_BSGK, v_BSGK, ki_S, segk_BS, treek_BS = xs
 
       def compute(carry):
         m, l, acc = carry
         s = _scores(q_BQGRK, k_BSGK, scale, softcap)
-        mask = _block_mask(i, j, blk, segq_BQ, segk_BS, window, causal, has_prefix, has_branch, treeq_BQ, treek_BS)
+        mask = _block_mask(qi_Q, ki_S, segq_BQ, segk_BS, window, causal, has_prefix, has_branch, treeq_BQ, treek_BS)
         s = jnp.where(mask, s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -437,66 +451,80 @@ def _flash_forward(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, ha
                                                  preferred_element_type=jnp.float32)
         return m_new, l, acc
 
-      visible = _block_visible(i, j, blk, blk, window, causal)
+      visible = _span_visible(qi_Q, ki_S, window, causal)
       return jax.lax.cond(visible, compute, lambda c: c, carry), None
 
     init = (jnp.full((B, G, R, blk), _NEG, jnp.float32), jnp.zeros((B, G, R, blk), jnp.float32),
             jnp.zeros((B, G, R, blk, K), jnp.float32))
-    (m, l, acc), _ = jax.lax.scan(k_step, init, (jnp.arange(n), kb, vb, segb, treeb))
-    o_BGRQK = acc / l[..., None]  # every real row sees at least itself, so l > 0
-    return jnp.einsum("bgrqk->bqgrk", o_BGRQK).reshape(B, blk, H, K), m + jnp.log(l)
+    (m, l, acc), _ = jax.lax.scan(k_step, init, (kb, vb, *ks))
+    seen = l > 0
+    o_BGRQK = acc / jnp.where(seen, l, 1.0)[..., None]
+    return jnp.einsum("bgrqk->bqgrk", o_BGRQK).reshape(B, blk, H, K), jnp.where(seen, m + jnp.log(l), _NEG)
 
-  o_n, lse_n = jax.lax.map(lambda xs: q_block(*xs), (jnp.arange(n), qb, segb, treeb))
-  o_BTHK = _merge_blocks(o_n).astype(q.dtype)
+  o_n, lse_n = jax.lax.map(lambda xs: q_block(*xs), (qb, *qs))
   lse_BGRT = jnp.moveaxis(lse_n, 0, 3).reshape(B, G, R, T)
-  return o_BTHK, lse_BGRT
+  return _merge_blocks(o_n), lse_BGRT
 
 
-def _block_mask(i, j, blk, segq_BQ, segk_BS, window, causal, has_prefix, has_branch, treeq_BQ, treek_BS):
-  """[B, 1, 1, blk, blk] mask of query block i against key block j (tree codes: prefix bit + 2 * branch)."""
-  pos = jnp.arange(blk)
+def _block_mask(qi_Q, ki_S, segq_BQ, segk_BS, window, causal, has_prefix, has_branch, treeq_BQ, treek_BS):
+  """[B, 1, 1, Q, S] mask of a query tile against a key tile (token indices qi_Q, ki_S; tree codes: prefix bit +
+  2 * branch)."""
   prefixes = (treeq_BQ & 1, treek_BS & 1) if has_prefix else (None, None)
   branches = (treeq_BQ >> 1, treek_BS >> 1) if has_branch else (None, None)
-  return mask_fn(i * blk + pos, j * blk + pos, segq_BQ, segk_BS, window, causal or has_prefix,
-                 *prefixes, *branches)[:, None, None]
+  return mask_fn(qi_Q, ki_S, segq_BQ, segk_BS, window, causal or has_prefix, *prefixes, *branches)[:, None, None]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _flash(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch, softcap):
-  return _flash_forward(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch, softcap)[0]
+def _flash(q, k, v, q_side, k_side, window, blk, causal, has_prefix, has_branch, softcap):
+  return flash_forward(q, k, v, q_side, k_side, window, blk, causal, has_prefix, has_branch, softcap)[0].astype(
+      q.dtype)
 
 
-def _flash_fwd(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch, softcap):
-  o, lse = _flash_forward(q, k, v, seg_BT, window, tree_BT, blk, causal, has_prefix, has_branch, softcap)
-  return o, (q, k, v, seg_BT, window, tree_BT, o, lse)
+def _flash_fwd(q, k, v, q_side, k_side, window, blk, causal, has_prefix, has_branch, softcap):
+  o, lse = flash_forward(q, k, v, q_side, k_side, window, blk, causal, has_prefix, has_branch, softcap)
+  o = o.astype(q.dtype)
+  return o, (q, k, v, q_side, k_side, window, o, lse)
 
 
 def _flash_bwd(blk, causal, has_prefix, has_branch, softcap, res, do_BTHK):
-  q, k, v, seg_BT, window, tree_BT, o, lse_BGRT = res
+  q, k, v, q_side, k_side, window, o, lse_BGRT = res
+  d_BGRT = softmax_delta(do_BTHK, o, k.shape[2])
+  dq, dk, dv = flash_backward(q, k, v, q_side, k_side, window, lse_BGRT, d_BGRT, do_BTHK, blk, causal, has_prefix,
+                              has_branch, softcap)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+
+
+def softmax_delta(do_BTHK, o_BTHK, num_kv_heads: int) -> jax.Array:
+  """D_BGRT = sum_k do * o: the softmax-Jacobian term of the attention backward pass, one number per query row."""
+  return jnp.einsum("btgrk,btgrk->bgrt", _group(do_BTHK, num_kv_heads).astype(jnp.float32),
+                    _group(o_BTHK, num_kv_heads).astype(jnp.float32))
+
+
+def flash_backward(q, k, v, q_side, k_side, window, lse_BGRT, d_BGRT, do_BTHK, blk, causal, has_prefix, has_branch,
+                   softcap):
+  """Gradients (dq, dk, dv, float32) of attention of q against k, v given the rows' final logsumexp lse_BGRT and
+  softmax_delta d_BGRT, recomputing the scores tile by tile (hidden tiles skipped). With lse and d of the whole
+  key set, the result is this key set's share: summed over disjoint key sets it is the full gradient."""
   B, T, H, K = q.shape
   G = k.shape[2]
   R = H // G
-  n = T // blk
   scale = 1.0 / jnp.sqrt(jnp.float32(K))
-  q5, do5 = _group(q, G), _group(do_BTHK, G)
-  # D_i = sum_k do_ik o_ik: the softmax-Jacobian term, one number per query row.
-  d_BGRT = jnp.einsum("btgrk,btgrk->bgrt", do5.astype(jnp.float32), _group(o, G).astype(jnp.float32))
-  qb, dob = _split_blocks(q5, blk), _split_blocks(do5, blk)
-  lseb = jnp.moveaxis(lse_BGRT.reshape(B, G, R, n, blk), 3, 0)  # [n, B, G, R, blk]
-  db = jnp.moveaxis(d_BGRT.reshape(B, G, R, n, blk), 3, 0)
-  kb, vb, segb = _split_blocks(k, blk), _split_blocks(v, blk), _split_blocks(seg_BT, blk)
-  treeb = _split_blocks(tree_BT, blk)
+  qb, dob = _split_blocks(_group(q, G), blk), _split_blocks(_group(do_BTHK, G), blk)
+  lseb = jnp.moveaxis(lse_BGRT.reshape(B, G, R, T // blk, blk), 3, 0)  # [n, B, G, R, blk]
+  db = jnp.moveaxis(d_BGRT.reshape(B, G, R, T // blk, blk), 3, 0)
+  kb, vb = _split_blocks(k, blk), _split_blocks(v, blk)
+  qs, ks = _side_blocks(q_side, blk), _side_blocks(k_side, blk)
 
   def k_block(dq_acc, xs):
-    j, k_BSGK, v_BSGK, segk_BS, treek_BS = xs
+    k_BSGK, v_BSGK, ki_S, segk_BS, treek_BS = xs
 
     def q_step(carry, xs):
-      i, q_BQGRK, do_BQGRK, lse_BGRQ, d_BGRQ, segq_BQ, treeq_BQ = xs
+      q_BQGRK, do_BQGRK, lse_BGRQ, d_BGRQ, qi_Q, segq_BQ, treeq_BQ = xs
 
       def compute(carry):
         dk, dv = carry
         s = _scores(q_BQGRK, k_BSGK, scale, softcap)
-        mask = _block_mask(i, j, blk, segq_BQ, segk_BS, window, causal, has_prefix, has_branch, treeq_BQ, treek_BS)
+        mask = _block_mask(qi_Q, ki_S, segq_BQ, segk_BS, window, causal, has_prefix, has_branch, treeq_BQ, treek_BS)
         p = jnp.where(mask, jnp.exp(s - lse_BGRQ[..., None]), 0.0)
         dv = dv + jnp.einsum("bgrqs,bqgrk->bsgk", p, do_BQGRK.astype(jnp.float32))
         dp = jnp.einsum("bqgrk,bsgk->bgrqs", do_BQGRK, v_BSGK, preferred_element_type=jnp.float32)
@@ -510,16 +538,15 @@ def _flash_bwd(blk, causal, has_prefix, has_branch, softcap, res, do_BTHK):
       def skip(carry):
         return carry, jnp.zeros((B, blk, G, R, K), jnp.float32)
 
-      return jax.lax.cond(_block_visible(i, j, blk, blk, window, causal), compute, skip, carry)
+      return jax.lax.cond(_span_visible(qi_Q, ki_S, window, causal), compute, skip, carry)
 
     init = (jnp.zeros((B, blk, G, K), jnp.float32), jnp.zeros((B, blk, G, K), jnp.float32))
-    (dk, dv), dq_n = jax.lax.scan(q_step, init, (jnp.arange(n), qb, dob, lseb, db, segb, treeb))
+    (dk, dv), dq_n = jax.lax.scan(q_step, init, (qb, dob, lseb, db, *qs))
     return dq_acc + dq_n, (dk, dv)
 
-  dq0 = jnp.zeros((n, B, blk, G, R, K), jnp.float32)
-  dq_n, (dk_n, dv_n) = jax.lax.scan(k_block, dq0, (jnp.arange(n), kb, vb, segb, treeb))
-  dq = _merge_blocks(dq_n).reshape(B, T, H, K).astype(q.dtype)
-  return dq, _merge_blocks(dk_n).astype(k.dtype), _merge_blocks(dv_n).astype(v.dtype), None, None, None
+  dq0 = jnp.zeros((T // blk, B, blk, G, R, K), jnp.float32)
+  dq_n, (dk_n, dv_n) = jax.lax.scan(k_block, dq0, (kb, vb, *ks))
+  return _merge_blocks(dq_n).reshape(B, T, H, K), _merge_blocks(dk_n), _merge_blocks(dv_n)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -559,3 +586,111 @@ def attend(impl: str, q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_si
     raise ValueError(f"model.attn_logit_softcap={softcap} with model.attention_impl={impl!r}: "
                      "jax.nn.dot_product_attention cannot cap scores; use auto, xla, blockwise or splash")
   return IMPLEMENTATIONS[impl](q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, causal, prefix_BT, branch_BT)
+
+
+CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")  # model.context_parallel: attention over mesh.sequence
+
+
+def context_shards(mode: str) -> int:
+  """Devices the sequence is split over when `mode` (model.context_parallel) runs ring or Ulysses attention under
+  the current mesh; 1 when attention gathers K/V instead (all_gather, or no sequence split)."""
+  return axes.mesh_size(LENGTH) if mode != "all_gather" else 1
+
+
+def kv_length_name(mode: str) -> str:
+  """The logical name of K/V's length inside attention: split like the queries' under ring / Ulysses (they move
+  by their own collectives), else `kv_length` (gathered onto every device of the sequence axis)."""
+  return LENGTH if context_shards(mode) > 1 else KV_LENGTH
+
+
+def context_attend(mode: str, impl: str, q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window=0, block_size: int = 512,
+                   causal: bool = True, prefix_BT=None, branch_BT=None, query_block: int = 0,
+                   splash_options: splash_lib.SplashOptions | None = None, softcap: float = 0.0, order_T=None):
+  """`attend` under model.context_parallel = `mode` over the `sequence` mesh axis (parallel/context.py).
+
+  all_gather (or no sequence split): `attend` with K/V gathered. ring: each device keeps its queries and the K/V
+  blocks circle the ring; every ring step runs the blockwise kernel's math (tiles of `block_size`, hidden tiles and
+  ring steps skipped). `order_T` (int32 [T], the zigzag layout) gives the token index held at each row position:
+  masks compare those indices, so a permuted layout attends as the natural one. ulysses: all-to-all to whole
+  sequences of H/n heads, `impl` on each device, all-to-all back (natural order only).
+  """
+  shards = context_shards(mode)
+  if shards == 1:
+    return attend(impl, q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, block_size, causal, prefix_BT, branch_BT,
+                  query_block, splash_options, softcap)
+  B, T = segment_ids_BT.shape
+  q_spec, kv_spec = axes.spec((BATCH, LENGTH, HEADS, HEAD_DIM)), axes.spec((BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+  place = dict(batch=q_spec[0], heads=q_spec[2], kv_heads=kv_spec[2], length=q_spec[1])
+  seq_axis = q_spec[1]
+  window = jnp.asarray(window, jnp.int32)
+  if mode == "ulysses":
+    if order_T is not None:
+      raise ValueError("model.context_parallel='ulysses' attends in the natural token order; the zigzag layout "
+                       "(model.context_layout) is for ring")
+    masks = tuple(a for a in (prefix_BT, branch_BT) if a is not None)
+
+    def local(q, k, v, seg, *rest):
+      gathered = iter(jax.lax.all_gather(a, seq_axis, axis=1, tiled=True) for a in rest[:-1])
+      prefix, branch = (None if a is None else next(gathered) for a in (prefix_BT, branch_BT))
+      w = rest[-1]
+
+      def whole(q, k, v, seg):
+        with axes.axis_rules(()):  # one device's whole sequences: no mesh inside
+          return attend(impl, q, k, v, seg, w, block_size, causal, prefix, branch, query_block, splash_options,
+                        softcap)
+      return parallel_context.ulysses(whole, q, k, v, seg, axis=seq_axis, shards=shards)
+
+    return kernels.shard_heads(local, q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, tokens=masks, **place)
+  order_T = jnp.arange(T, dtype=jnp.int32) if order_T is None else jnp.asarray(order_T, jnp.int32)
+  blk = min(block_size, T // shards)
+  side, flags = token_side(segment_ids_BT, prefix_BT, branch_BT, causal, order_T, T)
+  index_BT = jnp.broadcast_to(side[0], (B, T))
+  fwd, bwd = _ring_block_fns(blk, *flags, float(softcap))
+
+  def local(q, k, v, seg, index, tree, w):
+    own = (index[0], seg, tree, w)
+    return parallel_context.ring(fwd, bwd, q, k, v, own, own[:3], axis=seq_axis, shards=shards)
+
+  return kernels.shard_heads(local, q_BTHK, k_BSGK, v_BSGK, side[1], window, tokens=(index_BT, side[2]), **place)
+
+
+@functools.lru_cache(maxsize=None)
+def _ring_block_fns(blk: int, causal: bool, has_prefix: bool, has_branch: bool, softcap: float):
+  """The blockwise kernel as ring attention's per-block functions (parallel.context.ring): local queries against
+  one visiting K/V block, rows padded to whole tiles of `blk`; a block that no query can see is skipped. Cached
+  so that every layer passes the same functions (the ring's custom VJP takes them as static arguments)."""
+  flags = (causal, has_prefix, has_branch, softcap)
+
+  def pad_side(side, Tp):
+    index_T, seg_bT, tree_bT = side[:3]
+    return (jnp.pad(index_T, (0, Tp - index_T.shape[0]), mode="edge"), _pad_to(seg_bT, Tp, 1, value=-1),
+            _pad_to(tree_bT, Tp, 1))
+
+  def fwd(q, k, v, q_side, k_side):
+    b, T, H, _ = q.shape
+    Tp, window = -(-T // blk) * blk, q_side[3]
+    qs, ks = pad_side(q_side, Tp), pad_side(k_side, Tp)
+
+    def compute():
+      o, lse_BGRT = flash_forward(*(_pad_to(a, Tp, 1) for a in (q, k, v)), qs, ks, window, blk, *flags)
+      return o[:, :T], jnp.transpose(lse_BGRT, (0, 3, 1, 2)).reshape(b, Tp, H)[:, :T]
+
+    skip = lambda: (jnp.zeros(q.shape, jnp.float32), jnp.full((b, T, H), parallel_context.NEG, jnp.float32))
+    return jax.lax.cond(_span_visible(q_side[0], k_side[0], window, causal), compute, skip)
+
+  def bwd(q, k, v, q_side, k_side, lse_bTH, delta_bTH, do):
+    b, T, H, K = q.shape
+    G = k.shape[2]
+    Tp, window = -(-T // blk) * blk, q_side[3]
+    qs, ks = pad_side(q_side, Tp), pad_side(k_side, Tp)
+    to_bgrt = lambda a: _pad_to(a, Tp, 1).reshape(b, Tp, G, H // G).transpose(0, 2, 3, 1)
+
+    def compute():
+      q_, k_, v_, do_ = (_pad_to(a, Tp, 1) for a in (q, k, v, do))
+      grads = flash_backward(q_, k_, v_, qs, ks, window, to_bgrt(lse_bTH), to_bgrt(delta_bTH), do_, blk, *flags)
+      return tuple(g[:, :T] for g in grads)
+
+    skip = lambda: tuple(jnp.zeros(a.shape, jnp.float32) for a in (q, k, v))
+    return jax.lax.cond(_span_visible(q_side[0], k_side[0], window, causal), compute, skip)
+
+  return fwd, bwd

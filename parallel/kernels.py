@@ -31,11 +31,13 @@ def _fit(mesh, axes: MeshAxes, dim: int) -> MeshAxes:
 
 def shard_heads(kernel: Callable, q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
                 segment_ids_BT: jax.Array, *replicated, batch: MeshAxes, heads: MeshAxes,
-                kv_heads: MeshAxes) -> jax.Array:
-  """`kernel(q_bThK, k_bSgK, v_bSgK, segment_ids_bT, *replicated) -> o_bThK` on each device's shard.
+                kv_heads: MeshAxes, length: MeshAxes = None, tokens: tuple = ()) -> jax.Array:
+  """`kernel(q_bThK, k_bSgK, v_bSgK, segment_ids_bT, *tokens_bT, *replicated) -> o_bThK` on each device's shard.
 
   Rows (B) are split over the mesh axes `batch`, query heads (H) over `heads`; the lengths T, S stay whole (a
-  length split over the sequence axis is gathered). Query head h reads kv head h // (H // G). When `kv_heads`
+  length split over the sequence axis is gathered) unless `length` names the axes that split them (context
+  parallelism: the kernel then sees T / n consecutive rows and runs the collectives over those axes itself).
+  `tokens` are further [B, T] operands split like the segment ids. Query head h reads kv head h // (H // G). When `kv_heads`
   names the same axes as `heads`, K/V are split the same way and each device's query heads read its own kv
   heads; otherwise (fewer kv heads than head shards, MQA) K/V come replicated over the head axes and each device
   slices the g = max(1, h / (H // G)) consecutive kv heads its h = H / shards query heads read. `replicated`
@@ -53,10 +55,15 @@ def shard_heads(kernel: Callable, q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: 
   if not same and shards > 1 and h % R and R % h:
     raise ValueError(f"shard_heads: {h} query heads per device and {R} query heads per kv head: neither divides "
                      "the other, so a device's query heads do not read whole kv heads")
-  q_spec = P(batch, None, heads, None)
-  kv_spec = P(batch, None, heads if same else None, None)
+  T = q_BTHK.shape[1]
+  if _flat(length) and T % _size(mesh, length):
+    raise ValueError(f"shard_heads: length {T} does not divide over mesh axes {length} "
+                     f"(size {_size(mesh, length)}); choose train.seq_len as a multiple of mesh.sequence")
+  length = length if _flat(length) else None
+  q_spec = P(batch, length, heads, None)
+  kv_spec = P(batch, length, heads if same else None, None)
 
-  def local(q_bThK, k_bSGK, v_bSGK, segment_ids_bT, *rest):
+  def local(q_bThK, k_bSGK, v_bSGK, segment_ids_bT, *rest):  # rest: the tokens' operands, then the replicated
     if not same and shards > 1:
       g = max(1, h // R)
       first = jax.lax.axis_index(_flat(heads)) * h // R
@@ -66,5 +73,7 @@ def shard_heads(kernel: Callable, q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: 
 
   # check_vma=False: under the pipeline's vmap over stages (spmd_axis_name="stage") jax adds `stage` to the specs
   # but its varying-axes check compares against the unbatched out_specs.
-  return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, P(batch, None), *(P() for _ in replicated)),
-                       out_specs=q_spec, check_vma=False)(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, *replicated)
+  token_specs = (P(batch, length),) * (1 + len(tokens))
+  return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, *token_specs, *(P() for _ in replicated)),
+                       out_specs=q_spec, check_vma=False)(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, *tokens,
+                                                          *replicated)
