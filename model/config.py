@@ -16,6 +16,8 @@ CHOICES = {
     "norm_position": ("pre", "sandwich", "post"),
     "block_type": ("sequential", "parallel"),
     "attention_impl": ("auto", "xla", "dot_product", "blockwise", "splash", "cudnn"),
+    "context_parallel": ("all_gather", "ring", "ulysses"),
+    "context_layout": ("zigzag", "contiguous"),
     "dtype": tuple(DTYPES),
     "param_dtype": tuple(DTYPES),
     "router": ("topk_softmax", "softmax_topk", "sigmoid"),
@@ -75,8 +77,11 @@ CONDITIONAL_KEYS = (
      "model.layer_types when set)", lambda c: any(layer_windows(c)), "it is the RoPE base of the sliding layers"),
     ("mup_base_width", "model.parametrization='mup'", lambda c: c.parametrization == "mup",
      "standard parametrization has no base width"),
-    ("attention_block_size", "model.attention_impl='blockwise'", lambda c: c.attention_impl == "blockwise",
-     "only the blockwise attention works in blocks"),
+    ("attention_block_size", "model.attention_impl='blockwise' or model.context_parallel='ring'",
+     lambda c: c.attention_impl == "blockwise" or c.context_parallel == "ring",
+     "only the blockwise attention and the ring's steps work in blocks"),
+    ("context_layout", "model.context_parallel='ring'", lambda c: c.context_parallel == "ring",
+     "only the ring balances its causal work by the token layout (Ulysses sees whole sequences)"),
     ("attention_query_block", "model.attention_impl='xla' (or 'auto' resolving to it) and model.causal=True",
      lambda c: _runs_attention(c, "xla") if c.causal else False, "only causal xla attention splits the queries"),
     ("global_every", "model.sliding_window > 0", lambda c: c.sliding_window > 0,
@@ -179,7 +184,12 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.attention_impl = "auto"  # auto (splash on TPU, cudnn on GPU in bf16/fp16, else xla; model.attention.resolve_impl)
   # | xla (reference) | dot_product (jax.nn.dot_product_attention, cuDNN if it takes the call on GPU) | blockwise
   # | splash (the Pallas TPU kernel; model/splash.py) | cudnn (cuDNN flash attention: GPU, bf16/fp16)
-  c.attention_block_size = 512  # query/key block length of the blockwise (flash-style) attention
+  c.attention_block_size = 512  # query/key block length of the blockwise (flash-style) attention and of ring steps
+  c.context_parallel = "all_gather"  # attention over mesh.sequence > 1: all_gather (K/V gathered on every device)
+  # | ring (K/V blocks passed around the devices, blockwise math per step) | ulysses (all-to-all to head-split whole
+  # sequences and back; the query heads per tensor shard must divide by mesh.sequence); docs/parallel.md
+  c.context_layout = "zigzag"  # ring: zigzag (device i holds chunks i and 2n-1-i of 2n: equal causal work per
+  # device; the sequence must divide by 2 * mesh.sequence) | contiguous (device i holds chunk i)
   c.splash_block_q = 512  # splash: query rows per tile of the forward kernel (clipped to the padded length)
   c.splash_block_kv = 512  # splash: keys per tile of the forward kernel
   c.splash_block_kv_compute = 512  # splash: keys per inner step of the forward kernel (divides splash_block_kv)

@@ -84,7 +84,7 @@ class Attention(nnx.Module):
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     D, H, G, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.impl, self.block_size, self.dtype = _attention_impl(cfg), cfg.attention_block_size, DTYPES[cfg.dtype]
-    self.query_block = cfg.attention_query_block
+    self.query_block, self.context = cfg.attention_query_block, cfg.context_parallel
     self.splash = splash_lib.options(cfg) if self.impl == "splash" else None
     self.q = param(rngs, (D, H, K), (EMBED, HEADS, HEAD_DIM), cfg)
     self.k = param(rngs, (D, G, K), (EMBED, KV_HEADS, HEAD_DIM), cfg)
@@ -111,9 +111,11 @@ class Attention(nnx.Module):
     self.quant = cfg.quant if "attn" in cfg.quant_layers else "none"
 
   def __call__(self, x_BLD, segment_ids_BL, cos, sin, window, cache: kv_cache.KVCache | None = None,
-               prefix_BL=None, branch_BL=None):
+               prefix_BL=None, branch_BL=None, order_L=None):
     """-> y_BLD, or (y_BLD, this layer's updated cache) when `cache` (one layer's slice) is given; `prefix_BL`
     (1 = bidirectional prefix token) and `branch_BL` (tree attention) apply without a cache (model/attention.py).
+    Without a cache, attention crosses a split sequence by model.context_parallel; `order_L` (int32 [L]) is the
+    token index at each row position when the rows are in the ring's balanced layout (None: natural order).
     cos, sin: `rope.tables` (this layer's set is picked by its window, which may be traced).
 
     With a cache the L new keys/values are stored at slots [cache.index, cache.index + L). Into a cache known to
@@ -142,9 +144,11 @@ class Attention(nnx.Module):
     q_BLHK = rope.apply(q_BLHK, cos_BLF * m, sin_BLF * m) if m != 1.0 else rope.apply(q_BLHK, cos_BLF, sin_BLF)
     k_BLGK = rope.apply(k_BLGK, cos_BLF, sin_BLF)
     q_BLHK = remat.tag(axes.constrain(q_BLHK, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.QUERY_PROJ)
-    # K/V on `kv_length`: under sequence parallelism they are gathered while queries stay sharded.
-    k_BLGK = remat.tag(axes.constrain(k_BLGK, (BATCH, KV_LENGTH, KV_HEADS, HEAD_DIM)), remat.KEY_PROJ)
-    v_BLGK = remat.tag(axes.constrain(v_BLGK, (BATCH, KV_LENGTH, KV_HEADS, HEAD_DIM)), remat.VALUE_PROJ)
+    # K/V on `kv_length` (gathered while queries stay sharded under sequence parallelism), or split like the
+    # queries when ring / Ulysses attention moves them itself.
+    kv_len = KV_LENGTH if cache is not None else attention_lib.kv_length_name(self.context)
+    k_BLGK = remat.tag(axes.constrain(k_BLGK, (BATCH, kv_len, KV_HEADS, HEAD_DIM)), remat.KEY_PROJ)
+    v_BLGK = remat.tag(axes.constrain(v_BLGK, (BATCH, kv_len, KV_HEADS, HEAD_DIM)), remat.VALUE_PROJ)
     cached = cache is not None and not kv_cache.is_empty(cache)  # decided at trace time (see kv_cache)
     if cache is not None:
       cache = kv_cache.write(cache, k_BLGK, v_BLGK)
@@ -152,8 +156,9 @@ class Attention(nnx.Module):
       o_BLHK = attention_lib.cached_attention(q_BLHK, cache.k, cache.v, cache.index, cache.start, window,
                                               self.softcap)
     else:
-      o_BLHK = attention_lib.attend(self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window, self.block_size,
-                                    self.causal, prefix_BL, branch_BL, self.query_block, self.splash, self.softcap)
+      o_BLHK = attention_lib.context_attend(self.context, self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window,
+                                            self.block_size, self.causal, prefix_BL, branch_BL, self.query_block,
+                                            self.splash, self.softcap, order_L)
     o_BLHK = remat.tag(axes.constrain(o_BLHK, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTN_CONTEXT)
     y_BLD = quant_lib.einsum("blhk,hkd->bld", o_BLHK, _value(self.o, dt), self.quant)
     if self.use_bias:
@@ -186,6 +191,7 @@ class LatentAttention(nnx.Module):
     self.dims, self.dtype = (N, R, V, C), DTYPES[cfg.dtype]
     self.impl, self.block_size = _attention_impl(cfg), cfg.attention_block_size
     self.query_block, self.softcap = cfg.attention_query_block, float(cfg.attn_logit_softcap)
+    self.context = cfg.context_parallel
     self.splash = splash_lib.options(cfg) if self.impl == "splash" else None
     if Q:
       self.q_a = param(rngs, (D, Q), (EMBED, None), cfg)
@@ -209,7 +215,7 @@ class LatentAttention(nnx.Module):
     return rope.apply(x_BLNR, cos_BLF, sin_BLF)
 
   def __call__(self, x_BLD, segment_ids_BL, cos, sin, window, cache: kv_cache.KVCache | None = None,
-               prefix_BL=None, branch_BL=None):
+               prefix_BL=None, branch_BL=None, order_L=None):
     """As `Attention.__call__`: -> y_BLD, or (y_BLD, the layer's updated cache of latents and RoPE keys)."""
     if cache is not None:
       kv_cache.check_room(cache, x_BLD.shape[1])
@@ -235,14 +241,14 @@ class LatentAttention(nnx.Module):
                                                      scale, self.softcap)
     else:
       o_BLHV = self._expanded(q_nope_BLHN, q_rot_BLHR, latent_BLC, k_rot_BL1R, kv_b, segment_ids_BL, window,
-                              prefix_BL, branch_BL)
+                              prefix_BL, branch_BL, cache is None, order_L)
     o_BLHV = remat.tag(axes.constrain(o_BLHV, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTN_CONTEXT)
     y_BLD = jnp.einsum("blhv,hvd->bld", o_BLHV, _value(self.o, dt))
     y_BLD = remat.tag(axes.constrain(y_BLD, (BATCH, LENGTH, EMBED)), remat.ATTN_OUT)
     return y_BLD if cache is None else (y_BLD, cache)
 
   def _expanded(self, q_nope_BLHN, q_rot_BLHR, latent_BLC, k_rot_BL1R, kv_b, segment_ids_BL, window, prefix_BL,
-                branch_BL):
+                branch_BL, uncached: bool = True, order_L=None):
     """Attention over per-head keys and values expanded from the latent (training, and a prompt into an empty
     cache), with `model.attention_impl`. The kernels take one width for q, k and v: the narrower side is padded
     with zeros (values: sliced off after; queries/keys: the score scale corrected), which adds no rounding."""
@@ -257,10 +263,13 @@ class LatentAttention(nnx.Module):
     pad = lambda a: a if a.shape[-1] == W else jnp.pad(a, [(0, 0)] * 3 + [(0, W - a.shape[-1])])
     q_BLHK = q_BLHK * jnp.asarray(m, q_BLHK.dtype) if m != 1.0 else q_BLHK
     q_BLHK = remat.tag(axes.constrain(pad(q_BLHK), (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.QUERY_PROJ)
-    k_BLHK = remat.tag(axes.constrain(pad(k_BLHK), (BATCH, KV_LENGTH, HEADS, HEAD_DIM)), remat.KEY_PROJ)
-    v_BLHK = remat.tag(axes.constrain(pad(v_BLHV), (BATCH, KV_LENGTH, HEADS, HEAD_DIM)), remat.VALUE_PROJ)
-    o_BLHK = attention_lib.attend(self.impl, q_BLHK, k_BLHK, v_BLHK, segment_ids_BL, window, self.block_size, True,
-                                  prefix_BL, branch_BL, self.query_block, self.splash, self.softcap)
+    context = self.context if uncached else "all_gather"  # a prompt into a cache: K/V for the cache, gathered
+    kv_len = attention_lib.kv_length_name(context)
+    k_BLHK = remat.tag(axes.constrain(pad(k_BLHK), (BATCH, kv_len, HEADS, HEAD_DIM)), remat.KEY_PROJ)
+    v_BLHK = remat.tag(axes.constrain(pad(v_BLHV), (BATCH, kv_len, HEADS, HEAD_DIM)), remat.VALUE_PROJ)
+    o_BLHK = attention_lib.context_attend(context, self.impl, q_BLHK, k_BLHK, v_BLHK, segment_ids_BL, window,
+                                          self.block_size, True, prefix_BL, branch_BL, self.query_block, self.splash,
+                                          self.softcap, order_L)
     return o_BLHK[..., :V]
 
 
@@ -293,9 +302,9 @@ class Block(nnx.Module):
     return getattr(self, name)(x_BLD) if hasattr(self, name) else x_BLD
 
   def __call__(self, x_BLD, segment_ids_BL, cos, sin, window, cache: kv_cache.KVCache | None = None,
-               prefix_BL=None, branch_BL=None):
+               prefix_BL=None, branch_BL=None, order_L=None):
     """-> (x_BLD, stats), or (x_BLD, updated layer cache) when `cache` is given (see Attention; cos, sin:
-    `rope.tables`).
+    `rope.tables`; order_L: the ring's token layout).
 
     stats are the MoE layer's router statistics (model.moe.router_stats), {} for a dense block; decoding with a
     cache drops them.
@@ -308,7 +317,8 @@ class Block(nnx.Module):
                        "(dropless)")
     h_BLD = self._norm("attn_norm", x_BLD)
     if cache is None:
-      attn_BLD = self.attn(h_BLD, segment_ids_BL, cos, sin, window, prefix_BL=prefix_BL, branch_BL=branch_BL)
+      attn_BLD = self.attn(h_BLD, segment_ids_BL, cos, sin, window, prefix_BL=prefix_BL, branch_BL=branch_BL,
+                           order_L=order_L)
     else:
       attn_BLD, cache = self.attn(h_BLD, segment_ids_BL, cos, sin, window, cache)
     attn_BLD = self._norm("attn_post_norm", attn_BLD)
@@ -388,13 +398,13 @@ class LayerGroup(nnx.Module):
     self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=j == n - 1) for j in range(n)])
 
   def __call__(self, x_BLD, segment_ids_BL, cos, sin, windows_U, cache: kv_cache.KVCache | None = None,
-               prefix_BL=None, branch_BL=None):
+               prefix_BL=None, branch_BL=None, order_L=None):
     """-> (x_BLD, the MoE block's stats), or (x_BLD, updated cache) when `cache` (k/v: [moe_every, ...]) is given."""
     stats, ks, vs = {}, [], []
     for j, block in enumerate(self.blocks):
       if cache is None:
         x_BLD, block_stats = block(x_BLD, segment_ids_BL, cos, sin, windows_U[j], prefix_BL=prefix_BL,
-                                   branch_BL=branch_BL)
+                                   branch_BL=branch_BL, order_L=order_L)
         stats = block_stats or stats
       else:
         x_BLD, layer = block(x_BLD, segment_ids_BL, cos, sin, windows_U[j],

@@ -6,6 +6,7 @@ from typing import Any, Mapping
 import jax
 import ml_collections
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from common.segments import positions_from_segments
@@ -19,6 +20,7 @@ from model import quant
 from model import remat as remat_lib
 from model import rope
 from model.axes import BATCH, EMBED, LAYERS, LENGTH, VOCAB
+from parallel import context as context_lib
 from parallel import pipeline as pipeline_lib
 
 MTP_FEATURES = "mtp_features"  # aux key of the multi-token heads' features (Transformer.__call__ with mtp=True)
@@ -112,6 +114,12 @@ class Transformer(nnx.Module):
     segment_ids_BL = segment_ids_BL.astype(jnp.int32)
     if positions_BL is None:
       positions_BL = positions_from_segments(segment_ids_BL)
+    natural = (tokens_BL, segment_ids_BL, positions_BL)  # the multi-token heads run in the natural order
+    order_L = self._context_order(tokens_BL.shape[1]) if cache is None else None
+    if order_L is not None:  # the ring's balanced layout, once for every layer (undone after the stack)
+      lay = lambda a: None if a is None else jnp.take(a, order_L, axis=1)
+      tokens_BL, segment_ids_BL, positions_BL, prefix_BL, branch_BL = map(
+          lay, (tokens_BL, segment_ids_BL, positions_BL, prefix_BL, branch_BL))
     cos, sin = rope.tables(self.cfg, positions_BL)  # [B, L, K/2], or [2, ...]: global and local sets
     x_BLD = self.embed(tokens_BL)
     windows = config_lib.layer_windows(self.cfg)
@@ -120,7 +128,7 @@ class Transformer(nnx.Module):
       if layer_cache:
         return nnx.merge(graphdef, state)(x_BLD, segment_ids_BL, cos, sin, window, *layer_cache)
       return nnx.merge(graphdef, state)(x_BLD, segment_ids_BL, cos, sin, window, prefix_BL=prefix_BL,
-                                        branch_BL=branch_BL)
+                                        branch_BL=branch_BL, order_L=order_L)
 
     if cache is not None:
       x_BLD, cache = self._cached_layers(apply_block, x_BLD, windows, cache)
@@ -129,7 +137,7 @@ class Transformer(nnx.Module):
       unit, prefix = config_lib.layers_per_unit(self.cfg), config_lib.dense_prefix(self.cfg)
       if prefix:
         x_BLD, _ = self._stack(nnx.split(self.dense_layers), jnp.asarray(windows[:prefix], jnp.int32), x_BLD,
-                               segment_ids_BL, cos, sin, prefix_BL, branch_BL)
+                               segment_ids_BL, cos, sin, prefix_BL, branch_BL, order_L)
         windows = windows[prefix:]
       windows_U = jnp.asarray(windows, jnp.int32).reshape(-1, unit) if unit > 1 else jnp.asarray(windows, jnp.int32)
       pipelined = self.pipeline is not None and axes.mesh_size(LAYERS) > 1
@@ -140,7 +148,7 @@ class Transformer(nnx.Module):
         x_BLD, stats = self._pipelined(x_BLD, windows_U, segment_ids_BL, positions_BL, prefix_BL, branch_BL)
       else:
         x_BLD, stats = self._stack(nnx.split(self.layers), windows_U, x_BLD, segment_ids_BL, cos, sin, prefix_BL,
-                                   branch_BL)
+                                   branch_BL, order_L)
     else:
       stats, pipelined = [], False
       for block, window in zip(self.layers, windows):
@@ -150,6 +158,11 @@ class Transformer(nnx.Module):
         x_BLD, block_stats = step(state, x_BLD)
         stats += [block_stats] if block_stats else []
       stats = jax.tree.map(lambda *v: jnp.stack(v), *stats) if stats else {}
+    if order_L is not None:
+      x_BLD = axes.constrain(jnp.take(x_BLD, np.argsort(order_L), axis=1), (BATCH, LENGTH, EMBED))
+      tokens_BL, segment_ids_BL, positions_BL = natural
+      if mtp:
+        cos, sin = rope.tables(self.cfg, positions_BL)
     aux = {k: jnp.mean(v, axis=0) for k, v in stats.items()}  # mean over MoE layers (MaxText, Levanter)
     if stats and self.cfg.router == "sigmoid" and not pipelined:  # per layer, for the score-bias update
       aux[moe_lib.LAYER_LOAD] = stats["moe_expert_load"]
@@ -161,6 +174,14 @@ class Transformer(nnx.Module):
         aux[moe_lib.LAYER_LOAD] = jnp.concatenate([aux[moe_lib.LAYER_LOAD], mtp_loads])
     x_BLD = self.final_norm(x_BLD)
     return (x_BLD, aux) if return_aux else x_BLD
+
+  def _context_order(self, length: int):
+    """int32 [length] numpy: the token index at each row position of the ring's zigzag layout under the current
+    mesh (model.context_parallel='ring', model.context_layout='zigzag', mesh.sequence > 1), else None."""
+    if self.cfg.context_parallel != "ring" or self.cfg.context_layout != "zigzag":
+      return None
+    shards = axes.mesh_size(LENGTH)
+    return context_lib.zigzag(length, shards) if shards > 1 else None
 
   def _mtp(self, h_BLD, tokens_BL, segment_ids_BL, cos, sin, window) -> tuple[jax.Array, jax.Array | None]:
     """([depth, B, L, D] the multi-token heads' features, [depth, E] their MoE blocks' expert loads or None when
@@ -174,14 +195,15 @@ class Transformer(nnx.Module):
       loads += [stats["moe_expert_load"]] if stats else []
     return jnp.stack(outs), jnp.stack(loads) if loads else None
 
-  def _stack(self, split_layers, windows_U, x_BLD, segment_ids_BL, cos, sin, prefix_BL=None, branch_BL=None):
+  def _stack(self, split_layers, windows_U, x_BLD, segment_ids_BL, cos, sin, prefix_BL=None, branch_BL=None,
+             order_L=None):
     """The scanned stack (or a stage's slice of it): -> (x_BLD, stats with a leading [units] dimension); cos, sin:
-    `rope.tables`, each layer taking its set by its window."""
+    `rope.tables`, each layer taking its set by its window; order_L: the ring's token layout (None: natural)."""
     graphdef, state = split_layers
     def body(x_BLD, xs):
       layer_state, window = xs
       return nnx.merge(graphdef, layer_state)(x_BLD, segment_ids_BL, cos, sin, window, prefix_BL=prefix_BL,
-                                              branch_BL=branch_BL)
+                                              branch_BL=branch_BL, order_L=order_L)
     units = windows_U.shape[0]
     if self.cfg.scan_unroll == 1 or self.cfg.scan_unroll < units:
       return jax.lax.scan(remat_lib.wrap(body, self.remat, prevent_cse=False), x_BLD, (state, windows_U),

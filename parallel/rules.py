@@ -101,7 +101,26 @@ def fit_rules(rules: Rules, model_cfg, mesh: jax.sharding.Mesh) -> Rules:
           f"{model_cfg.num_kv_heads} neither divide each other; choose config.mesh.tensor dividing num_kv_heads "
           "or a multiple of it (then K/V heads are replicated)")
     table["kv_heads"] = None
+  _check_context(model_cfg, mesh, model_cfg.num_heads // heads_size)
   return tuple(table.items())
+
+
+def _check_context(model_cfg, mesh: jax.sharding.Mesh, local_heads: int) -> None:
+  """ValueError naming the keys where model.context_parallel cannot run on this mesh (parallel/context.py)."""
+  mode, shards = model_cfg.get("context_parallel", "all_gather"), mesh.shape.get("sequence", 1)
+  if mode == "all_gather" or shards == 1:
+    return
+  if mesh.shape.get("stage", 1) > 1:
+    raise ValueError(f"model.context_parallel={mode!r} with mesh.stage > 1: pipeline stages run attention with K/V "
+                     "gathered over the sequence axis; use model.context_parallel='all_gather' or mesh.stage=1")
+  if mode == "ulysses" and local_heads % shards:
+    raise ValueError(f"model.context_parallel='ulysses' splits each tensor shard's {local_heads} query heads over "
+                     f"mesh.sequence={shards}, which does not divide them; choose mesh.sequence dividing "
+                     f"{local_heads} (num_heads / mesh.tensor) or model.context_parallel='ring'")
+  if (mode == "ring" and model_cfg.get("context_layout") == "zigzag" and model_cfg.get("num_experts", 0)
+      and model_cfg.get("capacity_factor", 0)):
+    raise ValueError("model.capacity_factor > 0 drops expert assignments in token order, which the ring's zigzag "
+                     "layout changes; use model.context_layout='contiguous' or capacity_factor=0 (dropless)")
 
 
 def check_divisible(specs: Any, shapes: Any, mesh: jax.sharding.Mesh, what: str = "parameter") -> None:

@@ -24,6 +24,12 @@ def _stages(config, facts):
   return None if stage == -1 else stage > 1  # -1: all remaining devices, known with the mesh
 
 
+def _sequence(config, facts):
+  del facts
+  sequence = config.mesh.sequence
+  return None if sequence == -1 else sequence > 1  # -1: all remaining devices, known with the mesh
+
+
 def _platform(config, facts):
   del config
   return facts["platform"] in OVERLAP_PLATFORMS if "platform" in facts else None
@@ -67,6 +73,8 @@ _EVAL_ROWS = (
 validate.conditional(
     *(_row(f"train.{k}", "mesh.stage > 1", _stages, "pipeline parallelism (docs/pipeline.md)", needs=("stage",))
       for k in _PIPELINE),
+    _row("model.context_parallel", "mesh.sequence > 1", _sequence,
+         "it chooses how attention crosses the sequence axis (docs/parallel.md)"),
     _row("train.xla_overlap", "the devices are TPUs or GPUs", _platform,
          "XLA's collective-overlap options (train.core.step.OVERLAP_OPTIONS) exist for those only",
          severity="warn", needs=("platform",)),

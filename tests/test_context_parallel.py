@@ -1,0 +1,120 @@
+"""Context parallelism (model.context_parallel): ring and Ulysses attention over the `sequence` mesh axis give the
+whole model's loss and gradients of one device, with packed documents, a sliding window, GQA and the zigzag
+layout; the zigzag layout balances causal work; impossible settings are refused by name."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import configs
+import parallel
+from model import transformer
+from parallel import context as context_lib
+from parallel import mesh as mesh_lib
+from parallel import rules as rules_lib
+from flax import nnx
+
+B, L = 4, 64
+
+
+def _model_config(**model):
+  c = configs.load("tiny")
+  # Layer 0 attends in a 12-token window, layer 1 globally; 4 query heads read 2 kv heads (GQA).
+  c.model.update(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
+                 max_seq_len=L, sliding_window=12, global_every=2, attention_block_size=4)
+  c.model.update(**model)
+  return c
+
+
+def _batch():
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(1, 256, size=(B, L + 1)).astype(np.int32)
+  segments = np.ones((B, L), np.int32)  # packed documents of uneven lengths, and padding at the end of one row
+  segments[0, 23:] = 2
+  segments[1, 9:41], segments[1, 41:] = 2, 3
+  segments[2, 50:] = 0
+  return tokens[:, :-1], tokens[:, 1:], segments
+
+
+def _loss_and_grads(config, mesh_shape=None):
+  """Mean next-token cross-entropy over the real tokens and its gradients, jitted on one device or on a mesh
+  (data, tensor, sequence); parameters from the same seed."""
+  model = transformer.Transformer(config.model, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  inputs, targets, segments = _batch()
+
+  def loss(state):
+    logits = nnx.merge(graphdef, state)(inputs, segments)
+    logp = jax.nn.log_softmax(logits)
+    nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    return jnp.sum(nll * (segments > 0)) / jnp.sum(segments > 0)
+
+  fn = jax.jit(jax.value_and_grad(loss))
+  if mesh_shape is None:
+    with jax.default_device(jax.devices()[0]):
+      return jax.device_get(fn(state))
+  config.mesh.update(data=mesh_shape[0], tensor=mesh_shape[1], sequence=mesh_shape[2], fsdp=1)
+  mesh = mesh_lib.make_mesh(config.mesh)
+  rules = rules_lib.fit_rules(rules_lib.logical_rules(config.mesh), config.model, mesh)
+
+  def sharded(state):
+    with parallel.activate(mesh, rules, inside_jit=True):
+      return jax.value_and_grad(loss)(state)
+
+  with jax.set_mesh(mesh):
+    return jax.device_get(jax.jit(sharded)(state))
+
+
+@pytest.fixture(scope="module")
+def references():
+  return {kv: _loss_and_grads(_model_config(num_kv_heads=kv)) for kv in (2, 4)}
+
+
+CASES = [  # (context_parallel, context_layout, (data, tensor, sequence), kv heads)
+    ("ring", "zigzag", (1, 1, 8), 2),
+    ("ring", "contiguous", (1, 1, 8), 2),
+    ("ring", "zigzag", (2, 1, 4), 2),
+    ("ring", "zigzag", (2, 2, 2), 2),
+    ("ulysses", "zigzag", (2, 1, 4), 2),  # 2 kv heads on 4 devices: K/V gathered, each keeps the head it reads
+    ("ulysses", "zigzag", (2, 1, 4), 4),  # 4 kv heads: K/V by all-to-all like the queries
+    ("ulysses", "zigzag", (2, 2, 2), 2),
+]
+
+
+@pytest.mark.parametrize("mode,layout,mesh_shape,kv", CASES)
+def test_context_parallel_equals_one_device(references, mode, layout, mesh_shape, kv):
+  loss_ref, grads_ref = references[kv]
+  loss, grads = _loss_and_grads(_model_config(num_kv_heads=kv, context_parallel=mode, context_layout=layout),
+                                mesh_shape)
+  np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
+  flat_ref = jax.tree_util.tree_leaves_with_path(grads_ref)
+  for (path, g), g_ref in zip(jax.tree_util.tree_leaves_with_path(grads), (leaf for _, leaf in flat_ref)):
+    scale = float(np.max(np.abs(g_ref)))
+    assert float(np.max(np.abs(np.asarray(g) - g_ref))) <= 1e-5 * scale, jax.tree_util.keystr(path)
+
+
+def test_zigzag_balances_causal_work():
+  """Every device of the zigzag layout holds the same number of visible causal (query, key) pairs, counted by
+  brute force; the contiguous layout's last device has 2n-1 times its first's."""
+  T, n = 64, 4
+  order = context_lib.zigzag(T, n)
+  assert sorted(order.tolist()) == list(range(T))
+  per_device = [int(sum(i + 1 for i in order[d * T // n:(d + 1) * T // n])) for d in range(n)]
+  assert len(set(per_device)) == 1 and sum(per_device) == T * (T + 1) // 2
+  contiguous = [sum(i + 1 for i in range(d * T // n, (d + 1) * T // n)) for d in range(n)]
+  assert contiguous[-1] / contiguous[0] == pytest.approx(2 * n - 1, rel=0.1)
+
+
+def test_refusals_name_the_keys():
+  c = _model_config(context_parallel="ulysses")
+  c.mesh.update(data=1, tensor=1, sequence=8, fsdp=1)
+  with pytest.raises(ValueError, match="ulysses.*mesh.sequence=8"):
+    rules_lib.fit_rules(rules_lib.logical_rules(c.mesh), c.model, mesh_lib.make_mesh(c.mesh))
+  with pytest.raises(ValueError, match="train.seq_len=24 does not divide by 16"):
+    context_lib.zigzag(24, 8)
+  with pytest.raises(ValueError, match="model.context_parallel"):
+    transformer.Transformer(_model_config(context_parallel="ring2").model, rngs=nnx.Rngs(0))
+  c = _model_config(context_parallel="ring")
+  c.mesh.update(data=1, tensor=1, sequence=2, fsdp=1, stage=4)
+  with pytest.raises(ValueError, match="context_parallel='ring' with mesh.stage > 1"):
+    rules_lib.fit_rules(rules_lib.logical_rules(c.mesh), c.model, mesh_lib.make_mesh(c.mesh))
