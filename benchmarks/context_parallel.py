@@ -1,0 +1,107 @@
+"""Context parallelism on the 8-device CPU mesh (mesh.sequence=8): compiled per-device memory of a training step
+at growing sequence lengths for model.context_parallel = all_gather / ring / ulysses, the growth exponent of the
+temporaries, the K/V transfers in ring's program, and step times where they fit this machine.
+
+  JAX_PLATFORMS=cpu python benchmarks/context_parallel.py [--lengths 4096,8192,16384,32768] [--time_lengths 4096]
+
+Model: 2 layers, d 64, 8 heads of 16 (MHA, so Ulysses can split the heads over 8 devices), batch 1, remat full,
+float32, attention_block_size 512. Modes: all_gather (K/V gathered, the CPU's default xla kernel), all_gather_blockwise
+(the same with the blockwise kernel), ring, ulysses (blockwise on each device's whole sequences). Memory is XLA's `memory_analysis` of the compiled step
+(arguments, outputs and temporaries per device); the exponent is the least-squares slope of log(temp bytes)
+against log(length). `collective_permutes` counts the collective-permute instructions of ring's optimised HLO
+(per layer and direction: the K/V blocks and, backward, their gradient accumulators), `all_gathers` those of
+every program. Step times are the fastest of 3 steps after the compile (only where --time_lengths asks).
+Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+
+# mode -> (model.context_parallel, model.attention_impl): all_gather with the CPU's default kernel (xla: scores of
+# the local queries against the whole gathered sequence) and with the blockwise kernel; Ulysses runs blockwise
+# attention over each device's whole sequences; the ring's steps always run the blockwise math.
+MODES = {"all_gather": ("all_gather", "auto"), "all_gather_blockwise": ("all_gather", "blockwise"),
+         "ring": ("ring", "auto"), "ulysses": ("ulysses", "blockwise")}
+
+
+def _setup() -> None:
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _trainer(mode: str, length: int):
+  import jax
+  import configs
+  from parallel import mesh as mesh_lib
+  from train.core import step as step_lib
+  config = configs.load("tiny", **{
+      "model.vocab_size": 512, "model.d_model": 64, "model.num_layers": 2, "model.num_heads": 8,
+      "model.num_kv_heads": 8, "model.head_dim": 16, "model.mlp_dim": 128, "model.max_seq_len": length,
+      "model.context_parallel": MODES[mode][0], "model.attention_impl": MODES[mode][1],
+      "model.attention_block_size": 512, "train.batch_size": 1, "train.seq_len": length, "train.remat": "full",
+      "mesh.data": 1, "mesh.sequence": 8})
+  return step_lib.Trainer(config, mesh_lib.make_mesh(config.mesh, jax.devices()))
+
+
+def _measure(mode: str, length: int, timed: bool) -> dict:
+  import jax
+  from train.core import step as step_lib
+  trainer = _trainer(mode, length)
+  start = time.perf_counter()
+  mem = trainer.memory_analysis()
+  hlo = trainer.compiled().as_text()
+  row = {"compile_s": round(time.perf_counter() - start, 1), "temp_bytes": mem["temp_bytes"],
+         "argument_bytes": mem["argument_bytes"], "collective_permutes": len(re.findall(r"collective-permute-start|"
+                                                                                  r" collective-permute\(", hlo)),
+         "all_gathers": len(re.findall(r"all-gather-start|\ball-gather\(", hlo)),
+         "all_to_alls": len(re.findall(r"\ball-to-all\(", hlo))}
+  if timed:
+    state = trainer.init()
+    batch = trainer.batch_to_device(step_lib.synthetic_batch(trainer.config, 0))
+    times = []
+    for _ in range(4):
+      t0 = time.perf_counter()
+      state, metrics = trainer.step_fn(state, batch)
+      jax.block_until_ready(metrics)
+      times.append(time.perf_counter() - t0)
+    row["step_s"] = round(min(times[1:]), 3)
+    row["loss"] = float(metrics["loss"])
+  return row
+
+
+def _slope(lengths, values) -> float:
+  xs, ys = [math.log(x) for x in lengths], [math.log(y) for y in values]
+  mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+  return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--lengths", default="4096,8192,16384,32768")
+  parser.add_argument("--time_lengths", default="4096", help="lengths whose steps are also run and timed")
+  parser.add_argument("--modes", default=",".join(MODES))
+  args = parser.parse_args()
+  _setup()
+  lengths = [int(x) for x in args.lengths.split(",")]
+  timed = {int(x) for x in args.time_lengths.split(",") if x}
+  out = {"mesh": "sequence=8 (8 simulated CPU devices)", "rows": {}}
+  for mode in args.modes.split(","):
+    rows = {}
+    for length in lengths:
+      rows[length] = _measure(mode, length, length in timed)
+      print(json.dumps({mode: {length: rows[length]}}), file=sys.stderr, flush=True)
+    out["rows"][mode] = rows
+    if len(lengths) > 1:
+      out["rows"][mode]["temp_growth_exponent"] = round(_slope(lengths, [rows[n]["temp_bytes"] for n in lengths]), 3)
+  print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+  main()
