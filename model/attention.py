@@ -641,8 +641,10 @@ def context_attend(mode: str, impl: str, q_BTHK, k_BSGK, v_BSGK, segment_ids_BT,
       return parallel_context.ulysses(whole, q, k, v, seg, axis=seq_axis, shards=shards)
 
     return kernels.shard_heads(local, q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, tokens=masks, **place)
+  # Tiles within one contiguous run of tokens (a zigzag device holds two chunks of T / 2n), so that the causal
+  # mask can skip whole tiles.
+  blk = min(block_size, T // shards if order_T is None else T // (2 * shards))
   order_T = jnp.arange(T, dtype=jnp.int32) if order_T is None else jnp.asarray(order_T, jnp.int32)
-  blk = min(block_size, T // shards)
   side, flags = token_side(segment_ids_BT, prefix_BT, branch_BT, causal, order_T, T)
   index_BT = jnp.broadcast_to(side[0], (B, T))
   fwd, bwd = _ring_block_fns(blk, *flags, float(softcap))
