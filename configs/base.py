@@ -67,6 +67,8 @@ def get_config() -> ml_collections.ConfigDict:
   t.lora_alpha = 16.0  # LoRA scale numerator: adapted W = W + (lora_alpha / lora_rank) * A @ B
   t.lora_targets = ("q", "k", "v", "o")  # projections LoRA adapts (any of q k v o gate up down)
   t.base_recipe = ""  # with no init_from: a config whose run (WORKDIR/../NAME) is made or reused first and started from
+  t.context_extension = False  # with init_from / base_recipe: this config's model.max_seq_len and RoPE keys replace
+  # the checkpoint's (continued pretraining at a longer context: docs/long-context.md); otherwise the checkpoint's rule
   t.eval_generations = 0  # held-out chat prompts per task family answered greedily at each eval (eval_exact_match); 0 = off
   t.eval_max_new_tokens = 32  # longest greedy answer generated for eval_exact_match
   t.freeze = ()  # parameter-path substrings kept frozen: zero update, no optimizer state (e.g. ("embed", "norm"))

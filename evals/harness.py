@@ -72,6 +72,8 @@ def _run(lm: LM, task: tasks_lib.Task, contexts: list[str]) -> list[Any]:
   reqs = tasks_lib.requests_of(task, contexts)
   if task.kind == tasks_lib.ROLLING:
     return lm.loglikelihood_rolling(reqs)
+  if task.kind == tasks_lib.POSITIONS:
+    return lm.token_logprobs(reqs)
   if task.kind == tasks_lib.GENERATE:
     return lm.generate_until(reqs)
   flat = lm.loglikelihood(reqs)
@@ -109,6 +111,8 @@ def _sample(task, doc, context, result) -> dict[str, Any]:
     s.update(target=doc.target, ll=result[0], is_greedy=result[1])
   elif task.kind == tasks_lib.ROLLING:
     s.update(text=doc.text, ll=result)
+  elif task.kind == tasks_lib.POSITIONS:
+    s.update(text=doc.text, tokens=len(result) + 1, ll=float(np.sum(result)))
   elif task.name == "toxicity":
     s.update(continuations=doc.meta["continuations"], scores=result, max_score=max(result))
   else:

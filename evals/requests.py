@@ -138,6 +138,7 @@ class LM:
     self._row_multiple = shards(0) * (pipeline.microbatches if pipeline is not None else 1)
     self.batch_size = _round_up(batch_size, self._row_multiple)
     self._score_fn = jax.jit(self._score, static_argnames="num_requests")
+    self._token_fn = jax.jit(self._token_logprobs)
 
   def update(self, model) -> None:
     """Scores with `model`'s current parameters from now on (same architecture: nothing recompiles)."""
@@ -197,6 +198,31 @@ class LM:
     for i, (logprob, _) in zip(owner, scores):
       out[i] += logprob
     return out
+
+  def token_logprobs(self, texts: Sequence[str]) -> list[np.ndarray]:
+    """Per document, float32 [n - 1]: log p(token j | tokens < j) for j = 1 .. n - 1 of its first n = max_len
+    tokens ([BOS] + text), one forward pass over the whole window (perplexity by position: evals/long_context.py)."""
+    docs = [self.tok_encode(t)[:self.max_len] for t in texts]
+    out: list[np.ndarray] = []
+    for start in range(0, len(docs), self.batch_size):
+      chunk = docs[start:start + self.batch_size]
+      B = _round_up(len(chunk), self._row_multiple)
+      L = _round_up(max(len(d) for d in chunk), self._length_shards)
+      tokens_BL, segment_ids_BL = np.zeros((B, L), np.int32), np.zeros((B, L), np.int32)
+      for b, d in enumerate(chunk):
+        tokens_BL[b, :len(d)], segment_ids_BL[b, :len(d)] = d, 1
+      put = lambda a: jax.device_put(a, self._sharding)
+      logprob_BL = np.asarray(jax.device_get(self._token_fn(self._state, put(tokens_BL), put(segment_ids_BL))))
+      out.extend(logprob_BL[b, :len(d) - 1] for b, d in enumerate(chunk))
+    return out
+
+  def _token_logprobs(self, state, tokens_BL, segment_ids_BL):
+    """[B, L] log p(token l + 1 | tokens <= l) (the last column is padding)."""
+    with parallel.activate(self.mesh, self.rules, inside_jit=True):
+      logits_BLV = nnx.merge(self._graphdef, state)(tokens_BL, segment_ids_BL)
+    targets_BL = jnp.pad(tokens_BL[:, 1:], ((0, 0), (0, 1)))
+    target_BL, logz_BL = logprobs.target_logits(logits_BLV, targets_BL)
+    return target_BL - logz_BL
 
   def generate_until(self, requests: Sequence[tuple[str, Sequence[str], int]], *, temperature: float = 0.0,
                      top_p: float = 1.0, seed: int = 0) -> list[str]:

@@ -12,6 +12,10 @@ A task spec is `NAME:PATH`. Names and what PATH holds:
   winogender  all_sentences.tsv
   bbq         one BBQ category .jsonl, or a directory of them
   toxicity    JSONL of prompts: {"prompt": {"text": ...}} (RealToxicityPrompts) or {"prompt": str} / {"text": str}
+  passkey     JSONL of gen records with "length" and "depth" (python -m evals.long_context passkey): exact match
+              overall, per length and per (length, depth)
+  position_ppl JSONL, one {"text"} per line: mean NLL and perplexity of the tokens at positions [0, 128),
+              [128, 256), [256, 512), ... of each document's first max_len tokens (evals/long_context.py)
 Prompts are lm-eval's templates for the tasks of the same name. Every malformed record raises TaskError naming
 the file and line.
 """
@@ -28,6 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 from evals import bias
 
 MULTIPLE_CHOICE, LOGLIKELIHOOD, ROLLING, GENERATE = "multiple_choice", "loglikelihood", "rolling", "generate"
+POSITIONS = "positions"  # per-token log-likelihoods of each document's first max_len tokens
 
 
 class TaskError(ValueError):
@@ -353,11 +358,56 @@ def _read_toxicity(path):
   return Task("toxicity", path, GENERATE, _nonempty(docs, path), toxicity.aggregate)
 
 
+def _passkey_aggregate(docs, results):
+  from evals import metrics  # pylint: disable=g-import-not-at-top
+  hits = [metrics.exact_match(r, d.target) for d, r in zip(docs, results)]
+  out = metrics.mean_with_stderr("exact_match", hits)
+  cells: dict[tuple, list[float]] = {}
+  for d, hit in zip(docs, hits):
+    cells.setdefault((d.meta["length"],), []).append(hit)
+    cells.setdefault((d.meta["length"], d.meta["depth"]), []).append(hit)
+  for cell, values in sorted(cells.items()):
+    name = f"exact_match_len{cell[0]}" + (f"_depth{cell[1]:g}" if len(cell) > 1 else "")
+    out[name] = sum(values) / len(values)
+  return out
+
+
+def _read_passkey(path):
+  task = _read_gen(path)
+  for (lineno, r), d in zip(_jsonl(path, "passkey task: JSONL of python -m evals.long_context passkey"), task.docs):
+    where = f"{path}:{lineno}"
+    d.meta = {"length": _field(r, "length", where, int), "depth": float(_field(r, "depth", where, (int, float)))}
+  task.aggregate = _passkey_aggregate
+  return task
+
+
+POSITION_EDGES = (0, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def _positions_aggregate(docs, results):
+  """Mean NLL (nats per token) and perplexity of the predicted tokens whose index in the window falls in each
+  [POSITION_EDGES[i], POSITION_EDGES[i+1]) (index 1 = the first text token after BOS)."""
+  import math  # pylint: disable=g-import-not-at-top
+  out: dict[str, float] = {}
+  for lo, hi in zip(POSITION_EDGES[:-1], POSITION_EDGES[1:]):
+    values = [float(-lp) for r in results for j, lp in enumerate(r, start=1) if lo <= j < hi]
+    if values:
+      nll = sum(values) / len(values)
+      out.update({f"nll_pos{lo}_{hi}": nll, f"perplexity_pos{lo}_{hi}": math.exp(nll),
+                  f"tokens_pos{lo}_{hi}": float(len(values))})
+  return out
+
+
+def _read_positions(path):
+  task = _read_ppl(path)
+  return Task("position_ppl", path, POSITIONS, task.docs, _positions_aggregate)
+
+
 READERS: dict[str, Callable[[str], Task]] = {
     "mc": _read_mc, "ppl": _read_ppl, "gen": _read_gen, "piqa": _read_piqa, "hellaswag": _read_hellaswag,
     "arc": _read_arc, "arc_easy": _read_arc, "arc_challenge": _read_arc, "lambada": _read_lambada,
     "crows_pairs": _read_crows_pairs, "winogender": _read_winogender, "bbq": _read_bbq,
-    "toxicity": _read_toxicity,
+    "toxicity": _read_toxicity, "passkey": _read_passkey, "position_ppl": _read_positions,
 }
 
 
@@ -393,7 +443,7 @@ def fewshot_context(task: Task, index: int, k: int, rng) -> str:
   ContextSampler does (sample k + 1, drop the document itself, keep k)."""
   if k <= 0:
     return ""
-  if task.kind == ROLLING:
+  if task.kind in (ROLLING, POSITIONS):
     raise TaskError(f"task {task.name}: perplexity tasks take no few-shot examples (use --num_fewshot 0)")
   pool = task.fewshot_docs if task.fewshot_docs else task.docs
   if task.fewshot_docs:
@@ -426,7 +476,7 @@ def requests_of(task: Task, contexts: Sequence[str]) -> list[tuple]:
       out.extend((ctx, task.target_delimiter + c) for c in d.choices)
     elif task.kind == LOGLIKELIHOOD:
       out.append((ctx, task.target_delimiter + d.target))
-    elif task.kind == ROLLING:
+    elif task.kind in (ROLLING, POSITIONS):
       out.append(d.text)
     else:
       out.append((ctx, d.until, d.max_tokens))

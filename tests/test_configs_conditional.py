@@ -96,6 +96,7 @@ CASES = {
     "model.context_layout": ("contiguous", {"model.context_parallel": "ulysses", "mesh.sequence": 2},
                              {"model.context_parallel": "ring", "mesh.sequence": 2}),
     "model.context_parallel": ("ring", {}, {"mesh.sequence": 2}),
+    "train.context_extension": (True, {}, {"train.base_recipe": "tiny"}),
     "model.attention_query_block": (64, {"model.attention_impl": "dot_product"}, {}),
     "model.global_every": (2, {}, {"model.sliding_window": 16}),
     "model.quant_layers": (("mlp",), {}, {"model.quant": "int8"}),

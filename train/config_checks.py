@@ -73,6 +73,9 @@ _EVAL_ROWS = (
 validate.conditional(
     *(_row(f"train.{k}", "mesh.stage > 1", _stages, "pipeline parallelism (docs/pipeline.md)", needs=("stage",))
       for k in _PIPELINE),
+    _row("train.context_extension", "train.init_from or train.base_recipe is set",
+         lambda c, f: bool(c.train.init_from or c.train.base_recipe),
+         "it lets a run started from a checkpoint change the context length and RoPE keys"),
     _row("model.context_parallel", "mesh.sequence > 1", _sequence,
          "it chooses how attention crosses the sequence axis (docs/parallel.md)"),
     _row("train.xla_overlap", "the devices are TPUs or GPUs", _platform,

@@ -25,9 +25,15 @@ _SPLASH = ("splash_block_q", "splash_block_kv", "splash_block_kv_compute", "spla
            "pallas_interpret")
 _KERNELS = (*_SPLASH, "moe_impl", "megablox_tile_m", "megablox_tile_k", "megablox_tile_n")
 FUNCTION_PRESERVING = ("scan_layers", "attention_impl", "attention_block_size", "attention_query_block", "dtype",
-                       "param_dtype", "init_std", "scan_unroll", *_KERNELS)
+                       "param_dtype", "init_std", "scan_unroll", "context_parallel", "context_layout", *_KERNELS)
 # Of those, the ones a resumed run may change: the others change the saved state's layout or dtype.
-RESUME_FREE = ("attention_impl", "attention_block_size", "attention_query_block", "dtype", "scan_unroll", *_KERNELS)
+RESUME_FREE = ("attention_impl", "attention_block_size", "attention_query_block", "dtype", "scan_unroll",
+               "context_parallel", "context_layout", *_KERNELS)
+# The keys a run started from a checkpoint with train.context_extension=True takes from its own config: the
+# context length and the positions' encoding change, the parameters' shapes do not.
+CONTEXT_EXTENSION = ("max_seq_len", "rope_theta", "rope_scaling", "rope_scaling_factor", "rope_original_max_len",
+                     "rope_low_freq_factor", "rope_high_freq_factor", "rope_yarn_beta_fast", "rope_yarn_beta_slow",
+                     "rope_attention_factor", "rope_yarn_truncate", "rope_mscale_all_dim")
 
 
 def is_hf_dir(path: str) -> bool:
@@ -145,19 +151,25 @@ def model_from(config: ml_collections.ConfigDict, source: dict[str, Any], where:
                overrides: Sequence[str]) -> list[str]:
   """Sets `config.model` (in place) from a checkpoint's model config `source`; returns notes on changed keys.
 
-  Keys in FUNCTION_PRESERVING keep the run's values. Every other key takes the checkpoint's value, whatever the
-  config file said; an explicit `--config.model.KEY` override (listed in `overrides`) of such a key that
-  disagrees with the checkpoint raises ConfigError naming the key and both values.
+  Keys in FUNCTION_PRESERVING keep the run's values, and so do CONTEXT_EXTENSION's with
+  train.context_extension=True (noted). Every other key takes the checkpoint's value, whatever the config file
+  said; an explicit `--config.model.KEY` override (listed in `overrides`) of such a key that disagrees with the
+  checkpoint raises ConfigError naming the key and both values.
   """
   explicit = {k.split(".", 1)[1] for k in overrides if k.startswith("model.")}
+  extending = bool(config.train.get("context_extension", False))
   notes = []
   for key in config.model:
     if key in FUNCTION_PRESERVING or key not in source or _as_json(source[key]) == _as_json(config.model[key]):
       continue
+    if extending and key in CONTEXT_EXTENSION:
+      notes.append(f"model.{key}={config.model[key]!r} (the checkpoint has {source[key]!r}: context extension)")
+      continue
     if key in explicit:
       raise ConfigError(f"--config.model.{key}={config.model[key]!r} contradicts {where}, which has "
                         f"model.{key}={source[key]!r}: {key} changes the function the weights compute; drop the "
-                        f"override (only {', '.join(FUNCTION_PRESERVING)} may differ)")
+                        f"override (only {', '.join(FUNCTION_PRESERVING)} may differ, and with "
+                        "train.context_extension=True the context length and RoPE keys)")
     notes.append(f"model.{key}={source[key]!r} (config file: {config.model[key]!r})")
     config.model[key] = tuple(source[key]) if isinstance(source[key], list) else source[key]
   return notes
