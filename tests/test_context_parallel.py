@@ -36,9 +36,9 @@ def _batch():
   return tokens[:, :-1], tokens[:, 1:], segments
 
 
-def _loss_and_grads(config, mesh_shape=None):
+def _loss_and_grads(config, mesh_shape=None, hlo=False):
   """Mean next-token cross-entropy over the real tokens and its gradients, jitted on one device or on a mesh
-  (data, tensor, sequence); parameters from the same seed."""
+  (data, tensor, sequence); parameters from the same seed. hlo=True: the mesh program's optimised HLO instead."""
   model = transformer.Transformer(config.model, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
   inputs, targets, segments = _batch()
@@ -62,6 +62,8 @@ def _loss_and_grads(config, mesh_shape=None):
       return jax.value_and_grad(loss)(state)
 
   with jax.set_mesh(mesh):
+    if hlo:
+      return jax.jit(sharded).lower(state).compile().as_text()
     return jax.device_get(jax.jit(sharded)(state))
 
 
@@ -118,3 +120,21 @@ def test_refusals_name_the_keys():
   c.mesh.update(data=1, tensor=1, sequence=2, fsdp=1, stage=4)
   with pytest.raises(ValueError, match="context_parallel='ring' with mesh.stage > 1"):
     rules_lib.fit_rules(rules_lib.logical_rules(c.mesh), c.model, mesh_lib.make_mesh(c.mesh))
+
+
+def test_ring_moves_kv_blocks_by_permutes_and_gathers_none():
+  """The compiled training step of ring sends the local K/V blocks [1, L/8, 2 kv heads, 16] (and their gradients)
+  by collective-permutes and all-gathers no whole-sequence K/V [1, L, 2, 16], which all_gather's step does."""
+  from train.core import step as step_lib
+
+  def ops(mode, kind):
+    c = _model_config(context_parallel=mode)
+    c.train.update(batch_size=1, seq_len=L)
+    c.mesh.update(data=1, fsdp=1, tensor=1, sequence=8)
+    text = step_lib.Trainer(c, mesh_lib.make_mesh(c.mesh)).compiled().as_text()
+    return [line for line in text.splitlines() if f" {kind}(" in line or f" {kind}-start(" in line]
+  block, whole = f"f32[1,{L // 8},2,16]", f"f32[1,{L},2,16]"
+  permutes = ops("ring", "collective-permute")
+  assert sum(block in line for line in permutes) >= 6  # K, V and dK, dV (forward and backward rotations)
+  assert not any(whole in line for line in ops("ring", "all-gather"))
+  assert any(whole in line for line in ops("all_gather", "all-gather"))

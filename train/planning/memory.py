@@ -180,6 +180,24 @@ SAVED_BY_POLICY = {name: policy.keeps for name, policy in remat.POLICIES.items()
 
 
 _ATTENTION = ("norms", "qkv", "context", "scores", "attn_out")  # live while attention is differentiated
+
+
+def _context_bytes(m: ml_collections.ConfigDict, context: str, sizes: dict[str, int]) -> float:
+  """Bytes per local token that attention over a split sequence (model.context_parallel, mesh.sequence = n > 1)
+  holds beside the layer's own tensors while it is differentiated. all_gather: the whole sequence's K and V and
+  their gradients before the reduce-scatter (n times the local tokens'). ring (parallel/context.py): two K/V blocks
+  (the one in use and the one arriving) and two float32 dK/dV accumulators (the one being added to and the one
+  arriving). ulysses: q, k, v and the context again in the head-split layout of the all-to-all."""
+  n = sizes["sequence"]
+  if n == 1 or m.attention_type == "mla":
+    return 0.0
+  c, k = BYTES[m.dtype], m.head_dim
+  h, g = m.num_heads / sizes["tensor"], max(m.num_kv_heads / sizes["tensor"], 1)
+  if context == "ring":
+    return 2 * 2 * g * k * (c + 4)
+  if context == "ulysses":
+    return (2 * h + 2 * g) * k * c
+  return 2 * 2 * g * k * c * n
 _MLP = ("mlp_in", "mlp_other", "mlp_out")
 
 
@@ -205,10 +223,13 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
   """
   m, t = config.model, config.train
   impl = attention_impl(m, platform)
+  sizes = sizes or mesh_sizes(config)
+  context = m.get("context_parallel", "all_gather") if sizes["sequence"] > 1 else "all_gather"
+  if context == "ring":  # every ring step runs the blockwise kernel's math
+    impl = "blockwise"
   remat = t.remat if remat is None else remat
   if remat not in SAVED_BY_POLICY:
     raise ValueError(f"remat={remat!r}: no activation model for it; known: {', '.join(SAVED_BY_POLICY)}")
-  sizes = sizes or mesh_sizes(config)
   tokens = micro_batch * t.seq_len / (batch_shards(sizes) * sizes["sequence"])
   per_token = _layer_bytes(m, t.seq_len, sizes["tensor"], sizes.get("expert", 1), sizes["sequence"], impl)
 
@@ -219,7 +240,7 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
   saved = nbytes(kept)
   # the scores' gradient: float32, mask-free (flash-style kernels recompute it per block instead)
   score_grad = per_token["scores"] * 4 / 5 if impl not in FLASH_ATTENTION else 0.0
-  attention = nbytes(set(_ATTENTION) - kept) + score_grad * tokens
+  attention = nbytes(set(_ATTENTION) - kept) + (score_grad + _context_bytes(m, context, sizes)) * tokens
   mlp = nbytes(set(_MLP) - kept)
   logits = 2 * 4 * m.vocab_size / sizes["tensor"] * tokens
   layers = saved * m.num_layers

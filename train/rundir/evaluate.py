@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--num_fewshot", type=int, default=0, help="few-shot examples before each prompt")
   p.add_argument("--limit", type=int, default=None, help="evaluate only the first N documents of each task")
   p.add_argument("--batch_size", type=int, default=16, help="rows per forward pass")
+  p.add_argument("--max_len", type=int, default=None,
+                 help="tokens a request may span (default: the model's max_seq_len); longer than the model was "
+                      "trained on measures extrapolation (position_ppl, passkey)")
   p.add_argument("--output", default=None, help="write the results JSON here")
   p.add_argument("--log_samples", action="store_true", help="add per-document log-likelihoods/predictions")
   p.add_argument("--mesh", type=_mesh_arg, default=None, help="mesh axes, e.g. data=1,fsdp=-1 (default: the run's)")
@@ -78,7 +81,8 @@ def open_lm(args):
   else:
     model, tok, mesh, rules = restore.load_hf(args.hf, args.mesh)
     what = args.hf
-  return evals.LM(model, tok, mesh, rules, batch_size=args.batch_size, progress=not args.no_progress), what
+  return evals.LM(model, tok, mesh, rules, batch_size=args.batch_size, max_len=args.max_len,
+                  progress=not args.no_progress), what
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -88,8 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   from evals import tasks as tasks_lib  # pylint: disable=g-import-not-at-top
   from evals import harness as evaluate_lib  # pylint: disable=g-import-not-at-top
   from train.rundir import restore  # pylint: disable=g-import-not-at-top
-  for flag in ("num_fewshot", "batch_size", "toxicity_samples"):
-    if getattr(args, flag) < (0 if flag == "num_fewshot" else 1):
+  for flag in ("num_fewshot", "batch_size", "toxicity_samples", "max_len"):
+    if getattr(args, flag) is not None and getattr(args, flag) < (0 if flag == "num_fewshot" else 1):
       print(f"error: --{flag}={getattr(args, flag)} is out of range", file=sys.stderr)
       return 2
   try:
