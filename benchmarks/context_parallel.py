@@ -3,6 +3,10 @@ at growing sequence lengths for model.context_parallel = all_gather / ring / uly
 temporaries, the K/V transfers in ring's program, and step times where they fit this machine.
 
   JAX_PLATFORMS=cpu python benchmarks/context_parallel.py [--lengths 4096,8192,16384,32768] [--time_lengths 4096]
+  python benchmarks/context_parallel.py --aot llama3_8b [--topology v5p-128] [--aot_lengths 32768,131072,524288]
+
+The second form compiles the preset ahead of time for a TPU slice (libtpu: the `tpu` extra) with each mode at each
+length and prints per-chip memory and the performance model's predicted step time.
 
 Model: 2 layers, d 64, 8 heads of 16 (MHA, so Ulysses can split the heads over 8 devices), batch 1, remat full,
 float32, attention_block_size 256. Modes: all_gather (K/V gathered, the CPU's default xla kernel), all_gather_blockwise
@@ -83,12 +87,53 @@ def _slope(lengths, values) -> float:
   return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
+AOT_MODES = ("all_gather", "ring", "ulysses")
+
+
+def aot_rows(preset: str, topology: str, lengths, sequence: int, batch: int) -> dict:
+  """`python -m train.compile` of `preset` at each length and mode (bf16, remat full, fsdp over the rest of the
+  chips, mesh.sequence = `sequence`): per-chip bytes, whether they fit, the predicted step, seconds to compile."""
+  import subprocess
+  rows = {}
+  for length in lengths:
+    for mode in AOT_MODES:
+      cmd = [sys.executable, "-m", "train.compile", f"--config={preset}", f"--topology={topology}", "--json",
+             "--config.mesh.data=1", "--config.mesh.fsdp=-1", f"--config.mesh.sequence={sequence}",
+             f"--config.model.context_parallel={mode}", "--config.model.param_dtype=bfloat16",
+             "--config.model.dtype=bfloat16", "--config.train.remat=full", f"--config.train.batch_size={batch}",
+             f"--config.train.seq_len={length}", f"--config.model.max_seq_len={length}"]
+      done = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
+          os.path.abspath(__file__))), env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+      if done.returncode:
+        rows[f"{mode}@{length}"] = {"error": done.stderr.strip().splitlines()[-1][:300]}
+        continue
+      out = json.loads(done.stdout.strip().splitlines()[-1])
+      rows[f"{mode}@{length}"] = {
+          "bytes_per_chip": out["memory"]["total_bytes"], "temp_bytes": out["memory"]["temp_bytes"],
+          "fits": out["fits"], "hbm_bytes": out["hbm_bytes"], "compile_s": round(out["compile_seconds"], 1),
+          "predicted_step_s": round(out["predicted"]["step_seconds"], 2),
+          "predicted_mfu": round(out["predicted"]["mfu"], 3), "dominant": out["predicted"]["dominant"]}
+      print(json.dumps({f"{mode}@{length}": rows[f"{mode}@{length}"]}), file=sys.stderr, flush=True)
+  return rows
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--lengths", default="4096,8192,16384,32768")
   parser.add_argument("--time_lengths", default="4096", help="lengths whose steps are also run and timed")
   parser.add_argument("--modes", default=",".join(MODES))
+  parser.add_argument("--aot", default="", help="instead: a preset compiled ahead of time for TPU, e.g. llama3_8b")
+  parser.add_argument("--topology", default="v5p-128")
+  parser.add_argument("--aot_lengths", default="32768,131072,524288")
+  parser.add_argument("--aot_sequence", type=int, default=2, help="mesh.sequence (inside one host: its chips)")
+  parser.add_argument("--aot_batch", type=int, default=32)
   args = parser.parse_args()
+  if args.aot:
+    print(json.dumps({"preset": args.aot, "topology": args.topology, "sequence": args.aot_sequence,
+                      "batch": args.aot_batch, "rows": aot_rows(args.aot, args.topology,
+                                                                [int(x) for x in args.aot_lengths.split(",")],
+                                                                args.aot_sequence, args.aot_batch)}, indent=1))
+    return
   _setup()
   lengths = [int(x) for x in args.lengths.split(",")]
   timed = {int(x) for x in args.time_lengths.split(",") if x}

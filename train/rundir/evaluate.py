@@ -75,12 +75,15 @@ def open_lm(args):
   from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   from train.rundir import restore  # pylint: disable=g-import-not-at-top
   if args.workdir:
-    run = restore.load_run(args.workdir, args.step, args.mesh)
+    run = restore.load_run(args.workdir, args.step, args.mesh, max_seq_len=args.max_len)
     tok = tokenizer_lib.Tokenizer.load(run.tokenizer_path)
     model, mesh, rules, what = run.model, run.mesh, run.rules, f"{args.workdir} step {run.step}"
   else:
     model, tok, mesh, rules = restore.load_hf(args.hf, args.mesh)
     what = args.hf
+    if args.max_len and args.max_len > model.cfg.max_seq_len:
+      raise restore.RunError(f"--max_len={args.max_len} exceeds {args.hf}'s max_position_embeddings="
+                             f"{model.cfg.max_seq_len}; use at most that")
   return evals.LM(model, tok, mesh, rules, batch_size=args.batch_size, max_len=args.max_len,
                   progress=not args.no_progress), what
 

@@ -97,10 +97,15 @@ def open_checkpoint(workdir: str, step: int | None = None) -> tuple[ckpt_lib.Che
     raise RunError(str(e)) from None
 
 
-def load_run(workdir: str, step: int | None = None, mesh_overrides: Mapping[str, int] | None = None) -> Run:
-  """The run's model at checkpoint `step` (default: the latest), placed on the mesh; see the module docstring."""
+def load_run(workdir: str, step: int | None = None, mesh_overrides: Mapping[str, int] | None = None,
+             max_seq_len: int | None = None) -> Run:
+  """The run's model at checkpoint `step` (default: the latest), placed on the mesh; see the module docstring.
+  `max_seq_len` above the run's raises model.max_seq_len (a bound on generation, not part of the function the
+  weights compute): evaluation beyond the length a model was trained on."""
   checkpointer, step, meta = open_checkpoint(workdir, step)
   config = _inference_config(meta["config"], mesh_overrides)
+  if max_seq_len and max_seq_len > config.model.max_seq_len:
+    config.model.max_seq_len = int(max_seq_len)
   from model import Transformer  # pylint: disable=g-import-not-at-top
   abstract_model = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract_model)
