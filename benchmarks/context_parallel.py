@@ -15,7 +15,9 @@ float32, attention_block_size 256. Modes: all_gather (K/V gathered, the CPU's de
 against log(length). `collective_permutes` counts the collective-permute instructions of ring's optimised HLO
 (per layer and direction: the K/V blocks and, backward, their gradient accumulators), `all_gathers` those of
 every program. With lengths doubling, `temp_increment_ratio` is the last increase of the temporaries over the one
-before: 2 for linear growth, 4 for quadratic (the exponent alone is pulled down by the fixed part). Step times are the fastest of 3 steps after the compile (only where --time_lengths asks).
+before: 2 for linear growth, 4 for quadratic (the exponent alone is pulled down by the fixed part). Step times
+are the fastest of 3 steps after the compile (only where --time_lengths asks, and where the 8 devices'
+temporaries fit in HOST_BUDGET of this machine's memory).
 Prints one JSON object.
 """
 from __future__ import annotations
@@ -55,6 +57,9 @@ def _trainer(mode: str, length: int):
   return step_lib.Trainer(config, mesh_lib.make_mesh(config.mesh, jax.devices()))
 
 
+HOST_BUDGET = 8 * 2**30  # the simulated devices' temporaries together, bytes: timed only below this
+
+
 def _measure(mode: str, length: int, timed: bool) -> dict:
   import jax
   from train.core import step as step_lib
@@ -67,7 +72,9 @@ def _measure(mode: str, length: int, timed: bool) -> dict:
                                                                                   r" collective-permute\(", hlo)),
          "all_gathers": len(re.findall(r"all-gather-start|\ball-gather\(", hlo)),
          "all_to_alls": len(re.findall(r"\ball-to-all\(", hlo))}
-  if timed:
+  if timed and mem["temp_bytes"] * 8 > HOST_BUDGET:
+    row["step_s"] = f"not run: 8 devices x {mem['temp_bytes'] / 2**30:.1f} GiB exceed this host"
+  elif timed:
     state = trainer.init()
     batch = trainer.batch_to_device(step_lib.synthetic_batch(trainer.config, 0))
     times = []
@@ -120,7 +127,8 @@ def aot_rows(preset: str, topology: str, lengths, sequence: int, batch: int) -> 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--lengths", default="4096,8192,16384,32768")
-  parser.add_argument("--time_lengths", default="4096", help="lengths whose steps are also run and timed")
+  parser.add_argument("--time_lengths", default="4096,8192,16384",
+                      help="lengths whose steps are also run and timed")
   parser.add_argument("--modes", default=",".join(MODES))
   parser.add_argument("--aot", default="", help="instead: a preset compiled ahead of time for TPU, e.g. llama3_8b")
   parser.add_argument("--topology", default="v5p-128")

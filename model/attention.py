@@ -519,10 +519,10 @@ def flash_backward(q, k, v, q_side, k_side, window, lse_BGRT, d_BGRT, do_BTHK, b
     k_BSGK, v_BSGK, ki_S, segk_BS, treek_BS = xs
 
     def q_step(carry, xs):
-      q_BQGRK, do_BQGRK, lse_BGRQ, d_BGRQ, qi_Q, segq_BQ, treeq_BQ = xs
+      i, q_BQGRK, do_BQGRK, lse_BGRQ, d_BGRQ, qi_Q, segq_BQ, treeq_BQ = xs
 
       def compute(carry):
-        dk, dv = carry
+        dk, dv, dq_acc = carry
         s = _scores(q_BQGRK, k_BSGK, scale, softcap)
         mask = _block_mask(qi_Q, ki_S, segq_BQ, segk_BS, window, causal, has_prefix, has_branch, treeq_BQ, treek_BS)
         p = jnp.where(mask, jnp.exp(s - lse_BGRQ[..., None]), 0.0)
@@ -531,18 +531,18 @@ def flash_backward(q, k, v, q_side, k_side, window, lse_BGRT, d_BGRT, do_BTHK, b
         ds = p * (dp - d_BGRQ[..., None]) * scale
         if softcap:  # d(c tanh(u / c)) / du = 1 - tanh^2 = 1 - (s / c)^2 of the capped score s
           ds = ds * (1 - jnp.square(s / jnp.float32(softcap)))
-        dq = jnp.einsum("bgrqs,bsgk->bqgrk", ds, k_BSGK.astype(jnp.float32))
+        # the query block's dq is added in place: adding a whole [n, ...] stack per key block would move
+        # n^2 blocks through memory
+        dq_acc = dq_acc.at[i].add(jnp.einsum("bgrqs,bsgk->bqgrk", ds, k_BSGK.astype(jnp.float32)))
         dk = dk + jnp.einsum("bgrqs,bqgrk->bsgk", ds, q_BQGRK.astype(jnp.float32))
-        return (dk, dv), dq
+        return dk, dv, dq_acc
 
-      def skip(carry):
-        return carry, jnp.zeros((B, blk, G, R, K), jnp.float32)
+      visible = _span_visible(qi_Q, ki_S, window, causal)
+      return jax.lax.cond(visible, compute, lambda c: c, carry), None
 
-      return jax.lax.cond(_span_visible(qi_Q, ki_S, window, causal), compute, skip, carry)
-
-    init = (jnp.zeros((B, blk, G, K), jnp.float32), jnp.zeros((B, blk, G, K), jnp.float32))
-    (dk, dv), dq_n = jax.lax.scan(q_step, init, (qb, dob, lseb, db, *qs))
-    return dq_acc + dq_n, (dk, dv)
+    init = (jnp.zeros((B, blk, G, K), jnp.float32), jnp.zeros((B, blk, G, K), jnp.float32), dq_acc)
+    (dk, dv, dq_acc), _ = jax.lax.scan(q_step, init, (jnp.arange(T // blk), qb, dob, lseb, db, *qs))
+    return dq_acc, (dk, dv)
 
   dq0 = jnp.zeros((T // blk, B, blk, G, R, K), jnp.float32)
   dq_n, (dk_n, dv_n) = jax.lax.scan(k_block, dq0, (kb, vb, *ks))
