@@ -67,27 +67,31 @@ def _loss_and_grads(config, mesh_shape=None, hlo=False):
     return jax.device_get(jax.jit(sharded)(state))
 
 
+HEADS = [(4, 2), (4, 4), (8, 2)]  # (query heads, kv heads) of the models compared
+
+
 @pytest.fixture(scope="module")
 def references():
-  return {kv: _loss_and_grads(_model_config(num_kv_heads=kv)) for kv in (2, 4)}
+  return {(h, kv): _loss_and_grads(_model_config(num_heads=h, num_kv_heads=kv)) for h, kv in HEADS}
 
 
-CASES = [  # (context_parallel, context_layout, (data, tensor, sequence), kv heads)
-    ("ring", "zigzag", (1, 1, 8), 2),
-    ("ring", "contiguous", (1, 1, 8), 2),
-    ("ring", "zigzag", (2, 1, 4), 2),
-    ("ring", "zigzag", (2, 2, 2), 2),
-    ("ulysses", "zigzag", (2, 1, 4), 2),  # 2 kv heads on 4 devices: K/V gathered, each keeps the head it reads
-    ("ulysses", "zigzag", (2, 1, 4), 4),  # 4 kv heads: K/V by all-to-all like the queries
-    ("ulysses", "zigzag", (2, 2, 2), 2),
+CASES = [  # (context_parallel, context_layout, (data, tensor, sequence), (query heads, kv heads))
+    ("ring", "zigzag", (1, 1, 8), (4, 2)),
+    ("ring", "contiguous", (1, 1, 8), (4, 2)),
+    ("ring", "zigzag", (2, 1, 4), (4, 2)),
+    ("ring", "zigzag", (2, 2, 2), (4, 2)),
+    ("ulysses", "zigzag", (1, 1, 8), (8, 2)),  # one query head per device; 2 kv heads gathered, 1 kept
+    ("ulysses", "zigzag", (2, 1, 4), (4, 2)),  # 2 kv heads on 4 devices: K/V gathered, each keeps the head it reads
+    ("ulysses", "zigzag", (2, 1, 4), (4, 4)),  # 4 kv heads: K/V by all-to-all like the queries
+    ("ulysses", "zigzag", (2, 2, 2), (4, 2)),
 ]
 
 
-@pytest.mark.parametrize("mode,layout,mesh_shape,kv", CASES)
-def test_context_parallel_equals_one_device(references, mode, layout, mesh_shape, kv):
-  loss_ref, grads_ref = references[kv]
-  loss, grads = _loss_and_grads(_model_config(num_kv_heads=kv, context_parallel=mode, context_layout=layout),
-                                mesh_shape)
+@pytest.mark.parametrize("mode,layout,mesh_shape,heads", CASES)
+def test_context_parallel_equals_one_device(references, mode, layout, mesh_shape, heads):
+  loss_ref, grads_ref = references[heads]
+  loss, grads = _loss_and_grads(_model_config(num_heads=heads[0], num_kv_heads=heads[1], context_parallel=mode,
+                                              context_layout=layout), mesh_shape)
   np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
   flat_ref = jax.tree_util.tree_leaves_with_path(grads_ref)
   for (path, g), g_ref in zip(jax.tree_util.tree_leaves_with_path(grads), (leaf for _, leaf in flat_ref)):
