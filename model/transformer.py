@@ -1,6 +1,7 @@
 """The decoder-only transformer: embedding, N blocks (scanned or unrolled), final norm, output projection."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 import jax
@@ -159,7 +160,7 @@ class Transformer(nnx.Module):
         stats += [block_stats] if block_stats else []
       stats = jax.tree.map(lambda *v: jnp.stack(v), *stats) if stats else {}
     if order_L is not None:
-      x_BLD = axes.constrain(jnp.take(x_BLD, np.argsort(order_L), axis=1), (BATCH, LENGTH, EMBED))
+      x_BLD = self._natural_order(x_BLD, order_L)
       tokens_BL, segment_ids_BL, positions_BL = natural
       if mtp:
         cos, sin = rope.tables(self.cfg, positions_BL)
@@ -182,6 +183,18 @@ class Transformer(nnx.Module):
       return None
     shards = axes.mesh_size(LENGTH)
     return context_lib.zigzag(length, shards) if shards > 1 else None
+
+  @staticmethod
+  def _natural_order(x_BLD, order_L):
+    """x_BLD from the ring's zigzag layout back to the natural order: two collective-permutes of half a shard
+    each (parallel.context.unzigzag) on an even sequence axis, else a gather (which XLA does by all-gathering the
+    whole length)."""
+    spec = axes.spec((BATCH, LENGTH, EMBED))
+    shards = axes.mesh_size(LENGTH)
+    if not isinstance(spec[1], str) or shards % 2:
+      return axes.constrain(jnp.take(x_BLD, np.argsort(order_L), axis=1), (BATCH, LENGTH, EMBED))
+    fn = functools.partial(context_lib.unzigzag, axis=spec[1], shards=shards)
+    return jax.shard_map(fn, in_specs=spec, out_specs=spec, check_vma=False)(x_BLD)
 
   def _mtp(self, h_BLD, tokens_BL, segment_ids_BL, cos, sin, window) -> tuple[jax.Array, jax.Array | None]:
     """([depth, B, L, D] the multi-token heads' features, [depth, E] their MoE blocks' expert loads or None when

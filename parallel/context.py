@@ -148,3 +148,23 @@ def ulysses(attention: Callable, q, k, v, segment_ids, *, axis: str, shards: int
     k, v = gather(k), gather(v)
   o = attention(to_heads(q), k, v, seg_bS)
   return jax.lax.all_to_all(o, axis, split_axis=1, concat_axis=2, tiled=True)
+
+
+def unzigzag(x_bTD: jax.Array, *, axis: str, shards: int) -> jax.Array:
+  """One device's shard of the zigzag layout (chunks i and 2n-1-i, each T/2 rows of x_bTD) -> its shard of the
+  natural order (chunks 2i and 2i+1), by two collective-permutes of one chunk each: the chunk a device needs first
+  comes from device 2i (its first chunk) or 2n-1-2i (its second), a bijection over the devices, and likewise for
+  the second; so every device sends and receives T/2 rows twice and holds no more than its own shard. n even."""
+  if shards % 2:
+    raise ValueError(f"the zigzag layout's reordering needs an even mesh.sequence; got {shards}")
+  half = x_bTD.shape[1] // 2
+  parity = jax.lax.axis_index(axis) % 2
+  first, second = x_bTD[:, :half], x_bTD[:, half:]
+  n = shards
+  # device s sends (to slot 0 of its target) its first chunk when s is even, its second when odd; for slot 1 the
+  # other way round
+  to_slot0 = [(2 * j if 2 * j < n else 2 * n - 1 - 2 * j, j) for j in range(n)]
+  to_slot1 = [(2 * j + 1 if 2 * j + 1 < n else 2 * n - 2 - 2 * j, j) for j in range(n)]
+  slot0 = jax.lax.ppermute(jnp.where(parity == 0, first, second), axis, to_slot0)
+  slot1 = jax.lax.ppermute(jnp.where(parity == 1, first, second), axis, to_slot1)
+  return jnp.concatenate([slot0, slot1], axis=1)
