@@ -2,7 +2,7 @@
 at growing sequence lengths for model.context_parallel = all_gather / ring / ulysses, the growth exponent of the
 temporaries, the K/V transfers in ring's program, and step times where they fit this machine.
 
-  JAX_PLATFORMS=cpu python benchmarks/context_parallel.py [--lengths 4096,8192,16384,32768] [--time_lengths 4096]
+  JAX_PLATFORMS=cpu python benchmarks/context_parallel.py [--lengths 4096,8192,16384,32768] [--time_lengths 4096,8192]
   python benchmarks/context_parallel.py --aot llama3_8b [--topology v5p-128] [--aot_lengths 32768,131072,524288]
 
 The second form compiles the preset ahead of time for a TPU slice (libtpu: the `tpu` extra) with each mode at each
@@ -130,7 +130,7 @@ def aot_rows(preset: str, topology: str, lengths, sequence: int, batch: int) -> 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--lengths", default="4096,8192,16384,32768")
-  parser.add_argument("--time_lengths", default="4096,8192,16384",
+  parser.add_argument("--time_lengths", default="4096,8192",
                       help="lengths whose steps are also run and timed")
   parser.add_argument("--modes", default=",".join(MODES))
   parser.add_argument("--aot", default="", help="instead: a preset compiled ahead of time for TPU, e.g. llama3_8b")
