@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Mapping
 
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from common.segments import positions_from_segments
+from model import attention as attention_lib
 from model import axes
 from model import config as config_lib
 from model import kv_cache
@@ -182,7 +184,13 @@ class Transformer(nnx.Module):
     if self.cfg.context_parallel != "ring" or self.cfg.context_layout != "zigzag":
       return None
     shards = axes.mesh_size(LENGTH)
-    return context_lib.zigzag(length, shards) if shards > 1 else None
+    if shards == 1:
+      return None
+    if length % (2 * shards):  # training refuses such a length (the Trainer); scoring runs any padded length
+      attention_lib.report_once(f"model.context_layout='zigzag': a length of {length} does not split into "
+                                f"2 x {shards} chunks; these calls run the contiguous layout", logging.WARNING)
+      return None
+    return context_lib.zigzag(length, shards)
 
   @staticmethod
   def _natural_order(x_BLD, order_L):

@@ -26,22 +26,22 @@ def _model_config(**model):
   return c
 
 
-def _batch():
+def _batch(length=L):
   rng = np.random.default_rng(0)
-  tokens = rng.integers(1, 256, size=(B, L + 1)).astype(np.int32)
-  segments = np.ones((B, L), np.int32)  # packed documents of uneven lengths, and padding at the end of one row
+  tokens = rng.integers(1, 256, size=(B, length + 1)).astype(np.int32)
+  segments = np.ones((B, length), np.int32)  # packed documents of uneven lengths, and padding at the end of one row
   segments[0, 23:] = 2
   segments[1, 9:41], segments[1, 41:] = 2, 3
   segments[2, 50:] = 0
   return tokens[:, :-1], tokens[:, 1:], segments
 
 
-def _loss_and_grads(config, mesh_shape=None, hlo=False):
+def _loss_and_grads(config, mesh_shape=None, hlo=False, length=L):
   """Mean next-token cross-entropy over the real tokens and its gradients, jitted on one device or on a mesh
   (data, tensor, sequence); parameters from the same seed. hlo=True: the mesh program's optimised HLO instead."""
   model = transformer.Transformer(config.model, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
-  inputs, targets, segments = _batch()
+  inputs, targets, segments = _batch(length)
 
   def loss(state):
     logits = nnx.merge(graphdef, state)(inputs, segments)
@@ -182,3 +182,18 @@ def test_attention_masks_across_the_sequence_axis(mask, mode):
     got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
   for g, r in zip(got, ref):
     assert float(jnp.max(jnp.abs(g - r))) <= 1e-5 * float(jnp.max(jnp.abs(r)))
+
+
+def test_a_length_the_zigzag_cannot_split_runs_contiguous():
+  """Scoring pads lengths to a multiple of the sequence axis only: 60 tokens on sequence=4 (not a multiple of 8)
+  run the contiguous layout and still equal one device; training refuses such a train.seq_len by name."""
+  loss_ref, grads_ref = _loss_and_grads(_model_config(), length=60)
+  loss, grads = _loss_and_grads(_model_config(context_parallel="ring"), (2, 1, 4), length=60)
+  np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
+  for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+    assert float(np.max(np.abs(np.asarray(g) - g_ref))) <= 1e-5 * float(np.max(np.abs(g_ref)))
+  from train.core import step as step_lib
+  c = configs.load("tiny", **{"model.context_parallel": "ring", "mesh.data": 2, "mesh.sequence": 4,
+                              "train.seq_len": 36, "train.batch_size": 4})
+  with pytest.raises(ValueError, match="train.seq_len=36: the ring's zigzag layout"):
+    step_lib.Trainer(c, mesh_lib.make_mesh(c.mesh))

@@ -295,6 +295,12 @@ class Trainer:
     if t.seq_len % shape["sequence"]:
       raise ValueError(f"config.train.seq_len={t.seq_len} is not divisible by mesh axis sequence="
                        f"{shape['sequence']}; change config.mesh.sequence or the sequence length")
+    m = self.config.model
+    if (shape["sequence"] > 1 and m.context_parallel == "ring" and m.context_layout == "zigzag"
+        and t.seq_len % (2 * shape["sequence"])):
+      raise ValueError(f"config.train.seq_len={t.seq_len}: the ring's zigzag layout cuts it into 2 x mesh.sequence="
+                       f"{2 * shape['sequence']} equal chunks; choose a multiple of {2 * shape['sequence']} or "
+                       "model.context_layout='contiguous'")
 
   def _pipeline_schedule(self) -> pipeline_lib.Schedule | None:
     """The pipeline schedule for mesh.stage > 1 (None without stages); ValueError naming the key when it cannot
