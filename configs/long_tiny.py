@@ -15,5 +15,7 @@ def get_config():
   c.model.update(max_seq_len=2048, rope_scaling="yarn", rope_scaling_factor=16.0, rope_original_max_len=128)
   c.train.update(base_recipe="tiny", context_extension=True, steps=200, batch_size=2, seq_len=2048, lr=1e-3,
                  warmup_steps=20, eval_every=50, eval_steps=4)
+  # Two sequences a step: the devices of a larger host split the sequence (mesh.sequence) instead of the rows.
+  c.mesh.update(data=1, sequence=-1)
   c.checkpoint.every = 100
   return c

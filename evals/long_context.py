@@ -30,8 +30,8 @@ QUESTION = "What is the pass key? The pass key is"
 
 
 def passkey_record(encode: Callable[[str], list[int]], length: int, depth: float, key: str) -> dict:
-  """One passkey prompt whose BOS, context and answer take at most `length` tokens under `encode`, as many as the
-  filler allows, with the needle after `depth` (0 = first, 1 = last) of the filler sentences."""
+  """One passkey prompt whose BOS, context and generated tokens (max_tokens) take at most `length` tokens under
+  `encode` (so a model scoring `length` tokens never trims the prompt), as many as the filler allows, with the needle after `depth` (0 = first, 1 = last) of the filler sentences."""
   needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
   sentences = [s + ". " for s in FILLER.split(". ") if s.strip()]
 
@@ -40,12 +40,12 @@ def passkey_record(encode: Callable[[str], list[int]], length: int, depth: float
     at = round(depth * count)
     return "".join(filler[:at]) + needle + "".join(filler[at:]) + QUESTION
 
-  answer = len(encode(" " + key))
+  generated = len(encode(" " + key)) + 2  # max_tokens: the key and room for its full stop
   per_sentence = len(encode(FILLER)) / len(sentences)
-  count = max(0, int((length - 1 - answer - len(encode(needle + QUESTION))) / per_sentence) + 1)
-  while count > 0 and 1 + len(encode(build(count))) + answer > length:
+  count = max(0, int((length - 1 - generated - len(encode(needle + QUESTION))) / per_sentence) + 1)
+  while count > 0 and 1 + len(encode(build(count))) + generated > length:
     count -= 1
-  return {"context": build(count), "answer": key, "until": ["."], "max_tokens": answer + 2, "length": int(length),
+  return {"context": build(count), "answer": key, "until": ["."], "max_tokens": generated, "length": int(length),
           "depth": float(depth)}
 
 

@@ -207,7 +207,7 @@ class LM:
     for start in range(0, len(docs), self.batch_size):
       chunk = docs[start:start + self.batch_size]
       B = _round_up(len(chunk), self._row_multiple)
-      L = _round_up(max(len(d) for d in chunk), self._length_shards)
+      L = _round_up(_bucket(max(len(d) for d in chunk), self.max_len), self._length_shards)
       tokens_BL, segment_ids_BL = np.zeros((B, L), np.int32), np.zeros((B, L), np.int32)
       for b, d in enumerate(chunk):
         tokens_BL[b, :len(d)], segment_ids_BL[b, :len(d)] = d, 1
@@ -217,12 +217,22 @@ class LM:
     return out
 
   def _token_logprobs(self, state, tokens_BL, segment_ids_BL):
-    """[B, L] log p(token l + 1 | tokens <= l) (the last column is padding)."""
-    with parallel.activate(self.mesh, self.rules, inside_jit=True):
-      logits_BLV = nnx.merge(self._graphdef, state)(tokens_BL, segment_ids_BL)
+    """[B, L] log p(token l + 1 | tokens <= l) (the last column is padding). The output projection runs on
+    TOKEN_CHUNK positions at a time, so no [B, L, V] logits exist at long lengths."""
+    B, L = tokens_BL.shape
     targets_BL = jnp.pad(tokens_BL[:, 1:], ((0, 0), (0, 1)))
-    target_BL, logz_BL = logprobs.target_logits(logits_BLV, targets_BL)
-    return target_BL - logz_BL
+    with parallel.activate(self.mesh, self.rules, inside_jit=True):
+      model = nnx.merge(self._graphdef, state)
+      x_BLD = model.features(tokens_BL, segment_ids_BL)
+      c = min(TOKEN_CHUNK, L)
+      n = -(-L // c)
+      x_nBcD = jnp.moveaxis(jnp.pad(x_BLD, ((0, 0), (0, n * c - L), (0, 0))).reshape(B, n, c, -1), 1, 0)
+      t_nBc = jnp.moveaxis(jnp.pad(targets_BL, ((0, 0), (0, n * c - L))).reshape(B, n, c), 1, 0)
+
+      def chunk(xs):
+        target_Bc, logz_Bc = logprobs.target_logits(model.logits(xs[0]), xs[1])
+        return target_Bc - logz_Bc
+      return jnp.moveaxis(jax.lax.map(chunk, (x_nBcD, t_nBc)), 0, 1).reshape(B, n * c)[:, :L]
 
   def generate_until(self, requests: Sequence[tuple[str, Sequence[str], int]], *, temperature: float = 0.0,
                      top_p: float = 1.0, seed: int = 0) -> list[str]:
@@ -347,6 +357,9 @@ class LM:
     wrong_N = ~greedy_N & (mask_N > 0)
     greedy_M = jax.ops.segment_sum(wrong_N.astype(jnp.int32), member_N, num_segments=num_requests) == 0
     return logprob_M, greedy_M
+
+
+TOKEN_CHUNK = 1024  # positions per output projection in LM.token_logprobs
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -381,15 +381,21 @@ def _read_passkey(path):
   return task
 
 
-POSITION_EDGES = (0, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+def position_edges(longest: int) -> list[int]:
+  """Bucket edges 0, 128, 256, 512, ... doubling until they cover `longest` positions."""
+  edges = [0, 128]
+  while edges[-1] < longest:
+    edges.append(edges[-1] * 2)
+  return edges
 
 
 def _positions_aggregate(docs, results):
   """Mean NLL (nats per token) and perplexity of the predicted tokens whose index in the window falls in each
-  [POSITION_EDGES[i], POSITION_EDGES[i+1]) (index 1 = the first text token after BOS)."""
+  bucket [lo, hi) of `position_edges` (index 1 = the first text token after BOS)."""
   import math  # pylint: disable=g-import-not-at-top
   out: dict[str, float] = {}
-  for lo, hi in zip(POSITION_EDGES[:-1], POSITION_EDGES[1:]):
+  edges = position_edges(max((len(r) + 1 for r in results), default=1))
+  for lo, hi in zip(edges[:-1], edges[1:]):
     values = [float(-lp) for r in results for j, lp in enumerate(r, start=1) if lo <= j < hi]
     if values:
       nll = sum(values) / len(values)

@@ -641,6 +641,8 @@ def context_attend(mode: str, impl: str, q_BTHK, k_BSGK, v_BSGK, segment_ids_BT,
       return parallel_context.ulysses(whole, q, k, v, seg, axis=seq_axis, shards=shards)
 
     return kernels.shard_heads(local, q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, window, tokens=masks, **place)
+  report_once(f"model.context_parallel='ring': every ring step runs the blockwise kernel's math (tiles of {block_size}); "
+              f"model.attention_impl={impl!r} applies where the sequence is not split")
   # Tiles within one contiguous run of tokens (a zigzag device holds two chunks of T / 2n), so that the causal
   # mask can skip whole tiles.
   blk = min(block_size, T // shards if order_T is None else T // (2 * shards))

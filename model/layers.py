@@ -156,7 +156,8 @@ class Attention(nnx.Module):
       o_BLHK = attention_lib.cached_attention(q_BLHK, cache.k, cache.v, cache.index, cache.start, window,
                                               self.softcap)
     else:
-      o_BLHK = attention_lib.context_attend(self.context, self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window,
+      context = self.context if cache is None else "all_gather"  # a prompt into a cache: K/V gathered for it
+      o_BLHK = attention_lib.context_attend(context, self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window,
                                             self.block_size, self.causal, prefix_BL, branch_BL, self.query_block,
                                             self.splash, self.softcap, order_L)
     o_BLHK = remat.tag(axes.constrain(o_BLHK, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTN_CONTEXT)

@@ -199,7 +199,7 @@ class Transformer(nnx.Module):
     whole length)."""
     spec = axes.spec((BATCH, LENGTH, EMBED))
     shards = axes.mesh_size(LENGTH)
-    if not isinstance(spec[1], str) or shards % 2:
+    if not isinstance(spec[1], str) or shards % 2 or x_BLD.shape[0] % axes.mesh_size(BATCH):
       return axes.constrain(jnp.take(x_BLD, np.argsort(order_L), axis=1), (BATCH, LENGTH, EMBED))
     fn = functools.partial(context_lib.unzigzag, axis=spec[1], shards=shards)
     return jax.shard_map(fn, in_specs=spec, out_specs=spec, check_vma=False)(x_BLD)

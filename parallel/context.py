@@ -141,7 +141,8 @@ def ulysses(attention: Callable, q, k, v, segment_ids, *, axis: str, shards: int
     R = H // G
     if h % R and R % h:
       raise ValueError(f"model.context_parallel='ulysses': {h} query heads per device and {R} query heads per kv "
-                       f"head: neither divides the other; choose mesh.sequence dividing {G} kv heads or {H // R}")
+                       f"head: neither divides the other; choose mesh.sequence dividing the {G} kv heads per tensor "
+                       "shard or model.context_parallel='ring'")
     g = max(1, h // R)
     first = jax.lax.axis_index(axis) * h // R
     gather = lambda a: jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(a, axis, axis=1, tiled=True), first, g, 2)

@@ -101,11 +101,12 @@ def fit_rules(rules: Rules, model_cfg, mesh: jax.sharding.Mesh) -> Rules:
           f"{model_cfg.num_kv_heads} neither divide each other; choose config.mesh.tensor dividing num_kv_heads "
           "or a multiple of it (then K/V heads are replicated)")
     table["kv_heads"] = None
-  _check_context(model_cfg, mesh, model_cfg.num_heads // heads_size)
+  kv_local = model_cfg.num_kv_heads // axis_size(mesh, table.get("kv_heads"))
+  _check_context(model_cfg, mesh, model_cfg.num_heads // heads_size, kv_local)
   return tuple(table.items())
 
 
-def _check_context(model_cfg, mesh: jax.sharding.Mesh, local_heads: int) -> None:
+def _check_context(model_cfg, mesh: jax.sharding.Mesh, local_heads: int, local_kv_heads: int) -> None:
   """ValueError naming the keys where model.context_parallel cannot run on this mesh (parallel/context.py)."""
   mode, shards = model_cfg.get("context_parallel", "all_gather"), mesh.shape.get("sequence", 1)
   if mode == "all_gather" or shards == 1:
@@ -117,6 +118,13 @@ def _check_context(model_cfg, mesh: jax.sharding.Mesh, local_heads: int) -> None
     raise ValueError(f"model.context_parallel='ulysses' splits each tensor shard's {local_heads} query heads over "
                      f"mesh.sequence={shards}, which does not divide them; choose mesh.sequence dividing "
                      f"{local_heads} (num_heads / mesh.tensor) or model.context_parallel='ring'")
+  per_kv = model_cfg.num_heads // model_cfg.num_kv_heads  # query heads reading one kv head
+  per_device = local_heads // shards
+  if mode == "ulysses" and local_kv_heads % shards and per_device % per_kv and per_kv % per_device:
+    raise ValueError(f"model.context_parallel='ulysses' with {local_kv_heads} kv heads per tensor shard on "
+                     f"mesh.sequence={shards}: a device's {per_device} query heads would read parts of kv heads "
+                     f"(each serves {per_kv}); choose mesh.sequence dividing {local_kv_heads} or "
+                     "model.context_parallel='ring'")
   if (mode == "ring" and model_cfg.get("context_layout") == "zigzag" and model_cfg.get("num_experts", 0)
       and model_cfg.get("capacity_factor", 0)):
     raise ValueError("model.capacity_factor > 0 drops expert assignments in token order, which the ring's zigzag "

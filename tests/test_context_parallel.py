@@ -116,6 +116,10 @@ def test_refusals_name_the_keys():
   c.mesh.update(data=1, tensor=1, sequence=8, fsdp=1)
   with pytest.raises(ValueError, match="ulysses.*mesh.sequence=8"):
     rules_lib.fit_rules(rules_lib.logical_rules(c.mesh), c.model, mesh_lib.make_mesh(c.mesh))
+  c = _model_config(context_parallel="ulysses", num_heads=12, num_kv_heads=3)
+  c.mesh.update(data=4, tensor=1, sequence=2, fsdp=1)
+  with pytest.raises(ValueError, match="3 kv heads per tensor shard on mesh.sequence=2"):
+    rules_lib.fit_rules(rules_lib.logical_rules(c.mesh), c.model, mesh_lib.make_mesh(c.mesh))
   with pytest.raises(ValueError, match="train.seq_len=24 does not divide by 16"):
     context_lib.zigzag(24, 8)
   with pytest.raises(ValueError, match="model.context_parallel"):

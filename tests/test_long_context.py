@@ -107,6 +107,10 @@ def test_context_extension_takes_the_runs_rope_keys_only_when_asked():
   notes = runconfig.model_from(extended, source, "runs/tiny/checkpoints/300", [])
   assert extended.model.max_seq_len == 2048 and extended.model.rope_scaling == "yarn"
   assert any("context extension" in n for n in notes)
+  llama_like = dict(source, rope_theta=500000.0)  # a key long_tiny leaves at its default keeps the checkpoint's
+  kept = configs.load("long_tiny")
+  runconfig.model_from(kept, llama_like, "x", [])
+  assert kept.model.rope_theta == 500000.0 and kept.model.rope_scaling == "yarn"
   plain = configs.load("long_tiny", **{"train.context_extension": False})
   runconfig.model_from(plain, source, "runs/tiny/checkpoints/300", [])
   assert plain.model.max_seq_len == 128 and plain.model.rope_scaling == "none"  # the checkpoint's, as before

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import ml_collections
 
 from configs import ConfigError
+from model import config as model_config
 from train.core import checkpoint as ckpt_lib
 
 # Model keys that say how the function is computed, not which function: a run may set them freely over a
@@ -33,7 +34,7 @@ RESUME_FREE = ("attention_impl", "attention_block_size", "attention_query_block"
 # context length and the positions' encoding change, the parameters' shapes do not.
 CONTEXT_EXTENSION = ("max_seq_len", "rope_theta", "rope_scaling", "rope_scaling_factor", "rope_original_max_len",
                      "rope_low_freq_factor", "rope_high_freq_factor", "rope_yarn_beta_fast", "rope_yarn_beta_slow",
-                     "rope_attention_factor", "rope_yarn_truncate", "rope_mscale_all_dim")
+                     "rope_attention_factor", "rope_yarn_truncate", "rope_mscale_all_dim", "rope_local_theta")
 
 
 def is_hf_dir(path: str) -> bool:
@@ -152,7 +153,7 @@ def model_from(config: ml_collections.ConfigDict, source: dict[str, Any], where:
   """Sets `config.model` (in place) from a checkpoint's model config `source`; returns notes on changed keys.
 
   Keys in FUNCTION_PRESERVING keep the run's values, and so do CONTEXT_EXTENSION's with
-  train.context_extension=True (noted). Every other key takes the checkpoint's value, whatever the config file
+  train.context_extension=True where the config sets them (an override, or a value other than the default; noted). Every other key takes the checkpoint's value, whatever the config file
   said; an explicit `--config.model.KEY` override (listed in `overrides`) of such a key that disagrees with the
   checkpoint raises ConfigError naming the key and both values.
   """
@@ -162,7 +163,8 @@ def model_from(config: ml_collections.ConfigDict, source: dict[str, Any], where:
   for key in config.model:
     if key in FUNCTION_PRESERVING or key not in source or _as_json(source[key]) == _as_json(config.model[key]):
       continue
-    if extending and key in CONTEXT_EXTENSION:
+    if extending and key in CONTEXT_EXTENSION and (key in explicit or _as_json(config.model[key]) != _as_json(
+        model_config.default_model_config()[key])):  # a key the config leaves at its default keeps the checkpoint's
       notes.append(f"model.{key}={config.model[key]!r} (the checkpoint has {source[key]!r}: context extension)")
       continue
     if key in explicit:
