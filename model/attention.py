@@ -393,9 +393,15 @@ def token_side(segment_ids_BT, prefix_BT, branch_BT, causal: bool, index_T, leng
   tree = (prefix_BT > 0).astype(jnp.int32) if has_prefix else jnp.zeros(segment_ids_BT.shape, jnp.int32)
   if has_branch:
     tree = tree + 2 * branch_BT.astype(jnp.int32)
-  index_T = jnp.pad(index_T.astype(jnp.int32), (0, length - index_T.shape[0]), mode="edge")
-  side = (index_T, _pad_to(segment_ids_BT.astype(jnp.int32), length, 1, value=-1), _pad_to(tree, length, 1))
+  side = _pad_side((index_T.astype(jnp.int32), segment_ids_BT.astype(jnp.int32), tree), length)
   return side, (causal and not has_prefix, has_prefix, has_branch)
+
+
+def _pad_side(side, length: int):
+  """A `token_side` tuple padded to `length` tokens: the last index repeated, segment -1, tree code 0."""
+  index_T, seg_BT, tree_BT = side[:3]
+  return (jnp.pad(index_T, (0, length - index_T.shape[0]), mode="edge"), _pad_to(seg_BT, length, 1, value=-1),
+          _pad_to(tree_BT, length, 1))
 
 
 def _split_blocks(x, blk):
@@ -665,15 +671,10 @@ def _ring_block_fns(blk: int, causal: bool, has_prefix: bool, has_branch: bool, 
   so that every layer passes the same functions (the ring's custom VJP takes them as static arguments)."""
   flags = (causal, has_prefix, has_branch, softcap)
 
-  def pad_side(side, Tp):
-    index_T, seg_bT, tree_bT = side[:3]
-    return (jnp.pad(index_T, (0, Tp - index_T.shape[0]), mode="edge"), _pad_to(seg_bT, Tp, 1, value=-1),
-            _pad_to(tree_bT, Tp, 1))
-
   def fwd(q, k, v, q_side, k_side):
     b, T, H, _ = q.shape
     Tp, window = -(-T // blk) * blk, q_side[3]
-    qs, ks = pad_side(q_side, Tp), pad_side(k_side, Tp)
+    qs, ks = _pad_side(q_side, Tp), _pad_side(k_side, Tp)
 
     def compute():
       o, lse_BGRT = flash_forward(*(_pad_to(a, Tp, 1) for a in (q, k, v)), qs, ks, window, blk, *flags)
@@ -686,7 +687,7 @@ def _ring_block_fns(blk: int, causal: bool, has_prefix: bool, has_branch: bool, 
     b, T, H, K = q.shape
     G = k.shape[2]
     Tp, window = -(-T // blk) * blk, q_side[3]
-    qs, ks = pad_side(q_side, Tp), pad_side(k_side, Tp)
+    qs, ks = _pad_side(q_side, Tp), _pad_side(k_side, Tp)
     to_bgrt = lambda a: _pad_to(a, Tp, 1).reshape(b, Tp, G, H // G).transpose(0, 2, 3, 1)
 
     def compute():
