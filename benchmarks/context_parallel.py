@@ -3,7 +3,7 @@ at growing sequence lengths for model.context_parallel = all_gather / ring / uly
 temporaries, the K/V transfers in ring's program, and step times where they fit this machine.
 
   JAX_PLATFORMS=cpu python benchmarks/context_parallel.py [--lengths 4096,8192,16384,32768] [--time_lengths 4096,8192]
-  python benchmarks/context_parallel.py --aot llama3_8b [--topology v5p-128] [--aot_lengths 32768,131072,524288]
+  python benchmarks/context_parallel.py --aot llama3_8b [--topology v5p-128] [--aot_lengths 32768,131072]
 
 The second form compiles the preset ahead of time for a TPU slice (libtpu: the `tpu` extra) with each mode at each
 length and prints per-chip memory and the performance model's predicted step time.
@@ -135,7 +135,7 @@ def main() -> None:
   parser.add_argument("--modes", default=",".join(MODES))
   parser.add_argument("--aot", default="", help="instead: a preset compiled ahead of time for TPU, e.g. llama3_8b")
   parser.add_argument("--topology", default="v5p-128")
-  parser.add_argument("--aot_lengths", default="32768,131072,524288")
+  parser.add_argument("--aot_lengths", default="32768,131072")
   parser.add_argument("--aot_sequence", type=int, default=2, help="mesh.sequence (inside one host: its chips)")
   parser.add_argument("--aot_batch", type=int, default=32)
   args = parser.parse_args()
