@@ -62,10 +62,12 @@ def get_config() -> ml_collections.ConfigDict:
   # sign(mean load - expert load) (DeepSeek-V3's auxiliary-loss-free balancing: 0.001); 0 = fixed biases
   t.eval_tasks = ""  # benchmark tasks NAME:PATH[,...] (docs/evaluation.md) run at every evaluation; empty = none
   t.eval_tasks_limit = 0  # documents per eval task during training (the first N); 0 = all
-  t.objective = "lm"  # what the step optimises: lm (next-token) | sft (chat, assistant tokens) | reward | dpo (pairs) | mlm (masked LM, model.causal=false) | prefix_lm; ppo | grpo (python -m train.rl)
+  t.objective = "lm"  # what the step optimises: lm (next-token) | sft (chat, assistant tokens) | reward | dpo (pairs) | mlm (masked LM, model.causal=false) | prefix_lm | distill (from a teacher); ppo | grpo (python -m train.rl)
   t.lora_rank = 0  # LoRA adapter rank on lora_targets, base weights frozen; 0 = train every weight
   t.lora_alpha = 16.0  # LoRA scale numerator: adapted W = W + (lora_alpha / lora_rank) * A @ B
   t.lora_targets = ("q", "k", "v", "o")  # projections LoRA adapts (any of q k v o gate up down)
+  t.lora_rslora = False  # rsLoRA: scale the adapters by lora_alpha / sqrt(lora_rank) instead of lora_alpha / lora_rank
+  t.lora_dropout = 0.0  # dropout probability on each adapter's input (training steps only), in [0, 1)
   t.base_recipe = ""  # with no init_from: a config whose run (WORKDIR/../NAME) is made or reused first and started from
   t.context_extension = False  # with init_from / base_recipe: this config's model.max_seq_len and RoPE keys replace
   # the checkpoint's (continued pretraining at a longer context: docs/long-context.md); otherwise the checkpoint's rule
@@ -76,6 +78,13 @@ def get_config() -> ml_collections.ConfigDict:
   t.dpo_beta = 0.1  # dpo: KL strength beta (implicit reward = beta * log(pi / pi_ref))
   t.dpo_loss = "sigmoid"  # dpo loss: sigmoid (DPO) | ipo (IPO, squared) | hinge (SLiC, max(0, 1 - beta*h))
   t.dpo_label_smoothing = 0.0  # dpo sigmoid loss: probability eps that a label is flipped (conservative DPO); 0 = off
+  t.distill_teacher = ""  # distill: the frozen teacher, a meshlm run or Hugging Face directory (the student's vocab)
+  t.distill_teacher_recipe = ""  # distill, no distill_teacher: a config whose run WORKDIR/../NAME is made/reused as it
+  t.distill_loss = "forward_kl"  # distill, per token: forward_kl KL(p_T||p_S) | reverse_kl KL(p_S||p_T) | jsd
+  t.distill_beta = 0.5  # distill_loss=jsd: M = beta p_T + (1-beta) p_S, in [0, 1] (0 = forward_kl, 1 = reverse_kl)
+  t.distill_temperature = 1.0  # distill: both models' logits divided by T before the softmax (no T^2 factor, as TRL)
+  t.distill_top_k = 0  # distill: only the teacher's k likeliest tokens, both renormalised over them; 0 = whole vocab
+  t.distill_lm_weight = 0.0  # distill: weight of the student's cross-entropy on the data's targets, added; 0 = off
   t.pipeline_microbatches = 0  # with mesh.stage > 1: microbatches streamed through the stages (>= stage); 0 = mesh.stage
   t.pipeline_repeats = 1  # with mesh.stage > 1: circular schedule, each microbatch visits every stage this many times
   t.pipeline_remat = False  # with mesh.stage > 1: recompute each stage visit in the backward pass (keep stage inputs only)

@@ -222,7 +222,7 @@ class LatentAttention(nnx.Module):
       kv_cache.check_room(cache, x_BLD.shape[1])
     dt, (N, R, V, C) = self.dtype, self.dims
     if hasattr(self, "q"):
-      q_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, _value(self.q, dt))
+      q_BLHK = quant_lib.einsum("bld,dhk->blhk", x_BLD, _value(self.q, dt), "none")
     else:
       q_BLQ = self.q_a_norm(jnp.einsum("bld,dq->blq", x_BLD, _value(self.q_a, dt)))
       q_BLHK = jnp.einsum("blq,qhk->blhk", q_BLQ, _value(self.q_b, dt))
@@ -244,7 +244,7 @@ class LatentAttention(nnx.Module):
       o_BLHV = self._expanded(q_nope_BLHN, q_rot_BLHR, latent_BLC, k_rot_BL1R, kv_b, segment_ids_BL, window,
                               prefix_BL, branch_BL, cache is None, order_L)
     o_BLHV = remat.tag(axes.constrain(o_BLHV, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTN_CONTEXT)
-    y_BLD = jnp.einsum("blhv,hvd->bld", o_BLHV, _value(self.o, dt))
+    y_BLD = quant_lib.einsum("blhv,hvd->bld", o_BLHV, _value(self.o, dt), "none")
     y_BLD = remat.tag(axes.constrain(y_BLD, (BATCH, LENGTH, EMBED)), remat.ATTN_OUT)
     return y_BLD if cache is None else (y_BLD, cache)
 

@@ -6,12 +6,21 @@ For a projection kernel W with input dims I and output dims O (q/k/v: [D | H, K]
     W' = W + (alpha / r) * A @ B,    A: [I..., r] (random normal, std 1/sqrt(prod I)),  B: [r, O...] (zeros)
 
 so the adapted model equals the base model at initialisation (Hu et al. 2021, "LoRA", eq. 3; PEFT's layout with
-lora_A = A^T, lora_B = B^T). `merge` builds W' for every adapted kernel; training differentiates through it with
-respect to A and B only, so the base weights stay untouched and optimizer state exists only for the adapters.
+lora_A = A^T, lora_B = B^T). scale = alpha / r, or alpha / sqrt(r) with rsLoRA (Kalajdzievski 2023, "A Rank
+Stabilization Scaling Factor for Fine-Tuning with LoRA"; PEFT's use_rslora).
+
+Training runs the side path (`side`): every adapted kernel becomes a `SideKernel` and its projection computes
+
+    y = x W + scale * (dropout(x) A) B          (PEFT's order: dropout on the adapter's input only)
+
+with W behind stop_gradient, so the backward pass forms dx through W but never a cotangent of W's size: the
+step's memory holds W once (frozen, possibly quantized: model/basequant.py) and gradients and optimizer state
+of A and B only. `merge` builds W' (export, generation: merged once at load, then plain projections).
 """
 from __future__ import annotations
 
 import math
+import string
 from typing import Any, Sequence
 
 import jax
@@ -111,3 +120,83 @@ def _walk_adapters(adapters: dict, prefix=()):
       yield prefix + (k,), v
     elif isinstance(v, dict):
       yield from _walk_adapters(v, prefix + (k,))
+
+
+def scale(alpha: float, rank: int, rslora: bool = False) -> float:
+  """The adapter's multiplier: alpha / r, or alpha / sqrt(r) under rsLoRA."""
+  return float(alpha) / (math.sqrt(rank) if rslora else rank)
+
+
+@jax.tree_util.register_pytree_node_class
+class SideKernel:
+  """A frozen kernel W (an array or a basequant.QuantizedKernel) with its adapters A [I..., r], B [r, O...] (a
+  leading lead dims on each child when layers are scanned), applied as a side path by `einsum`.
+
+  key: raw uint32 PRNG key data [lead..., 2] for lora_dropout (None: no dropout, e.g. evaluation). Reading it as a
+  parameter (`param[...]`, `.astype(dtype)`) keeps the structure, so layer code passes it to the einsum unchanged.
+  """
+
+  def __init__(self, w, a, b, key=None, *, scale: float, dropout: float = 0.0):
+    self.w, self.a, self.b, self.key = w, a, b, key
+    self.scale, self.dropout = scale, dropout
+
+  def tree_flatten(self):
+    return (self.w, self.a, self.b, self.key), (self.scale, self.dropout)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(*children, scale=aux[0], dropout=aux[1])
+
+  def __getitem__(self, index):
+    if index is not Ellipsis:
+      raise TypeError(f"a LoRA side-path kernel reads whole ([...]), not [{index!r}]")
+    return self
+
+  @property
+  def shape(self):
+    return self.w.shape
+
+  @property
+  def ndim(self):
+    return len(self.w.shape)
+
+  def astype(self, dtype) -> "SideKernel":
+    """W, A and B in `dtype` (a quantized W is dequantized here, inside the layer that uses it)."""
+    return SideKernel(self.w.astype(dtype), self.a.astype(dtype), self.b.astype(dtype), self.key,
+                      scale=self.scale, dropout=self.dropout)
+
+  def einsum(self, spec: str, x: jax.Array, base_einsum) -> jax.Array:
+    """base_einsum(spec, x, stop_gradient(W)) + scale * (dropout(x) A) B for a projection `spec` such as
+    "bld,dhk->blhk" (W's contracted letters first, as every adapted kernel is laid out)."""
+    from model import quant as quant_lib  # pylint: disable=g-import-not-at-top
+    y = base_einsum(spec, x, jax.lax.stop_gradient(self.w))
+    ins, out = spec.split("->")
+    xs, ws = ins.split(",")
+    contracted = "".join(c for c in ws if c not in out)
+    outs = ws[len(contracted):]
+    r = next(c for c in string.ascii_letters if c not in spec)
+    if self.dropout and self.key is not None:
+      keep = jax.random.bernoulli(self.key, 1.0 - self.dropout, x.shape)
+      x = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
+    free = "".join(c for c in xs if c not in contracted)
+    h = quant_lib.project(f"{xs},{contracted}{r}->{free}{r}", x, self.a)
+    side = quant_lib.project(f"{free}{r},{r}{outs}->{out}", h, self.b)
+    return y + (self.scale * side).astype(y.dtype)
+
+
+def side(model_params: dict, adapters: dict, scale_: float, dropout: float = 0.0, key: jax.Array | None = None) -> dict:
+  """The model parameters with every adapted kernel replaced by a SideKernel (a new tree; inputs unchanged).
+
+  key: a PRNG key for lora_dropout (each kernel, and each scanned layer of it, draws its own masks); None = no
+  dropout."""
+  tree = jax.tree.map(lambda x: x, model_params)
+  for i, (path, ab) in enumerate(sorted(_walk_adapters(adapters), key=lambda item: str(item[0]))):
+    w = _get(model_params, path)
+    lead = ab["a"].ndim - TARGETS[path[-1]][1] - 1
+    keys = None
+    if dropout and key is not None:
+      lead_shape = ab["a"].shape[:lead]
+      keys = jax.random.key_data(jax.random.split(jax.random.fold_in(key, i), math.prod(lead_shape)))
+      keys = keys.reshape(lead_shape + keys.shape[-1:])
+    _set(tree, path, SideKernel(w, ab["a"], ab["b"], keys, scale=scale_, dropout=dropout))
+  return tree

@@ -167,7 +167,10 @@ def project(spec: str, x: jax.Array, w: jax.Array, preferred_element_type=None) 
 
 
 def einsum(spec: str, x: jax.Array, w: jax.Array, quant: str) -> jax.Array:
-  """`jnp.einsum(spec, x, w)` (quant="none", as `project`) or its int8 / fp8 version (quant="int8" / "fp8")."""
+  """`jnp.einsum(spec, x, w)` (quant="none", as `project`) or its int8 / fp8 version (quant="int8" / "fp8"); a
+  LoRA side-path kernel (model.lora.SideKernel) adds its adapters' product to the frozen kernel's."""
+  if hasattr(w, "einsum"):  # a LoRA SideKernel: its base product comes back here with the plain array
+    return w.einsum(spec, x, lambda s, x_, w_: einsum(s, x_, w_, quant))
   if quant == "int8":
     return int8_einsum(spec, x, w)
   if quant == "fp8":

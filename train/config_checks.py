@@ -16,6 +16,8 @@ from data import config_checks as data_checks
 # The platforms train.core.step.OVERLAP_OPTIONS has options for (a test keeps the two equal).
 OVERLAP_PLATFORMS = ("tpu", "gpu")
 _PIPELINE = ("pipeline_microbatches", "pipeline_repeats", "pipeline_remat")
+_DISTILL = ("distill_teacher", "distill_teacher_recipe", "distill_loss", "distill_temperature", "distill_top_k",
+            "distill_lm_weight")
 _PPO_ONLY = ("gamma", "lam", "value_clip", "vf_coef", "ent_coef", "whiten_advantages")
 
 
@@ -94,10 +96,15 @@ validate.conditional(
     *(_row(f"train.{k}", "loss scaling is on (train.loss_scale=dynamic, or auto with model.dtype=float16)",
            _loss_scaling) for k in ("loss_scale_init", "loss_scale_period")),
     *(_row(f"train.{k}", "train.lora_rank > 0", lambda c, f: c.train.lora_rank > 0, "LoRA adapters are off")
-      for k in ("lora_alpha", "lora_targets")),
+      for k in ("lora_alpha", "lora_targets", "lora_rslora", "lora_dropout")),
     *(_row(f"train.{k}", "train.objective=dpo", lambda c, f: c.train.objective == "dpo")
       for k in ("dpo_beta", "dpo_loss", "dpo_label_smoothing")),
     _row("train.reward_center", "train.objective=reward", lambda c, f: c.train.objective == "reward"),
+    *(_row(f"train.{k}", "train.objective=distill", lambda c, f: c.train.objective == "distill",
+           "it configures knowledge distillation (train/objectives/distill.py)") for k in _DISTILL),
+    _row("train.distill_beta", "train.objective=distill and train.distill_loss=jsd",
+         lambda c, f: c.train.objective == "distill" and c.train.distill_loss == "jsd",
+         "beta interpolates the generalised JSD's mixture only"),
     *(_row(f"train.{k}", "train.objective=mlm", lambda c, f: c.train.objective == "mlm")
       for k in ("mlm_rate", "mlm_mask_fraction", "mlm_random_fraction")),
     *_EVAL_ROWS,

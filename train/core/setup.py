@@ -512,7 +512,7 @@ def _hf_params(trainer, path: str, abstract: Any) -> dict[str, Any]:
 
 def restore_model_params(checkpointer: ckpt_lib.Checkpointer, step: int | None, abstract: Any) -> Any:
   """The model weights of a meshlm checkpoint onto `abstract`'s shardings (ShapeDtypeStructs of the model's
-  parameter tree); a LoRA run's (train.lora_rank > 0) come with its adapters merged in (W + alpha/r * A @ B); a
+  parameter tree); a LoRA run's (train.lora_rank > 0) come with its adapters merged in (W + scale * A @ B); a
   run with an objective head (reward) gives its trunk."""
   saved = checkpointer.metadata(step).get("config", {}).get("train", {})
   if not saved.get("lora_rank", 0):
@@ -528,7 +528,8 @@ def restore_model_params(checkpointer: ckpt_lib.Checkpointer, step: int | None, 
   replicated = jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
   adapters = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), adapters)
   tree = checkpointer.restore_subtree({"params": {"lora": adapters}, "frozen": {"model": abstract}}, step)
-  merged = lora_lib.merge(tree["frozen"]["model"], tree["params"]["lora"], float(saved["lora_alpha"]) / rank)
+  merged = lora_lib.merge(tree["frozen"]["model"], tree["params"]["lora"],
+                          lora_lib.scale(saved["lora_alpha"], rank, bool(saved.get("lora_rslora", False))))
   return jax.device_put(merged, jax.tree.map(lambda a: a.sharding, abstract))
 
 

@@ -3,7 +3,8 @@
 State (a pytree of jax.Arrays, sharded by the logical-axis rules):
   params     the trainable float32 master weights: the model's nnx.Param tree as a pure dict (with LoRA or an
              objective's extra parameters, a dict holding them; see Trainer)
-  frozen     weights the optimizer never touches (the base model under LoRA, a reference model); only if any
+  frozen     weights the optimizer never touches (the base model under LoRA, a reference model, a distillation
+             teacher of its own config); only if any
   opt_state  optax state of `train.core.optimizer.make` over `params` (Adam moments follow the parameters' sharding)
   step       int32 scalar, advances every call (also over skipped non-finite steps)
   rng        uint32[2] base key of the training stream (per-step randomness is fold_in(rng, step)); split from
@@ -82,6 +83,7 @@ def overlap_options(device) -> dict[str, Any]:
 
 STEP_METRICS = ("grad_norm", "param_norm", "lr", "nonfinite")  # reported by every objective's step
 EVAL_KEY = 2**31 - 1  # folded into the train rng for `Objective.prepare` of eval batches (steps never reach it)
+LORA_DROPOUT_KEY = 1  # folded into a step's key for lora_dropout's masks (the objective's prepare takes the step's key)
 LOSS_SCALE_METRICS = ("loss_scale", "overflow")  # added under dynamic loss scaling
 MOE_METRICS = model_lib.moe.STATS  # MoE models add these (means over MoE layers and microbatches)
 EXPERT_LOAD = "moe_expert_load"  # the [E] vector among them, logged as moe_load/<expert> (share of assignments)
@@ -128,7 +130,9 @@ class Trainer:
     plain:  params = the model's parameter tree
     LoRA:   params = {"lora": adapters, **extras}, frozen = {"model": model tree, ...}
     extras: params = {"model": model tree, **extras} (objective heads)
-  plus frozen[name] = a copy of the starting model for each of the objective's `frozen_models`.
+  plus frozen[name] = a copy of the starting model for each of the objective's `frozen_models`, and a model of its
+  own config for each of its `frozen_configs` (a distillation teacher: its own graphdef, its parameters sharded by
+  the same rules on the same mesh; random until train/core/setup.py loads its weights).
 
   Checks before anything compiles (ValueError naming the key / axis): heads vs the tensor axis, parameter
   dimensions vs their mesh axes, batch_size vs grad_accum and data x fsdp, rows per process (only the batch's
@@ -158,6 +162,7 @@ class Trainer:
     self._replicated = parallel.sharding.replicated(mesh)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # abstract: no eager op, so AOT on any backend works
     param_specs, model_params = self._abstract_model(key)
+    self._abstract_frozen_configs()
     self._place_state(key, param_specs, model_params)
     self._jit(compiler_options)
     self._compiled = None
@@ -201,7 +206,10 @@ class Trainer:
     if self.lora_rank < 0:
       raise ValueError(f"config.train.lora_rank={self.lora_rank} must be >= 0 (0 = full fine-tuning)")
     self.lora_targets = lora_lib.check_targets(t.lora_targets) if self.lora_rank else ()
-    self.lora_scale = float(t.lora_alpha) / self.lora_rank if self.lora_rank else 0.0
+    self.lora_scale = lora_lib.scale(t.lora_alpha, self.lora_rank, t.lora_rslora) if self.lora_rank else 0.0
+    self.lora_dropout = float(t.lora_dropout) if self.lora_rank else 0.0
+    if not 0.0 <= self.lora_dropout < 1.0:
+      raise ValueError(f"config.train.lora_dropout={t.lora_dropout} must be in [0, 1)")
 
   def _abstract_model(self, key) -> tuple[Any, Any]:
     """(partition specs, abstract parameters) of the model's parameter tree, checked against the mesh; sets the
@@ -246,6 +254,7 @@ class Trainer:
     self._abstract_model_params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                                                model_params, self.param_shardings)
     trainable_specs, frozen_specs = self._compose(param_specs, extra_specs, adapter_specs)
+    frozen_specs = {**frozen_specs, **self._frozen_config_specs}
     trainable_shardings, frozen_shardings = to_sharding(trainable_specs), to_sharding(frozen_specs)
     abstract = jax.eval_shape(self._init_state, key)
     opt_shardings = _follow_params(abstract["opt_state"], trainable_shardings, self._replicated)
@@ -346,11 +355,15 @@ class Trainer:
       return {"model": model_params, **extras}, frozen
     return model_params, frozen
 
-  def _decompose(self, params, frozen) -> tuple[Any, dict[str, Any]]:
-    """(model parameters for the forward pass, the objective's extras): inverse of `_compose`, LoRA merged."""
+  def _decompose(self, params, frozen, key=None, merged=False) -> tuple[Any, dict[str, Any]]:
+    """(model parameters for the forward pass, the objective's extras): inverse of `_compose`. LoRA: the adapted
+    kernels as side paths (lora_lib.SideKernel; `key` draws lora_dropout's masks, None = none), or with `merged`
+    W + scale A B as plain arrays (generation, export)."""
     if self.lora_rank:
       extras = {k: v for k, v in params.items() if k != "lora"}
-      return lora_lib.merge(frozen["model"], params["lora"], self.lora_scale), extras
+      if merged:
+        return lora_lib.merge(frozen["model"], params["lora"], self.lora_scale), extras
+      return lora_lib.side(frozen["model"], params["lora"], self.lora_scale, self.lora_dropout, key), extras
     if self.objective.extra_params:
       return params["model"], {k: v for k, v in params.items() if k != "model"}
     return params, {}
@@ -365,6 +378,7 @@ class Trainer:
       adapters = (lora_lib.init(jax.random.fold_in(params_key, 3), model_params, self.lora_targets,
                                 self.lora_rank) if self.lora_rank else {})
     params, frozen = self._compose(model_params, extras, adapters)
+    frozen = {**frozen, **self._init_frozen_configs(params_key)}
     state = {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32),
              "rng": train_key}
     if frozen:
@@ -415,23 +429,23 @@ class Trainer:
 
   def model(self, state: dict[str, Any]) -> model_lib.Transformer:
     """An nnx Transformer holding `state`'s model parameters (LoRA adapters merged into the weights)."""
-    model_params, _ = self._decompose(state["params"], state.get("frozen", {}))
+    model_params, _ = self._decompose(state["params"], state.get("frozen", {}), merged=True)
     return self._merge(model_params)
 
   def _merge(self, params) -> model_lib.Transformer:
     return nnx.merge(self._graphdef, params)
 
   # ---- step ---------------------------------------------------------------------------------------------
-  def _sums(self, params, frozen, batch, normalizer=1.0, scale=1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def _sums(self, params, frozen, batch, normalizer=1.0, scale=1.0, key=None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(scale * (objective loss / normalizer + MoE losses), the objective's sums) for one (micro)batch;
-    `normalizer` = the global batch's, `scale` the loss scale (1 without loss scaling).
+    `normalizer` = the global batch's, `scale` the loss scale (1 without loss scaling), `key` lora_dropout's.
 
     MoE: + moe_aux_loss * balance + router_z_loss * z_router, each a mean over MoE layers of this microbatch
     (model.moe.router_stats, returned by `Objective.forward` divided by grad_accum so the accumulated objective
     averages the microbatches).
     """
-    model_params, extras = self._decompose(params, frozen)
-    frozen_models = {name: self._merge(frozen[name]) for name in self.objective.frozen_models}
+    model_params, extras = self._decompose(params, frozen, key)
+    frozen_models = self._frozen_models(frozen)
     sums = self.objective.sums(self._merge(model_params), batch, extras, frozen_models)
     loss = self.objective.loss(sums) / normalizer
     if self.config.model.num_experts:
@@ -451,13 +465,13 @@ class Trainer:
       return jax.lax.with_sharding_constraint(x_ABL, NamedSharding(self.mesh, spec))
     return jax.tree.map(split, batch)
 
-  def _grads(self, params, frozen, batch, normalizer, scale=1.0):
+  def _grads(self, params, frozen, batch, normalizer, scale=1.0, key=None):
     """Gradient of `scale` x the objective over the whole batch (w.r.t. the trainable parameters), summed over
-    microbatches, and the objective's sums."""
+    microbatches, and the objective's sums; microbatch a draws lora_dropout from fold_in(key, a)."""
     grad_fn = jax.grad(self._sums, has_aux=True)
     trainable_shardings = self.state_shardings["params"]
     if self.config.train.grad_accum == 1:
-      return grad_fn(params, frozen, batch, normalizer, scale)
+      return grad_fn(params, frozen, batch, normalizer, scale, key)
     zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), trainable_shardings)
     m = self.config.model
     zero_sums = {k: jnp.zeros((m.num_experts,) if k == EXPERT_LOAD else (), jnp.float32)
@@ -465,11 +479,14 @@ class Trainer:
     if self._layer_loads():
       moe_layers = sum(model_lib.config.is_moe_layer(m, i) for i in range(m.num_layers)) + m.mtp_depth
       zero_sums[LAYER_LOAD] = jnp.zeros((moe_layers, m.num_experts), jnp.float32)
-    def body(carry, microbatch):
-      grads, sums = grad_fn(params, frozen, microbatch, normalizer, scale)
+    def body(carry, xs):
+      microbatch, a = xs
+      grads, sums = grad_fn(params, frozen, microbatch, normalizer, scale,
+                            None if key is None else jax.random.fold_in(key, a))
       grads = jax.lax.with_sharding_constraint(grads, trainable_shardings)
       return (_tree_add(carry[0], grads), _tree_add(carry[1], sums)), None
-    (grads, sums), _ = jax.lax.scan(body, (zeros, zero_sums), self._microbatches(batch))
+    xs = (self._microbatches(batch), jnp.arange(self.config.train.grad_accum))
+    (grads, sums), _ = jax.lax.scan(body, (zeros, zero_sums), xs)
     return grads, sums
 
   def _layer_loads(self) -> bool:
@@ -486,7 +503,9 @@ class Trainer:
       # accumulated gradient exactly that of the large batch's mean loss.
       normalizer = self.objective.normalizer(batch)
       scale = state["loss_scale"]["scale"] if self.loss_scaling else 1.0
-      grads, sums = self._grads(params, frozen, batch, normalizer, scale)
+      # lora_dropout's masks: a function of (seed, step) like the objective's, apart from its stream.
+      key = jax.random.fold_in(jax.random.fold_in(state["rng"], step), LORA_DROPOUT_KEY) if self.lora_dropout else None
+      grads, sums = self._grads(params, frozen, batch, normalizer, scale, key)
       if self.loss_scaling:
         grads = jax.tree.map(lambda g: g / scale, grads)
       grads = jax.lax.with_sharding_constraint(grads, self.state_shardings["params"])
@@ -535,7 +554,7 @@ class Trainer:
       # A fixed key: every evaluation corrupts a given held-out batch the same way.
       batch = self.objective.prepare(batch, jax.random.fold_in(state["rng"], EVAL_KEY))
       model_params, extras = self._decompose(state["params"], frozen)
-      frozen_models = {name: self._merge(frozen[name]) for name in self.objective.frozen_models}
+      frozen_models = self._frozen_models(frozen)
       return self.objective.eval_sums(self._merge(model_params), batch, extras, frozen_models)
 
   # ---- compiled facts -----------------------------------------------------------------------------------

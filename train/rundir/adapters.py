@@ -1,7 +1,7 @@
 """Exporting a LoRA run: the adapters merged into the weights, or a PEFT adapter directory next to the base model.
 
 `save_peft(trainer, state, directory, base_model_path)` writes `adapter_config.json` + `adapter_model.safetensors`
-in PEFT's LoRA layout (lora_A = A^T [r, in], lora_B = B^T [out, r], scaling lora_alpha / r), which
+in PEFT's LoRA layout (lora_A = A^T [r, in], lora_B = B^T [out, r], scaling lora_alpha / r, or / sqrt(r) with use_rslora), which
 `peft.PeftModel.from_pretrained(base, directory)` loads onto the base model written by `save_base`.
 `save_merged` writes one Hugging Face directory whose weights are W + (alpha / r) A @ B.
 
@@ -72,7 +72,8 @@ def save_peft(trainer, state: dict[str, Any], directory: str, base_model_path: s
   t = trainer.config.train
   config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": trainer.lora_rank, "lora_alpha": float(t.lora_alpha),
             "target_modules": sorted(HF_MODULES[x].split(".")[1] for x in trainer.lora_targets),
-            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+            "lora_dropout": float(t.lora_dropout), "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": bool(t.lora_rslora),
             "inference_mode": True, "base_model_name_or_path": base_model_path, "modules_to_save": None}
   with open(os.path.join(directory, "adapter_config.json"), "w") as f:
     json.dump(config, f, indent=2)
