@@ -14,6 +14,9 @@ mode in a fresh subprocess on 8 CPU devices and reports, per mode:
                          before it
   rss_growth_x_model     rss_growth_gb / the checkpoint's size
 Modes: load_unsharded (`model.hf.load` without a mesh), load_sharded (`model.hf.load` on an fsdp=8 mesh),
+load_qlora_nf4 (a QLoRA run's train.init_from: `train.core.setup.init_from` on an fsdp=8 mesh with
+train.lora_base_quant=nf4, the projection kernels quantized layer by layer while streaming; loaded_gb = what it
+holds: NF4 kernels, float32 embeddings and norms),
 transformers (`AutoModelForCausalLM.from_pretrained(dir, dtype=float32)`), save_sharded (`model.hf.save` of the
 fsdp=8 model, 250 MB files). On CPU devices the loaded parameters live in host memory, so a load's growth is
 at least the model's size. --code DIR runs the modes with another checkout's code (e.g. an earlier commit's).
@@ -63,6 +66,23 @@ if mode == "transformers":
   before = rss_gb(); t0 = time.perf_counter()
   m = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
   out["seconds"] = time.perf_counter() - t0; out["rss_growth_gb"] = rss_gb() - before
+elif mode == "load_qlora_nf4":
+  import configs
+  from model import hf
+  from parallel import mesh as mesh_lib
+  from train.core import setup, step as step_lib
+  with open(os.path.join(src, "config.json")) as f:
+    model_cfg = hf.config_from_hf(json.load(f))
+  c = configs.load("tiny", **{"train.lora_rank": 16, "train.lora_base_quant": "nf4",
+                              "train.lora_targets": ("q", "k", "v", "o", "gate", "up", "down")})
+  c.model.update({k: model_cfg[k] for k in model_cfg})
+  c.mesh.update(data=1, fsdp=8)
+  trainer = step_lib.Trainer(c, mesh_lib.make_mesh(c.mesh))
+  before = rss_gb(); t0 = time.perf_counter()
+  params = setup.init_from(trainer, src)
+  jax.block_until_ready(params)
+  out["seconds"], out["rss_growth_gb"] = time.perf_counter() - t0, rss_gb() - before
+  out["loaded_gb"] = sum(x.nbytes for x in jax.tree.leaves(params)) / 1e9
 else:
   from model import hf
   sharded = mode != "load_unsharded"

@@ -68,6 +68,8 @@ def get_config() -> ml_collections.ConfigDict:
   t.lora_targets = ("q", "k", "v", "o")  # projections LoRA adapts (any of q k v o gate up down)
   t.lora_rslora = False  # rsLoRA: scale the adapters by lora_alpha / sqrt(lora_rank) instead of lora_alpha / lora_rank
   t.lora_dropout = 0.0  # dropout probability on each adapter's input (training steps only), in [0, 1)
+  t.lora_base_quant = "none"  # QLoRA: frozen base kernels stored as none | int8 (per channel) | nf4 (4-bit, 64-blocks)
+  t.lora_base_double_quant = False  # nf4: NF4's block constants quantized again to 8-bit floats (QLoRA's DQ)
   t.base_recipe = ""  # with no init_from: a config whose run (WORKDIR/../NAME) is made or reused first and started from
   t.context_extension = False  # with init_from / base_recipe: this config's model.max_seq_len and RoPE keys replace
   # the checkpoint's (continued pretraining at a longer context: docs/long-context.md); otherwise the checkpoint's rule

@@ -192,6 +192,23 @@ def _tiles_bwd_rule(act, keep_products, res, dy_PD):
 tiles_ffn.defvjp(_tiles_fwd_rule, _tiles_bwd_rule)
 
 
+def _has_adapters(*kernels) -> bool:
+  return any(hasattr(w, "einsum") for w in kernels)  # model.lora.SideKernel
+
+
+def _adapted(mm: Callable, side_mm: Callable, a_PX: jax.Array, w_EXY) -> jax.Array:
+  """mm(a, W) for an expert kernel; for a LoRA side-path kernel (model.lora.SideKernel, one A, B pair per expert)
+  mm(a, stop_gradient(W)) + scale * side_mm(side_mm(dropout(a), A), B), the rank-r products through ragged_dot
+  (the megablox kernels tile dims of 128)."""
+  if not hasattr(w_EXY, "einsum"):
+    return mm(a_PX, w_EXY)
+  y_PY = mm(a_PX, jax.lax.stop_gradient(w_EXY.w))
+  if w_EXY.dropout and w_EXY.key is not None:
+    keep = jax.random.bernoulli(w_EXY.key, 1.0 - w_EXY.dropout, a_PX.shape)
+    a_PX = jnp.where(keep, a_PX / (1.0 - w_EXY.dropout), 0).astype(a_PX.dtype)
+  return y_PY + (w_EXY.scale * side_mm(side_mm(a_PX, w_EXY.a), w_EXY.b)).astype(y_PY.dtype)
+
+
 def grouped_ffn(x_RD: jax.Array, group_R: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array,
                 act: Callable, impl, load: int | None = None) -> jax.Array:
   """down_e(act(gate_e x_r) * up_e x_r) for each row r with e = group_R[r] (E_loc = gate_EDF.shape[0]: no expert,
@@ -202,10 +219,11 @@ def grouped_ffn(x_RD: jax.Array, group_R: jax.Array, gate_EDF: jax.Array, up_EDF
   lay = layout(group_R, E, absent=rows)
   src_P = jnp.full((rows,), R, jnp.int32).at[lay.dest_R].set(jnp.arange(R, dtype=jnp.int32), mode="drop")
   x_PD = permute(x_RD, src_P, lay.dest_R)
-  if impl == "tiled":
+  if impl == "tiled" and not _has_adapters(gate_EDF, up_EDF, down_EFD):
     y_PD = tiles_ffn(x_PD, gate_EDF, up_EDF, down_EFD, lay.sizes_E, act, R <= 2 * (load or R))
-  else:
-    mm = grouped_matmul(impl, lay.sizes_E)
+  else:  # LoRA adapters on the experts: the grouped matmuls (tiles_ffn's loops take plain kernels)
+    mm = functools.partial(_adapted, grouped_matmul("ragged" if impl == "tiled" else impl, lay.sizes_E),
+                           grouped_matmul("ragged", lay.sizes_E))
     h_PF = act(remat.tag(mm(x_PD, gate_EDF), remat.MLP_IN)) * remat.tag(mm(x_PD, up_EDF), remat.MLP_IN)
     y_PD = mm(remat.tag(h_PF, remat.MLP_HIDDEN), down_EFD)
   return permute(y_PD, lay.dest_R, src_P)
@@ -309,6 +327,33 @@ def _exchange_ffn(x_TD, experts_TK, weights_TK, keep_TK, gate_EDF, up_EDF, down_
   return _combine(permute(back(y_RD), slot_A, src_S), weights_TK, mine_A)
 
 
+def _one_key(w):
+  """A LoRA expert kernel with one dropout key for all its experts (the rows' masks differ by row; the key need not
+  travel sharded like the experts); a plain kernel unchanged."""
+  if not hasattr(w, "einsum") or w.key is None:
+    return w
+  return type(w)(w.w, w.a, w.b, w.key.reshape(-1, w.key.shape[-1])[0], scale=w.scale, dropout=w.dropout)
+
+
+def _on_d(w, gather: Callable, axis: int, d_child: str):
+  """gather(w, axis) for a plain kernel; for a LoRA kernel W and its adapter child holding D (`d_child`) gathered."""
+  if not hasattr(w, "einsum"):
+    return gather(w, axis)
+  a = gather(w.a, 1) if d_child == "a" else w.a
+  b = gather(w.b, 2) if d_child == "b" else w.b
+  return type(w)(gather(w.w, axis), a, b, w.key, scale=w.scale, dropout=w.dropout)
+
+
+def _kernel_spec(w, spec):
+  """shard_map's in_spec of an expert kernel [E, X, Y]: `spec`; a LoRA kernel's A [E, X, r] keeps spec's E and X
+  axes, B [E, r, Y] its E and Y axes (the rank unsplit), its key replicated."""
+  if not hasattr(w, "einsum"):
+    return spec
+  a, b = jax.sharding.PartitionSpec(spec[0], spec[1], None), jax.sharding.PartitionSpec(spec[0], None, spec[2])
+  key = None if w.key is None else jax.sharding.PartitionSpec()
+  return type(w)(spec, a, b, key, scale=w.scale, dropout=w.dropout)
+
+
 def _flat(spec_entry) -> tuple[str, ...]:
   return () if spec_entry is None else (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
 
@@ -316,6 +361,7 @@ def _flat(spec_entry) -> tuple[str, ...]:
 def dispatch(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_EFD, act, impl) -> jax.Array:
   """The routed experts' output [B, L, D] for the whole batch: `expert_ffn` without a mesh, else each device's
   tokens through `_exchange_ffn` under `jax.shard_map` (module docstring)."""
+  gate_EDF, up_EDF, down_EFD = (_one_key(w) for w in (gate_EDF, up_EDF, down_EFD))
   if not axes.active():
     B, L, D = x_BLD.shape
     y_TD = expert_ffn(x_BLD.reshape(B * L, D), experts_BLK.reshape(B * L, -1), weights_BLK.reshape(B * L, -1),
@@ -330,13 +376,13 @@ def dispatch(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_E
   a2a_axes = tuple(a for a in split(w_spec[0]) if a in tok_axes)  # tokens split: exchange
   sum_axes = tuple(a for a in split(w_spec[0]) if a not in tok_axes)  # tokens replicated: own experts, psum
   ragged = RAGGED_EXCHANGE.get(splash.target_platform(), False)
+  gather = lambda w, axis: jax.lax.all_gather(w, d_axes, axis=axis, tiled=True)
 
   def local(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_EFD):
     B, L, D = x_BLD.shape
-    if d_axes:  # FSDP: whole rows of D for the matmuls
-      gate_EDF = jax.lax.all_gather(gate_EDF, d_axes, axis=1, tiled=True)
-      up_EDF = jax.lax.all_gather(up_EDF, d_axes, axis=1, tiled=True)
-      down_EFD = jax.lax.all_gather(down_EFD, d_axes, axis=2, tiled=True)
+    if d_axes:  # FSDP: whole rows of D for the matmuls (a LoRA kernel: W, and A or B, whichever holds D)
+      gate_EDF, up_EDF = (_on_d(w, gather, 1, "a") for w in (gate_EDF, up_EDF))
+      down_EFD = _on_d(down_EFD, gather, 2, "b")
     args = (x_BLD.reshape(B * L, D), *(a.reshape(B * L, -1) for a in (experts_BLK, weights_BLK, keep_BLK)),
             gate_EDF, up_EDF, down_EFD, act, impl)
     if a2a_axes:
@@ -351,6 +397,7 @@ def dispatch(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_E
   x_BLD = axes.constrain(x_BLD, (BATCH, LENGTH, None))
   # check_vma=False: under the pipeline's vmap over stages (spmd_axis_name="stage") jax adds `stage` to the specs
   # but its varying-axes check still compares against the unbatched out_specs; the collectives are unchanged.
-  return jax.shard_map(local, in_specs=(tok_spec, tok_spec, tok_spec, tok_spec, w_spec, w_spec, down_spec),
+  w_specs = (_kernel_spec(gate_EDF, w_spec), _kernel_spec(up_EDF, w_spec), _kernel_spec(down_EFD, down_spec))
+  return jax.shard_map(local, in_specs=(tok_spec, tok_spec, tok_spec, tok_spec, *w_specs),
                        out_specs=tok_spec, check_vma=False)(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF,
                                                              down_EFD)

@@ -853,7 +853,7 @@ def _sharded(shape: tuple, sharding, read: Callable[[tuple], np.ndarray]) -> jax
 
 
 def load(path: str, dtype: str = "float32", compute_dtype: str | None = None, *, mesh=None, rules=None,
-         progress: bool = True, **model_overrides) -> Transformer:
+         progress: bool = True, transform: Callable | None = None, **model_overrides) -> Transformer:
   """Reads a Hugging Face directory of a family in FAMILIES (model.safetensors or sharded files + index) into a
   meshlm Transformer; of Gemma 3's multimodal directories, the text decoder.
 
@@ -865,6 +865,9 @@ def load(path: str, dtype: str = "float32", compute_dtype: str | None = None, *,
   besides what the devices hold. Without a mesh the parameters land unsharded on the default device.
   A tensor whose shape disagrees with config.json is refused with the config fields that set that shape; a
   missing or truncated file is named (safetensors_io.FileError, a ValueError).
+  transform: `transform(path, shape, read)` for each parameter ("layers/attn/q", its shape, and `read(index)`
+  giving any block of it as float32 NumPy, index a tuple of slices); a non-None result is stored instead of the
+  parameter, which is then never read whole (QLoRA quantizes its base kernels this way, layer by layer).
   """
   with open(os.path.join(path, "config.json")) as f:
     cfg = config_from_hf(json.load(f))
@@ -886,11 +889,14 @@ def load(path: str, dtype: str = "float32", compute_dtype: str | None = None, *,
     with jax.set_mesh(mesh), axes.axis_rules(rules):
       model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   plan = _plan_reads(path, reader, model, cfg)
+  names = {id(node): "/".join(map(str, p)) for p, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)}
   for var, reads in _progress(f"loading {os.path.basename(os.path.normpath(path))}", progress)(plan.values()):
     shape = tuple(var.shape)
-    if mesh is None:
+    value = transform and transform(names[id(var)], shape, lambda index, reads=reads, shape=shape: _read_block(
+        reader, reads, shape, index, np.float32))
+    if value is None and mesh is None:
       value = jnp.asarray(_read_block(reader, reads, shape, tuple(slice(None) for _ in shape), np.float32), pdtype)
-    else:
+    elif value is None:
       value = _sharded(shape, jax.sharding.NamedSharding(mesh, var.get_value().sharding.spec),
                        lambda index, reads=reads, shape=shape: _read_block(reader, reads, shape, index, pdtype))
     var.set_value(value)

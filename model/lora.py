@@ -26,9 +26,12 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-# target name -> (parent module in a Block, number of leading input dims of the kernel, kernel rank)
-TARGETS = {"q": ("attn", 1, 3), "k": ("attn", 1, 3), "v": ("attn", 1, 3), "o": ("attn", 2, 3),
-           "gate": ("mlp", 1, 2), "up": ("mlp", 1, 2), "down": ("mlp", 1, 2)}
+# target name -> (parent modules in a Block, number of leading input dims of the kernel, kernel rank). The MLP
+# targets adapt dense MLPs, an MoE layer's shared experts and its routed experts (one A, B pair per expert: the
+# experts dim leads like a scanned layers dim).
+TARGETS = {"q": (("attn",), 1, 3), "k": (("attn",), 1, 3), "v": (("attn",), 1, 3), "o": (("attn",), 2, 3),
+           "gate": (("mlp", "shared", "moe"), 1, 2), "up": (("mlp", "shared", "moe"), 1, 2),
+           "down": (("mlp", "shared", "moe"), 1, 2)}
 
 
 def check_targets(targets: Sequence[str]) -> tuple[str, ...]:
@@ -52,7 +55,7 @@ def kernels(model_params: dict, targets: Sequence[str]) -> dict[tuple, tuple[Any
   """path -> (kernel leaf, lead dims, input dims) for every kernel adapted by `targets` (layers: scanned or not)."""
   out = {}
   for path, leaf in _walk(model_params):
-    if len(path) >= 2 and path[-1] in targets and path[-2] == TARGETS[path[-1]][0]:
+    if len(path) >= 2 and path[-1] in targets and path[-2] in TARGETS[path[-1]][0]:
       _, n_in, rank = TARGETS[path[-1]]
       out[path] = (leaf, len(leaf.shape) - rank, n_in)
   return out
@@ -200,3 +203,18 @@ def side(model_params: dict, adapters: dict, scale_: float, dropout: float = 0.0
       keys = keys.reshape(lead_shape + keys.shape[-1:])
     _set(tree, path, SideKernel(w, ab["a"], ab["b"], keys, scale=scale_, dropout=dropout))
   return tree
+
+
+def counts(cfg_model, targets: Sequence[str], rank: int) -> dict[str, int]:
+  """{"adapters": parameters of the LoRA adapters on `targets` at `rank`, "base_kernels": parameters of every
+  projection kernel (what QLoRA quantizes)} of a model config, from its abstract parameter tree."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from model import config as config_lib  # pylint: disable=g-import-not-at-top
+  from model.transformer import Transformer  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.validate(cfg_model)
+  tree = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param))
+  adapters = sum(math.prod(leaf.shape[:lead]) * rank * (math.prod(leaf.shape[lead:lead + n_in])
+                                                       + math.prod(leaf.shape[lead + n_in:]))
+                 for leaf, lead, n_in in kernels(tree, targets).values())
+  base = sum(math.prod(leaf.shape) for leaf, _, _ in kernels(tree, tuple(TARGETS)).values())
+  return {"adapters": int(adapters), "base_kernels": int(base)}

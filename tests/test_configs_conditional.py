@@ -18,6 +18,7 @@ _MOE = {"model.num_experts": 8}
 _LLAMA3 = {"model.rope_scaling": "llama3"}
 _GIVEN_TOKENIZER = {"data.tokenizer": "/tmp/tok.model"}
 _CHAT = {"data.sources": "instruct=builtin:instruct"}
+_DISTILL = {"train.objective": "distill"}
 _BEST_OF_N = {"rl.algorithm": "best_of_n", "train.objective": "sft"}
 # key: (a value other than its default, overrides under which it cannot act, overrides under which it acts); on
 # top of configs/tiny.py.
@@ -31,10 +32,18 @@ CASES = {
     "train.loss_scale_period": (100, {}, {"model.dtype": "float16"}),
     "train.lora_alpha": (8.0, {}, {"train.lora_rank": 4}),
     "train.lora_targets": (("q", "v"), {}, {"train.lora_rank": 4}),
+    "train.lora_rslora": (True, {}, {"train.lora_rank": 4}),
+    "train.lora_dropout": (0.1, {}, {"train.lora_rank": 4}),
+    "train.lora_base_quant": ("nf4", {}, {"train.lora_rank": 4}),
+    "train.lora_base_double_quant": (True, {}, {"train.lora_rank": 4, "train.lora_base_quant": "nf4"}),
     "train.dpo_beta": (0.5, {}, {"train.objective": "dpo"}),
     "train.dpo_loss": ("ipo", {}, {"train.objective": "dpo"}),
     "train.dpo_label_smoothing": (0.1, {}, {"train.objective": "dpo"}),
     "train.reward_center": (0.01, {}, {"train.objective": "reward"}),
+    **{f"train.{k}": (v, {}, _DISTILL) for k, v in (
+        ("distill_teacher", "runs/tiny"), ("distill_teacher_recipe", "tiny"), ("distill_loss", "reverse_kl"),
+        ("distill_temperature", 2.0), ("distill_top_k", 20), ("distill_lm_weight", 0.5))},
+    "train.distill_beta": (0.2, _DISTILL, {**_DISTILL, "train.distill_loss": "jsd"}),
     "train.mlm_rate": (0.3, {}, {"train.objective": "mlm", "model.causal": False}),
     "train.mlm_mask_fraction": (0.5, {}, {"train.objective": "mlm", "model.causal": False}),
     "train.mlm_random_fraction": (0.2, {}, {"train.objective": "mlm", "model.causal": False}),

@@ -213,3 +213,53 @@ def test_side_kernel_equals_the_merged_projection():
     merged = w.astype(np.float64) + 0.7 * np.tensordot(a.astype(np.float64), b, axes=1)
     want = np.einsum(spec, x.astype(np.float64), merged)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+def test_expert_adapters_side_path_equals_merged(moe_impl="tiled", shape=(1, 2, 2, 1, 2)):
+  """Per-expert adapters on the routed experts (A [E, D, r], B [E, r, F]) and the shared expert, as side paths inside
+  the grouped matmuls (model.moe_impl=tiled runs them through ragged_dot), against the merged experts
+  W_e + s A_e B_e: loss and gradients under fsdp x tensor x expert (D gathered, F split, the all-to-all)."""
+  c = configs.load("tiny_moe", **{**SMALL, "model.num_experts": 4, "model.expert_mlp_dim": 32,
+                                  "model.num_shared_experts": 1, "model.moe_impl": moe_impl,
+                                  "model.capacity_factor": 0.0, "train.lora_rank": 4,
+                                  "train.lora_targets": ("q", "gate", "up", "down")})
+  c.mesh.update(data=shape[0], fsdp=shape[1], tensor=shape[2], sequence=shape[3], expert=shape[4])
+  trainer = step_lib.Trainer(c, mesh_lib.make_mesh(c.mesh), step_lib.FAST_COMPILE)
+  state = trainer.init()
+  lora = state["params"]["lora"]["layers"]
+  assert lora["moe"]["gate"]["a"].shape == (2, 4, 32, 4) and "shared" in lora["moe"]  # [layers, E, D, r]
+  params, frozen = _with_random_b(state), state["frozen"]
+  batch = trainer.batch_to_device(step_lib.synthetic_batch(trainer.config, 3))
+
+  def loss(p, merged):
+    with parallel.activate(trainer.mesh, trainer.rules, inside_jit=True):
+      tree = (lora_lib.merge(frozen["model"], p["lora"], trainer.lora_scale) if merged else
+              lora_lib.side(frozen["model"], p["lora"], trainer.lora_scale))
+      sums = trainer.objective.sums(trainer._merge(tree), batch, {}, {})
+      return trainer.objective.loss(sums) / trainer.objective.normalizer(batch)
+  side_loss, side_grads = jax.jit(jax.value_and_grad(lambda p: loss(p, False)))(params)
+  merged_loss, merged_grads = jax.jit(jax.value_and_grad(lambda p: loss(p, True)))(params)
+  assert float(side_loss) == pytest.approx(float(merged_loss), rel=1e-6)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(side_grads), jax.tree.leaves(merged_grads)):
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.abs(b).max() > 0, path
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * max(1.0, np.abs(b).max()), err_msg=str(path))
+
+
+def test_side_path_through_pipeline_stages_equals_one_device():
+  """LoRA (side path, rsLoRA) with the layer stack split over 2 pipeline stages x fsdp 2 x tensor 2: one step's
+  loss and updated adapters equal one device's."""
+  over = {"train.lora_rslora": True, "train.eps": 1.0}  # eps 1: the first Adam step is smooth in the gradient
+  def step(shape, stage):
+    staged = {"train.pipeline_microbatches": 2} if stage > 1 else {}
+    c = configs.load("tiny", **{**SMALL, "train.lora_rank": 4, **over, **staged})
+    c.mesh.update(data=shape[0], fsdp=shape[1], tensor=shape[2], stage=stage)
+    devices = jax.devices()[:1] if stage == 1 else None
+    trainer = step_lib.Trainer(c, mesh_lib.make_mesh(c.mesh, devices), step_lib.FAST_COMPILE)
+    state, metrics = trainer.step_fn(trainer.init(), trainer.batch_to_device(step_lib.synthetic_batch(c, 0)))
+    return float(metrics["loss"]), jax.device_get(state["params"]["lora"])
+  loss, lora = step((1, 2, 2), 2)
+  want_loss, want = step((1, 1, 1), 1)
+  assert loss == pytest.approx(want_loss, rel=1e-6)
+  for (path, got), ref in zip(jax.tree_util.tree_leaves_with_path(lora), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-7, err_msg=jax.tree_util.keystr(path))

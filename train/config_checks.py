@@ -96,7 +96,8 @@ validate.conditional(
     *(_row(f"train.{k}", "loss scaling is on (train.loss_scale=dynamic, or auto with model.dtype=float16)",
            _loss_scaling) for k in ("loss_scale_init", "loss_scale_period")),
     *(_row(f"train.{k}", "train.lora_rank > 0", lambda c, f: c.train.lora_rank > 0, "LoRA adapters are off")
-      for k in ("lora_alpha", "lora_targets", "lora_rslora", "lora_dropout")),
+      for k in ("lora_alpha", "lora_targets", "lora_rslora", "lora_dropout", "lora_base_quant",
+                "lora_base_double_quant")),
     *(_row(f"train.{k}", "train.objective=dpo", lambda c, f: c.train.objective == "dpo")
       for k in ("dpo_beta", "dpo_loss", "dpo_label_smoothing")),
     _row("train.reward_center", "train.objective=reward", lambda c, f: c.train.objective == "reward"),

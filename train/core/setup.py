@@ -2,7 +2,8 @@
 
 Steps, in order (each loop calls them; `Run` carries what they settle):
   validated / launch    the config checked (configs.validate), the workdir checked writable, the stop signals
-                        installed, the start resolved (`resolve_start`: train.base_recipe, train.init_from)
+                        installed, the start resolved (`resolve_start`: train.base_recipe, train.init_from, a
+                        distillation teacher's train.distill_teacher_recipe)
   settle                distributed start-up; the config settled against the run directory's latest checkpoint
                         and train.init_from, reading only (`reconcile`); the step to resume from
   build_trainer         the mesh and the Trainer (validates the model, mesh and batch settings)
@@ -10,7 +11,7 @@ Steps, in order (each loop calls them; `Run` carries what they settle):
                         receives; `check_data_kind` (pretraining and post-training)
   check_resume          a resumed run's checkpoint checked against the Trainer's state; its tokenizer file back
   load_tokenizer        the run's tokenizer (trained on the plan's sources when absent), checked against the model
-  init_state            a fresh run's state (with train.init_from's parameters)
+  init_state            a fresh run's state (with train.init_from's parameters, a distillation teacher's loaded)
   write_config          config.json: only once every check above has passed
   open_checkpoints      the checkpointer; `restore` resumes the state (and the data iterator) from it
   open_log              metrics.jsonl / TensorBoard / progress bar
@@ -177,39 +178,52 @@ def launch(config: ml_collections.ConfigDict, workdir: str, warnings: Sequence[s
 
 def resolve_start(config: ml_collections.ConfigDict, workdir: str,
                   train_base: TrainBase | None = None) -> ml_collections.ConfigDict:
-  """Fills in what a fine-tuning run takes from the run it starts from, before anything else reads the config.
+  """Fills in what a run takes from the runs it starts from, before anything else reads the config.
 
   - train.base_recipe without train.init_from: the recipe's run WORKDIR/../<recipe> is made first by
     `train_base` (train.core.loop.run; or reused when its config.json matches the recipe and it reached its last
     step) and becomes init_from.
-  - init_from a Hugging Face directory: unless data.tokenizer is set, its tokenizer (tokenizer.json or
-    tokenizer.model); config.model is settled against the checkpoint's by `reconcile`.
-  - init_from a meshlm run: unless data.tokenizer is set, that run's tokenizer (copied into this workdir).
+  - train.objective=distill with train.distill_teacher_recipe and no train.distill_teacher: the same for the
+    teacher, whose run becomes distill_teacher (the student starts from init_from, or fresh).
+  - init_from (else the teacher) a Hugging Face directory: unless data.tokenizer is set, its tokenizer
+    (tokenizer.json or tokenizer.model); config.model is settled against init_from's checkpoint by `reconcile`.
+  - init_from (else the teacher) a meshlm run: unless data.tokenizer is set, that run's tokenizer (copied into this
+    workdir).
   """
   tc = config.train
-  if not (tc.init_from or tc.base_recipe):
+  keys = ("init_from", "distill_teacher") if tc.objective == "distill" else ("init_from",)
+  recipes = {"init_from": "base_recipe", "distill_teacher": "distill_teacher_recipe"}
+  if not any(tc[key] or tc[recipes[key]] for key in keys):
     return config
   import parallel  # pylint: disable=g-import-not-at-top
   parallel.distributed.initialize(config.distributed)  # before any JAX call (idempotent; settle calls it again)
-  if not tc.init_from and tc.base_recipe:
-    name = os.path.splitext(os.path.basename(tc.base_recipe))[0]  # a recipe name or a config file path
-    tc.init_from = _make_base_run(tc.base_recipe, os.path.join(os.path.dirname(workdir), name), train_base)
-  if not tc.init_from:
-    return config
-  if not os.path.isdir(tc.init_from):
-    raise SetupError(f"train.init_from={tc.init_from!r} is not a directory; give a meshlm run directory, a "
-                     "checkpoints/<step> directory or a Hugging Face model directory")
-  from train.rundir import runconfig  # pylint: disable=g-import-not-at-top
-  if runconfig.is_hf_dir(tc.init_from):  # (config.model is settled from the checkpoint by reconcile)
-    if not config.data.tokenizer:
-      from data import hf_tokenizer_load  # pylint: disable=g-import-not-at-top
-      if not hf_tokenizer_load.is_hf_dir(tc.init_from):
-        raise SetupError(f"train.init_from={tc.init_from!r} has no tokenizer.json or tokenizer.model; set "
-                         "data.tokenizer to the model's tokenizer")
-      config.data.tokenizer = tc.init_from
-  elif not config.data.tokenizer and jax.process_index() == 0:
-    _copy_run_tokenizer(tc.init_from, workdir)
+  for key in keys:
+    recipe = tc[recipes[key]]
+    if not tc[key] and recipe:
+      name = os.path.splitext(os.path.basename(recipe))[0]  # a recipe name or a config file path
+      tc[key] = _make_base_run(recipe, os.path.join(os.path.dirname(workdir), name), train_base, recipes[key], key)
+    if tc[key] and not os.path.isdir(tc[key]):
+      raise SetupError(f"train.{key}={tc[key]!r} is not a directory; give a meshlm run directory, a "
+                       "checkpoints/<step> directory or a Hugging Face model directory")
+  source = next((key for key in keys if tc[key]), None)
+  if source and not config.data.tokenizer:
+    _take_tokenizer(config, source, workdir)
   return config
+
+
+def _take_tokenizer(config: ml_collections.ConfigDict, key: str, workdir: str) -> None:
+  """The tokenizer of the directory train.<key> names: a Hugging Face directory's becomes data.tokenizer, a meshlm
+  run's is copied into `workdir` (process 0)."""
+  from train.rundir import runconfig  # pylint: disable=g-import-not-at-top
+  path = config.train[key]
+  if runconfig.is_hf_dir(path):  # (init_from: config.model is settled from the checkpoint by reconcile)
+    from data import hf_tokenizer_load  # pylint: disable=g-import-not-at-top
+    if not hf_tokenizer_load.is_hf_dir(path):
+      raise SetupError(f"train.{key}={path!r} has no tokenizer.json or tokenizer.model; set data.tokenizer to the "
+                       "model's tokenizer")
+    config.data.tokenizer = path
+  elif jax.process_index() == 0:
+    _copy_run_tokenizer(path, workdir)
 
 
 def _copy_run_tokenizer(init_from: str, workdir: str) -> None:
@@ -236,36 +250,39 @@ def _run_dir(path: str) -> str:
 KERNEL_CHOICES = ("attention_impl", "moe_impl")  # model keys that pick a kernel, not the function
 
 
-def _make_base_run(recipe: str, base_workdir: str, train_base: TrainBase | None) -> str:
-  """Trains (or resumes, or reuses) the recipe `recipe` in `base_workdir` with `train_base`; returns that
-  directory."""
+def _make_base_run(recipe: str, base_workdir: str, train_base: TrainBase | None, key: str = "base_recipe",
+                   path_key: str = "init_from") -> str:
+  """Trains (or resumes, or reuses) the recipe `recipe` (given by train.<key>) in `base_workdir` with `train_base`;
+  returns that directory (which train.<path_key> may name explicitly instead)."""
   import configs  # pylint: disable=g-import-not-at-top
   try:
     base = configs.load(recipe)
   except configs.ConfigError as e:
-    raise SetupError(f"train.base_recipe={recipe!r}: {e}") from None
+    raise SetupError(f"train.{key}={recipe!r}: {e}") from None
   saved = os.path.join(base_workdir, "config.json")
   if os.path.exists(saved):
     with open(saved) as f:
       found = json.load(f)
     want = config_dict(base)
-    if base.train.base_recipe and not base.train.init_from:  # a chained recipe's run saved its resolved start
-      found = dict(found, train=dict(found.get("train", {}), init_from=""))
+    for chained, resolved in (("base_recipe", "init_from"), ("distill_teacher_recipe", "distill_teacher")):
+      if base.train[chained] and not base.train[resolved]:  # a chained recipe's run saved its resolved start
+        found = dict(found, train=dict(found.get("train", {}), **{resolved: ""}))
     # What the weights depend on; logging, checkpoint cadence, mesh and process settings may differ, and so may the
     # kernels (same function; a run saved before model.*_impl=auto became the defaults says xla / ragged).
     found = dict(found, model={**found.get("model", {}), **{k: want["model"][k] for k in KERNEL_CHOICES}})
     if any(found.get(section) != want[section] for section in ("model", "train", "data")):
       raise SetupError(f"{base_workdir} holds a run whose model, train or data config differs from the "
                        f"{recipe!r} recipe; remove it, or start from it explicitly with "
-                       f"--config.train.init_from={base_workdir}")
+                       f"--config.train.{path_key}={base_workdir}")
     directory = os.path.join(base_workdir, ckpt_lib.CHECKPOINT_DIR)
     steps = ckpt_lib.Checkpointer(directory, read_only=True).all_steps() if os.path.isdir(directory) else []
     if steps and steps[-1] >= base.train.steps:
       print0(f"reusing the {recipe!r} run in {base_workdir} (step {steps[-1]})")
       return base_workdir
-  print0(f"making the {recipe!r} run this one starts from in {base_workdir}")
+  role = "starts from" if path_key == "init_from" else f"takes as train.{path_key}"
+  print0(f"making the {recipe!r} run this one {role} in {base_workdir}")
   if train_base is None:
-    raise SetupError(f"train.base_recipe={recipe!r}: no trainer was given to make its run in {base_workdir}")
+    raise SetupError(f"train.{key}={recipe!r}: no trainer was given to make its run in {base_workdir}")
   summary = train_base(base, base_workdir)
   if summary["stopped"]:
     raise TrainingError(f"stopped while making the {recipe!r} run in {base_workdir}; run the same command to "
@@ -458,7 +475,8 @@ def load_tokenizer(run: Run) -> None:
 
 
 def init_state(run: Run) -> Any:
-  """A fresh run's state (train.init_from's parameters when set); None when resuming."""
+  """A fresh run's state (train.init_from's parameters when set, and the objective's frozen models of their own
+  config loaded: `load_frozen_configs`); None when resuming."""
   if run.latest is not None:
     return None
   trainer, tc = run.trainer, run.config.train
@@ -466,48 +484,116 @@ def init_state(run: Run) -> Any:
   if tc.init_from:
     # with_model_params gives a frozen reference its own buffers (the step donates the state).
     state = trainer.with_model_params(state, init_from(trainer, tc.init_from))
+  return load_frozen_configs(trainer, state)
+
+
+def load_frozen_configs(trainer, state: Any) -> Any:
+  """`state` with the weights of each of the objective's frozen models of their own config (`frozen_configs`, e.g.
+  a distillation teacher) read from their directories onto the Trainer's shardings (`load_params`); each random
+  placeholder is freed first, so the devices hold one copy of that model at a time."""
+  for name, frozen in trainer.objective.frozen_configs.items():
+    jax.tree.map(lambda a: a.delete(), state["frozen"][name])
+    params = load_params(trainer, frozen.path, trainer.abstract_frozen_params(name), frozen.model, frozen.key,
+                         f"the {name}'s model config (read from it)")
+    state = trainer.with_frozen_params(state, name, params)
+    print0(f"loaded the {name} from {frozen.path}")
   return state
 
 
 def init_from(trainer, path: str) -> dict[str, Any]:
   """Model parameters (sharded like `trainer`'s) from a meshlm run/checkpoint directory or a Hugging Face
-  directory; a meshlm run trained with LoRA gives its adapters merged into the weights."""
+  directory; a meshlm run trained with LoRA gives its adapters merged into the weights. A QLoRA run
+  (train.lora_base_quant) reads a Hugging Face directory's base kernels quantized while streaming."""
+  return load_params(trainer, path, trainer.abstract_model_params(), trainer.config.model, quantize_base=True)
+
+
+def _base_quantizer(trainer) -> Callable | None:
+  """hf.load's `transform` for a QLoRA run: each base kernel read one leading slice (layer) at a time in float32,
+  quantized and kept only quantized, then placed on the frozen base's shardings; no float copy of a whole stacked
+  kernel ever exists on the host. None without quantized kernels."""
+  from model import basequant  # pylint: disable=g-import-not-at-top
+  kernels = {"/".join(map(str, path)): (path, lead, n_in) for path, (lead, n_in) in trainer._base_kernels.items()}
+  if not kernels:
+    return None
+  shardings = trainer.state_shardings["frozen"]["model"]
+
+  def transform(name: str, shape: tuple, read: Callable) -> dict | None:
+    if name not in kernels:
+      return None
+    path, lead, n_in = kernels[name]
+    # jitted: one program per kernel shape (eager ops would compile and hold one executable per primitive)
+    one = jax.jit(lambda w: basequant.as_dict(basequant.quantize(w, lead, n_in, trainer.base_quant,
+                                                                 double=trainer.base_double_quant)))
+    rest = (slice(None),) * (len(shape) - 1)
+    parts = ([jax.device_get(one(read((slice(i, i + 1),) + rest))) for i in range(shape[0])] if lead else
+             [jax.device_get(one(read(rest + (slice(None),))))])
+    children = {k: np.concatenate([p[k] for p in parts]) if lead else parts[0][k] for k in parts[0]}
+    target = basequant._get(shardings, path)  # pylint: disable=protected-access
+    return {k: jax.device_put(v, target[k]) for k, v in children.items()}
+  return transform
+
+
+def load_params(trainer, path: str, abstract: Any, model_cfg, key: str = "train.init_from",
+                what: str = "config.model", quantize_base: bool = False) -> dict[str, Any]:
+  """The parameters of a model of config `model_cfg` onto `abstract` (its parameter tree as ShapeDtypeStructs
+  with shardings on `trainer`'s mesh) from a meshlm run/checkpoint directory (`restore_model_params`) or a Hugging
+  Face directory (each device reading its own blocks). TrainingError naming `key` (the config key that gave `path`)
+  and `what` (the config the parameters must fit)."""
   from train.rundir import runconfig  # pylint: disable=g-import-not-at-top
-  abstract = trainer.abstract_model_params()
   if not os.path.isdir(path):
-    raise TrainingError(f"train.init_from={path!r} is not a directory; give a meshlm run directory, a "
+    raise TrainingError(f"{key}={path!r} is not a directory; give a meshlm run directory, a "
                         "checkpoints/<step> directory or a Hugging Face model directory")
   if not runconfig.is_hf_dir(path):
     directory, step = ckpt_lib.find_checkpoint_dir(path)
     try:
       return restore_model_params(ckpt_lib.Checkpointer(directory, read_only=True), step, abstract)
     except (ValueError, KeyError) as e:
-      raise TrainingError(f"train.init_from={path!r}: its parameters do not fit config.model ({e}); use the "
+      raise TrainingError(f"{key}={path!r}: its parameters do not fit {what} ({e}); use the "
                           "model config of the run it came from") from None
-  return _hf_params(trainer, path, abstract)
+  return _hf_params(trainer, path, abstract, model_cfg, key, what, quantize_base)
 
 
-def _hf_params(trainer, path: str, abstract: Any) -> dict[str, Any]:
-  """A Hugging Face directory's weights, each device reading its own blocks, checked against `abstract`."""
+def _hf_params(trainer, path: str, abstract: Any, m, key: str, what: str, quantize_base: bool = False
+               ) -> dict[str, Any]:
+  """A Hugging Face directory's weights for model config `m`, each device reading its own blocks, checked against
+  `abstract`; with `quantize_base` a QLoRA run's base kernels come quantized (`_base_quantizer`)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from model import hf  # pylint: disable=g-import-not-at-top
-  m = trainer.config.model
   try:
     hf.check_compatible(m, path)  # names the differing config fields (hidden_size, ...) with both values
   except ValueError as e:
-    raise TrainingError(f"train.init_from={path!r}: {e}") from None
+    raise TrainingError(f"{key}={path!r}: {e}") from None
   try:  # each device reads its own blocks of the weights: the model never passes whole through one host
+    transform = _base_quantizer(trainer) if quantize_base else None
     loaded = hf.load(path, dtype=m.param_dtype, compute_dtype=m.dtype, scan_layers=m.scan_layers,
-                     mesh=trainer.mesh, rules=trainer.rules)
+                     mesh=trainer.mesh, rules=trainer.rules, transform=transform)
+    if transform is not None:
+      abstract = trainer.abstract_state()["frozen"]["model"]
   except ValueError as e:  # a missing or truncated file, a tensor that does not fit: named in the message
-    raise TrainingError(f"train.init_from={path!r}: {e}") from None
+    raise TrainingError(f"{key}={path!r}: {e}") from None
   params = nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
   want = jax.tree.map(lambda a: (a.shape, a.dtype), abstract)
   got = jax.tree.map(lambda a: (a.shape, a.dtype), params)
   if want != got:
-    raise TrainingError(f"train.init_from={path!r}: the Hugging Face model's parameters do not match "
-                        "config.model; set the model keys from its config.json (model.hf.config_from_hf)")
-  return jax.device_put(params, trainer.param_shardings)
+    raise TrainingError(f"{key}={path!r}: the Hugging Face model's parameters do not match {what}; set the "
+                        "model keys from its config.json (model.hf.config_from_hf)")
+  return jax.device_put(params, jax.tree.map(lambda a: a.sharding, abstract))
+
+
+def _abstract_base(abstract: Any, saved: dict, sharding) -> tuple[Any, dict]:
+  """(the frozen base as a LoRA run saved it, the quantized kernels' templates): `abstract` itself, or under
+  train.lora_base_quant (QLoRA) its projection kernels as the stored quantized children, on `sharding`."""
+  from model import basequant  # pylint: disable=g-import-not-at-top
+  from model import lora as lora_lib  # pylint: disable=g-import-not-at-top
+  kind, double = saved.get("lora_base_quant", "none"), bool(saved.get("lora_base_double_quant", False))
+  kernels = {path: (lead, n_in) for path, (_, lead, n_in) in
+             lora_lib.kernels(abstract, tuple(lora_lib.TARGETS)).items()} if kind != "none" else {}
+  templates = basequant.templates(abstract, kernels, kind, double)
+  if not templates:
+    return abstract, templates
+  on = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+  base = jax.eval_shape(lambda tree: basequant.quantize_params(tree, kernels, kind, double), abstract)
+  return jax.tree.map(on, base), templates
 
 
 def restore_model_params(checkpointer: ckpt_lib.Checkpointer, step: int | None, abstract: Any) -> Any:
@@ -527,8 +613,10 @@ def restore_model_params(checkpointer: ckpt_lib.Checkpointer, step: int | None, 
   first = jax.tree.leaves(abstract)[0].sharding
   replicated = jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
   adapters = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), adapters)
-  tree = checkpointer.restore_subtree({"params": {"lora": adapters}, "frozen": {"model": abstract}}, step)
-  merged = lora_lib.merge(tree["frozen"]["model"], tree["params"]["lora"],
+  from model import basequant  # pylint: disable=g-import-not-at-top
+  base, templates = _abstract_base(abstract, saved, replicated)
+  tree = checkpointer.restore_subtree({"params": {"lora": adapters}, "frozen": {"model": base}}, step)
+  merged = lora_lib.merge(basequant.dequantize_params(tree["frozen"]["model"], templates), tree["params"]["lora"],
                           lora_lib.scale(saved["lora_alpha"], rank, bool(saved.get("lora_rslora", False))))
   return jax.device_put(merged, jax.tree.map(lambda a: a.sharding, abstract))
 

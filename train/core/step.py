@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from common.segments import positions_from_segments
 from configs import validate as config_validate
 import model as model_lib
+from model import basequant
 from model import lora as lora_lib
 from model import mup as mup_lib
 from model import moe as moe_lib
@@ -210,6 +211,12 @@ class Trainer:
     self.lora_dropout = float(t.lora_dropout) if self.lora_rank else 0.0
     if not 0.0 <= self.lora_dropout < 1.0:
       raise ValueError(f"config.train.lora_dropout={t.lora_dropout} must be in [0, 1)")
+    self.base_quant, self.base_double_quant = str(t.lora_base_quant), bool(t.lora_base_double_quant)
+    if self.base_quant not in basequant.KINDS:
+      raise ValueError(f"config.train.lora_base_quant={t.lora_base_quant!r} is not one of {', '.join(basequant.KINDS)}")
+    if self.base_double_quant and self.base_quant != "nf4":
+      raise ValueError("config.train.lora_base_double_quant=True quantizes NF4's block constants; it needs "
+                       f"train.lora_base_quant='nf4' (got {self.base_quant!r})")
 
   def _abstract_model(self, key) -> tuple[Any, Any]:
     """(partition specs, abstract parameters) of the model's parameter tree, checked against the mesh; sets the
@@ -227,7 +234,47 @@ class Trainer:
       self.tx = self._mup_optimizer(abstract_params)
     if self.lora_rank and not lora_lib.kernels(model_params, self.lora_targets):
       raise ValueError(f"config.train.lora_targets={self.lora_targets!r} matches no parameter of the model")
+    # QLoRA: every projection kernel of the frozen base is stored quantized, adapted or not (as the QLoRA paper
+    # quantizes all linear layers); embeddings, norms and the output projection stay in param_dtype.
+    self._base_kernels = ({path: (lead, n_in) for path, (_, lead, n_in) in
+                           lora_lib.kernels(model_params, tuple(lora_lib.TARGETS)).items()}
+                          if self.lora_rank and self.base_quant != "none" else {})
+    self._base_templates = basequant.templates(model_params, self._base_kernels, self.base_quant,
+                                               self.base_double_quant)
     return param_specs, model_params
+
+  def _abstract_frozen_configs(self) -> None:
+    """For each of the objective's `frozen_configs` (a model of its own config, e.g. a distillation teacher): its
+    graphdef, its parameters' partition specs under this run's rules (checked against the mesh) and their abstract
+    values. ValueError naming the key that gave the model where it cannot be sharded like the run's model."""
+    self._frozen_graphdefs, self._frozen_config_specs, self._abstract_frozen = {}, {}, {}
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    for name, frozen in self.objective.frozen_configs.items():
+      where = f"config.{frozen.key}={frozen.path!r} (the {name})"
+      if self.pipeline is not None:
+        raise ValueError(f"{where} with mesh.stage > 1: a frozen model of its own config runs outside the pipeline "
+                         "schedule; use mesh.stage=1")
+      try:
+        rules = rules_lib.fit_rules(rules_lib.logical_rules(self.config.mesh), frozen.model, self.mesh)
+      except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+      if rules != self.rules:  # the step runs under one set of rules
+        raise ValueError(f"{where}: its num_kv_heads={frozen.model.num_kv_heads} is sharded otherwise than "
+                         f"model.num_kv_heads={self.config.model.num_kv_heads} on this mesh (K/V heads replicated "
+                         "in one, split in the other); choose mesh.tensor dividing both")
+      with parallel.activate(self.mesh, self.rules):
+        abstract = nnx.eval_shape(lambda cfg=frozen.model: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+        graphdef, params, _ = nnx.split(abstract, nnx.Param, ...)
+        specs = nnx.to_pure_dict(nnx.get_partition_spec(params))
+      params = nnx.to_pure_dict(params)
+      try:
+        rules_lib.check_divisible(specs, params, self.mesh)
+      except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+      self._frozen_graphdefs[name], self._frozen_config_specs[name] = graphdef, specs
+      self._abstract_frozen[name] = jax.tree.map(
+          lambda p, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, p)), specs, params,
+          is_leaf=is_spec)
 
   def _mup_optimizer(self, abstract_params) -> optax.GradientTransformation:
     """The optimizer with muP's per-parameter learning-rate multipliers (1 for objective heads)."""
@@ -253,7 +300,8 @@ class Trainer:
     self.param_shardings = to_sharding(param_specs)  # the model's parameter tree
     self._abstract_model_params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                                                model_params, self.param_shardings)
-    trainable_specs, frozen_specs = self._compose(param_specs, extra_specs, adapter_specs)
+    base_specs = basequant.spec_tree(param_specs, self._base_kernels, self._base_templates, dict(mesh.shape))
+    trainable_specs, frozen_specs = self._compose(param_specs, extra_specs, adapter_specs, base_specs)
     frozen_specs = {**frozen_specs, **self._frozen_config_specs}
     trainable_shardings, frozen_shardings = to_sharding(trainable_specs), to_sharding(frozen_specs)
     abstract = jax.eval_shape(self._init_state, key)
@@ -346,11 +394,12 @@ class Trainer:
     params_key, train_key = jax.random.split(key)
     return params_key, train_key
 
-  def _compose(self, model_params, extras, adapters) -> tuple[Any, dict[str, Any]]:
-    """(trainable, frozen) trees from the model's parameters, the objective's extras and the LoRA adapters."""
+  def _compose(self, model_params, extras, adapters, base=None) -> tuple[Any, dict[str, Any]]:
+    """(trainable, frozen) trees from the model's parameters, the objective's extras and the LoRA adapters;
+    `base`: the frozen base LoRA trains on (QLoRA: its kernels quantized; default model_params)."""
     frozen = {name: model_params for name in self.objective.frozen_models}
     if adapters:
-      return {"lora": adapters, **extras}, dict(frozen, model=model_params)
+      return {"lora": adapters, **extras}, dict(frozen, model=model_params if base is None else base)
     if extras:
       return {"model": model_params, **extras}, frozen
     return model_params, frozen
@@ -362,8 +411,9 @@ class Trainer:
     if self.lora_rank:
       extras = {k: v for k, v in params.items() if k != "lora"}
       if merged:
-        return lora_lib.merge(frozen["model"], params["lora"], self.lora_scale), extras
-      return lora_lib.side(frozen["model"], params["lora"], self.lora_scale, self.lora_dropout, key), extras
+        return lora_lib.merge(self.base_params(frozen["model"]), params["lora"], self.lora_scale), extras
+      base = basequant.attach(frozen["model"], self._base_templates)
+      return lora_lib.side(base, params["lora"], self.lora_scale, self.lora_dropout, key), extras
     if self.objective.extra_params:
       return params["model"], {k: v for k, v in params.items() if k != "model"}
     return params, {}
@@ -377,7 +427,8 @@ class Trainer:
                 for i, (name, (shape, _)) in enumerate(sorted(self.objective.extra_params.items()))}
       adapters = (lora_lib.init(jax.random.fold_in(params_key, 3), model_params, self.lora_targets,
                                 self.lora_rank) if self.lora_rank else {})
-    params, frozen = self._compose(model_params, extras, adapters)
+    base = basequant.quantize_params(model_params, self._base_kernels, self.base_quant, self.base_double_quant)
+    params, frozen = self._compose(model_params, extras, adapters, base)
     frozen = {**frozen, **self._init_frozen_configs(params_key)}
     state = {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32),
              "rng": train_key}
@@ -400,7 +451,7 @@ class Trainer:
     for name in self.objective.frozen_models:  # own buffers: the step donates the state, each buffer once
       frozen[name] = self._copy_params(model_params)
     if self.lora_rank:
-      frozen["model"] = model_params
+      frozen["model"] = self._quantize_base(model_params)
     elif self.objective.extra_params:
       state["params"] = dict(state["params"], model=model_params)
     else:
@@ -408,6 +459,20 @@ class Trainer:
     if frozen:
       state["frozen"] = frozen
     return state
+
+  def _quantize_base(self, model_params: Any) -> Any:
+    """The frozen base of a LoRA run from the model's weights: as they are, or (QLoRA) with the projection
+    kernels quantized on the devices, each to its shards (state_shardings["frozen"]["model"])."""
+    if not self._base_templates:
+      return model_params
+    quantize = lambda tree: basequant.quantize_params(tree, self._base_kernels, self.base_quant,
+                                                      self.base_double_quant)
+    return jax.jit(quantize, out_shardings=self.state_shardings["frozen"]["model"])(model_params)
+
+  def base_params(self, base: Any) -> Any:
+    """A LoRA run's frozen base (state["frozen"]["model"]) as the model's parameter tree: QLoRA's quantized
+    kernels dequantized to model.param_dtype (what the adapters were trained against)."""
+    return basequant.dequantize_params(base, self._base_templates)
 
   def _copy_params(self, model_params: Any) -> Any:
     """A copy of the model's parameter tree in new device buffers, sharded like `param_shardings`."""
@@ -420,6 +485,16 @@ class Trainer:
   def abstract_model_params(self) -> Any:
     """The model's parameter tree as ShapeDtypeStructs with their shardings (whatever the state layout)."""
     return self._abstract_model_params
+
+  def abstract_frozen_params(self, name: str) -> Any:
+    """The parameter tree of the objective's frozen model `name` of its own config (`frozen_configs`) as
+    ShapeDtypeStructs with their shardings: what its weights are loaded onto."""
+    return self._abstract_frozen[name]
+
+  def with_frozen_params(self, state: dict[str, Any], name: str, params: Any) -> dict[str, Any]:
+    """`state` with the `frozen_configs` model `name`'s parameters replaced by `params` (sharded like
+    `abstract_frozen_params(name)`)."""
+    return dict(state, frozen={**state["frozen"], name: params})
 
   def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
     """One global batch as ShapeDtypeStructs: [batch_size, seq_len] each, rows over data+fsdp."""
@@ -434,6 +509,24 @@ class Trainer:
 
   def _merge(self, params) -> model_lib.Transformer:
     return nnx.merge(self._graphdef, params)
+
+  def _frozen_models(self, frozen) -> dict[str, model_lib.Transformer]:
+    """The objective's frozen models from the state's `frozen` trees: the copies of the starting model
+    (`frozen_models`) and the models of their own config (`frozen_configs`)."""
+    models = {name: self._merge(frozen[name]) for name in self.objective.frozen_models}
+    models.update({name: nnx.merge(graphdef, frozen[name]) for name, graphdef in self._frozen_graphdefs.items()})
+    return models
+
+  def _init_frozen_configs(self, params_key) -> dict[str, Any]:
+    """Random parameters of each `frozen_configs` model, from its own initializer: placeholders of the right shapes
+    and shardings until a fresh run loads its weights (train/core/setup.py)."""
+    out = {}
+    with parallel.activate(self.mesh, self.rules, inside_jit=True):
+      for i, name in enumerate(sorted(self.objective.frozen_configs)):
+        key = jax.random.fold_in(params_key, 100 + i)  # apart from the extras' (2 + i) and the adapters' (3) keys
+        model = model_lib.Transformer(self.objective.frozen_configs[name].model, rngs=nnx.Rngs(params=key))
+        out[name] = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return out
 
   # ---- step ---------------------------------------------------------------------------------------------
   def _sums(self, params, frozen, batch, normalizer=1.0, scale=1.0, key=None) -> tuple[jax.Array, dict[str, jax.Array]]:

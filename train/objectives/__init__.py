@@ -1,7 +1,8 @@
 """Training objectives of the one Trainer (`train.objective`): one module per objective (see base.py)."""
 from __future__ import annotations
 
-from train.objectives.base import Objective, TOKEN_BATCH_KEYS
+from train.objectives.base import FrozenModel, Objective, TOKEN_BATCH_KEYS
+from train.objectives.distill import Distillation
 from train.objectives.dpo import DirectPreference
 from train.objectives.grpo import GroupRelativePolicyOptimization
 from train.objectives.lm import LanguageModel
@@ -13,7 +14,7 @@ from train.objectives.sft import SupervisedFineTuning
 
 OBJECTIVES = {cls.name: cls for cls in (LanguageModel, SupervisedFineTuning, RewardModel, DirectPreference,
                                          ProximalPolicyOptimization, GroupRelativePolicyOptimization,
-                                         MaskedLanguageModel, PrefixLanguageModel)}
+                                         MaskedLanguageModel, PrefixLanguageModel, Distillation)}
 
 
 def make(config) -> Objective:
@@ -24,4 +25,4 @@ def make(config) -> Objective:
   return OBJECTIVES[name](config)
 
 
-__all__ = ["OBJECTIVES", "Objective", "TOKEN_BATCH_KEYS", "make"]
+__all__ = ["OBJECTIVES", "FrozenModel", "Objective", "TOKEN_BATCH_KEYS", "make"]

@@ -10,7 +10,9 @@ An objective is small:
   - `metrics(sums, normalizer)`: what the step reports (always `loss`); `eval_sums` / `eval_metrics` the same
     for held-out batches.
   - `extra_params`: trainable parameters besides the model's (name -> (shape, logical axis names)), e.g. a
-    reward or value head; `frozen_models`: names of frozen copies of the starting model (e.g. a DPO reference).
+    reward or value head; `frozen_models`: names of frozen copies of the starting model (e.g. a DPO reference);
+    `frozen_configs`: frozen models of their own model config, loaded from a directory (name -> FrozenModel, e.g.
+    a distillation teacher of another size).
   - `prepare(batch, key)`: the batch the step trains on, from the loaded one and the step's PRNG key (default:
     unchanged); per-step corruption such as masked-LM masking lives here. `causal`: the model.causal the
     objective needs (a masked LM trains a bidirectional encoder).
@@ -18,7 +20,7 @@ An objective is small:
 from __future__ import annotations
 
 import abc
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,14 @@ from model.transformer import MTP_FEATURES
 
 TOKEN_BATCH_KEYS = {"inputs": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
                     "loss_mask": jnp.float32}
+
+
+class FrozenModel(NamedTuple):
+  """A frozen model with its own config: the Trainer builds it on the run's mesh (same logical-axis rules), a
+  fresh run loads its weights from `path` (train/core/setup.py), checkpoints keep them in state["frozen"]."""
+  model: Any  # its validated model config (ConfigDict)
+  path: str  # a meshlm run / checkpoint directory or a Hugging Face directory
+  key: str  # the config key that named `path`, for error messages (e.g. "train.distill_teacher")
 
 
 class Objective(abc.ABC):
@@ -38,6 +48,7 @@ class Objective(abc.ABC):
   eval_keys: tuple[str, ...] = ()
   extra_params: Mapping[str, tuple[tuple[int, ...], tuple[str | None, ...]]] = {}
   frozen_models: tuple[str, ...] = ()
+  frozen_configs: Mapping[str, FrozenModel] = {}
   causal: bool = True
 
   def __init__(self, config):

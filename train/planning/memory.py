@@ -11,7 +11,9 @@ import math
 import ml_collections
 
 from model import attention
+from model import basequant
 from model import config as model_config
+from model import lora as lora_lib
 from model import remat
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -67,8 +69,25 @@ def meshlm_state(config: ml_collections.ConfigDict, params: float, sizes: dict[s
   expert = expert_params(m)
   outside = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2) + m.d_model * (2 if m.use_bias else 1)
   stack = params - outside - expert + expert / sizes.get("expert", 1)
-  params = outside + stack / sizes.get("stage", 1)
-  return state_memory(params, precision, zero_stage=3, fsdp=sizes["fsdp"], tensor=sizes["tensor"])
+  share = (outside + stack / sizes.get("stage", 1)) / params  # of the model's parameters, one device's group
+  if config.train.lora_rank:
+    return _lora_state(config, params, share, sizes)
+  return state_memory(params * share, precision, zero_stage=3, fsdp=sizes["fsdp"], tensor=sizes["tensor"])
+
+
+def _lora_state(config: ml_collections.ConfigDict, params: float, share: float, sizes: dict[str, int]) -> dict:
+  """meshlm_state of a LoRA run: the frozen base as weights (QLoRA: its projection kernels at the quantized
+  format's bytes per weight), gradients and AdamW m, v for the adapters only."""
+  m, t = config.model, config.train
+  n = lora_lib.counts(m, tuple(t.lora_targets), int(t.lora_rank))
+  per = BYTES[m.param_dtype]
+  kernel = basequant.nbytes_per_param(t.lora_base_quant, double=bool(t.lora_base_double_quant),
+                                      dtype=model_config.DTYPES[m.param_dtype])
+  scale = share / (sizes["fsdp"] * sizes["tensor"])
+  out = {"weights": scale * ((params - n["base_kernels"]) * per + n["base_kernels"] * kernel + n["adapters"] * per),
+         "gradients": scale * n["adapters"] * per, "optimizer": scale * 2 * n["adapters"] * per}
+  out["total"] = sum(out.values())
+  return out
 
 
 def pipeline_schedule(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> dict | None:

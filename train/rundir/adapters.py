@@ -32,11 +32,22 @@ def _check_lora(trainer) -> None:
                      "python -m train.export")
 
 
+def _check_peft(trainer) -> None:
+  """ValueError unless every adapter sits on a dense block's projection (what HF_MODULES names for PEFT)."""
+  from model import lora as lora_lib  # pylint: disable=g-import-not-at-top
+  parents = {"q": "attn", "k": "attn", "v": "attn", "o": "attn", "gate": "mlp", "up": "mlp", "down": "mlp"}
+  adapted = lora_lib.kernels(trainer.abstract_model_params(), trainer.lora_targets)
+  other = sorted("/".join(map(str, p)) for p in adapted if p[-2] != parents[p[-1]])
+  if other:
+    raise ValueError(f"PEFT export names dense projections only; this run also adapts {', '.join(other[:3])} (MoE "
+                     "experts); use the merged export (DIR/merged) or train.lora_targets without gate/up/down")
+
+
 def save_base(trainer, state: dict[str, Any], directory: str) -> None:
   """The frozen base model (the weights the adapters apply to) as a Hugging Face directory."""
   from model import hf  # pylint: disable=g-import-not-at-top
   _check_lora(trainer)
-  hf.save(trainer._merge(state["frozen"]["model"]), directory)  # pylint: disable=protected-access
+  hf.save(trainer._merge(trainer.base_params(state["frozen"]["model"])), directory)  # pylint: disable=protected-access
 
 
 def save_merged(trainer, state: dict[str, Any], directory: str) -> None:
@@ -68,6 +79,7 @@ def save_peft(trainer, state: dict[str, Any], directory: str, base_model_path: s
   """adapter_config.json + adapter_model.safetensors (PEFT LoRA) for `state`'s adapters."""
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   _check_lora(trainer)
+  _check_peft(trainer)
   os.makedirs(directory, exist_ok=True)
   t = trainer.config.train
   config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": trainer.lora_rank, "lora_alpha": float(t.lora_alpha),
@@ -121,11 +133,16 @@ def main(argv=None) -> int:
   state, _ = checkpointer.restore(trainer.abstract_state(), step=args.step)
   base, merged = os.path.join(args.output, "base"), os.path.join(args.output, "merged")
   save_base(trainer, state, base)
-  save_peft(trainer, state, os.path.join(args.output, "adapter"), os.path.abspath(base))
+  try:
+    save_peft(trainer, state, os.path.join(args.output, "adapter"), os.path.abspath(base))
+    adapter = f", {os.path.join(args.output, 'adapter')} (PEFT)"
+  except ValueError as e:  # adapters on MoE experts: PEFT has no names for them; base and merged still hold
+    print(f"warning: no PEFT adapter written: {e}", file=sys.stderr)
+    adapter = ""
   save_merged(trainer, state, merged)
   for directory in (base, merged):  # both are models: each carries the tokenizer, as train.export writes it
     export_lib.write_tokenizer(directory, tokenizer, config, meta)
-  print(f"wrote {base}, {os.path.join(args.output, 'adapter')} (PEFT) and {merged}")
+  print(f"wrote {base}{adapter} and {merged}")
   return 0
 
 

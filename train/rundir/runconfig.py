@@ -126,9 +126,15 @@ def keep_schedule(config: ml_collections.ConfigDict, saved: dict[str, Any]) -> s
 
 def source_model(config: ml_collections.ConfigDict) -> tuple[dict[str, Any], str]:
   """The model config dict of `train.init_from` and a description of where it came from."""
-  path = config.train.init_from
+  return model_at(config.train.init_from, "train.init_from")
+
+
+def model_at(path: str, key: str) -> tuple[dict[str, Any], str]:
+  """The model config dict of a meshlm run / checkpoints/<step> directory (its latest checkpoint's) or a Hugging
+  Face directory (its config.json), and a description of where it came from; ConfigError naming `key` (the config
+  key that gave `path`) when there is none."""
   if not os.path.isdir(path):
-    raise ConfigError(f"train.init_from={path!r} is not a directory; give a meshlm run directory, a "
+    raise ConfigError(f"{key}={path!r} is not a directory; give a meshlm run directory, a "
                       "checkpoints/<step> directory or a Hugging Face model directory")
   if is_hf_dir(path):
     from model import hf  # pylint: disable=g-import-not-at-top
@@ -136,16 +142,30 @@ def source_model(config: ml_collections.ConfigDict) -> tuple[dict[str, Any], str
       try:
         return dict(hf.config_from_hf(json.load(f))), f"{path}/config.json"
       except (ValueError, KeyError) as e:
-        raise ConfigError(f"train.init_from={path!r}: {e}") from None
+        raise ConfigError(f"{key}={path!r}: {e}") from None
   try:
     directory, step = ckpt_lib.find_checkpoint_dir(path)
     found = saved_run_config(directory, step)
   except ckpt_lib.CheckpointError as e:
-    raise ConfigError(f"train.init_from={path!r}: {e}") from None
+    raise ConfigError(f"{key}={path!r}: {e}") from None
   if found is None or "model" not in found[1]:
-    raise ConfigError(f"train.init_from={path!r}: its checkpoint holds no saved config, so config.model cannot "
+    raise ConfigError(f"{key}={path!r}: its checkpoint holds no saved config, so config.model cannot "
                       "be taken from it")
   return found[1]["model"], f"{directory}/{found[0]}"
+
+
+def frozen_model(path: str, key: str, run_model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The validated model config of a frozen model of its own size read from `path` (`model_at`; a distillation
+  teacher): the checkpoint's or config.json's keys, with `run_model`'s RESUME_FREE ones (kernels, compute dtype:
+  how it runs on this run's devices, not what it computes). ConfigError naming `key`."""
+  source, where = model_at(path, key)
+  try:
+    cfg = from_saved({"model": dict(source)}).model
+    for k in RESUME_FREE:
+      cfg[k] = run_model[k]
+    return model_config.validate(cfg)
+  except ValueError as e:  # ConfigError included
+    raise ConfigError(f"{key}={path!r} ({where}): {e}") from None
 
 
 def model_from(config: ml_collections.ConfigDict, source: dict[str, Any], where: str,
