@@ -151,7 +151,7 @@ def get_config() -> ml_collections.ConfigDict:
   ds.timeout_s = 300  # seconds to wait for all processes to join
 
   rl = c.rl = ml_collections.ConfigDict()  # reinforcement learning (`python -m train.rl`, docs/post-training.md)
-  rl.algorithm = "grpo"  # ppo | grpo | best_of_n (rejection-sampling fine-tuning); sets train.objective ppo | grpo | sft
+  rl.algorithm = "grpo"  # ppo | grpo | best_of_n (rejection-sampling fine-tuning) | gkd (on-policy distillation); sets train.objective ppo | grpo | sft | distill
   rl.reward = "py:data.rl_prompts:greater_reward"  # py:MODULE:FUNCTION (prompt, completion) -> float | rm:RUN (reward model)
   rl.prompts = "builtin:greater"  # JSONL file of prompts ({"prompt": ...} or {"messages": [...]}) | builtin:greater
   rl.eval_fraction = 0.05  # share of the prompts held out for eval_reward_mean (chosen by a hash of the prompt text)

@@ -57,7 +57,7 @@ def base(tmp_path_factory):
 
 
 def _config(base, algorithm, **overrides):
-  recipe = {"ppo": "ppo_tiny", "grpo": "grpo_tiny", "best_of_n": "best_of_n_tiny"}[algorithm]
+  recipe = {"ppo": "ppo_tiny", "grpo": "grpo_tiny", "best_of_n": "best_of_n_tiny", "gkd": "gkd_tiny"}[algorithm]
   values = {"model.vocab_size": 320, "model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4,
             "model.num_kv_heads": 2, "model.head_dim": 16, "model.mlp_dim": 128, "model.max_seq_len": 64,
             "train.base_recipe": base["recipe"], "train.batch_size": 8, "train.seq_len": 48, "train.lr": 1e-3,
@@ -124,6 +124,26 @@ def test_best_of_n_keeps_the_best_answers(base):
     assert r["best_reward_mean"] >= r["reward_mean"]  # the kept answer is each prompt's best
   evals = [r for r in records if "eval_reward_mean" in r]
   assert all(r["eval_best_of_n_reward_mean"] >= r["eval_reward_mean"] - 0.3 for r in evals)
+
+
+@pytest.mark.slow
+def test_gkd_distills_the_teacher_on_the_students_own_samples(base):
+  """rl.algorithm=gkd: a 3-layer teacher (a recipe made first) scores every token of the 2-layer student's own
+  completions; the divergence on fresh samples falls over the iterations and the teacher stays frozen."""
+  teacher = base["root"] / "teacher_small.py"
+  teacher.write_text(BASE.format(tokenizer=base["tokenizer"]).replace("num_layers=2", "num_layers=3")
+                     .replace("steps=2", "steps=20"))
+  workdir = str(base["root"] / "runs" / "gkd")
+  rl.run(_config(base, "gkd", **{"train.distill_teacher_recipe": str(teacher), "train.lr": 1e-2,
+                                 "rl.iterations": 6, "rl.eval_every": 6}), workdir)
+  train = [r for r in _records(workdir) if "distill_divergence" in r]
+  assert len(train) == 6 and all(r["nonfinite"] == 0 and np.isfinite(r["reward_mean"]) for r in train)
+  divergence = [r["distill_divergence"] for r in train]
+  assert divergence[0] > 0 and np.mean(divergence[-2:]) < 0.8 * np.mean(divergence[:2]), divergence
+  first, last = _saved_state(workdir, 1), _saved_state(workdir, 6)
+  key = ("frozen", "teacher", "embed", "embedding")
+  assert np.array_equal(first[key], last[key])
+  assert first[("frozen", "teacher", "layers", "attn", "q")].shape[0] == 3  # the teacher's own 3 layers
 
 
 def test_best_of_n_choice_breaks_ties_by_the_seed():

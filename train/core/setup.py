@@ -607,14 +607,15 @@ def restore_model_params(checkpointer: ckpt_lib.Checkpointer, step: int | None, 
     return checkpointer.restore_subtree({"params": abstract}, step)["params"]
   from model import lora as lora_lib  # pylint: disable=g-import-not-at-top
   rank, targets = int(saved["lora_rank"]), tuple(saved["lora_targets"])
+  from model import basequant  # pylint: disable=g-import-not-at-top
   adapters = jax.eval_shape(lambda: lora_lib.init(jax.random.PRNGKey(0), abstract, targets, rank))
-  if not adapters:  # `abstract` (a part of the tree, as train.export restores it) holds no adapted kernel
-    return checkpointer.restore_subtree({"frozen": {"model": abstract}}, step)["frozen"]["model"]
   first = jax.tree.leaves(abstract)[0].sharding
   replicated = jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+  base, templates = _abstract_base(abstract, saved, replicated)  # QLoRA: the kernels as stored, quantized
+  if not adapters:  # `abstract` (a part of the tree, as train.export restores it) holds no adapted kernel
+    tree = checkpointer.restore_subtree({"frozen": {"model": base}}, step)["frozen"]["model"]
+    return jax.device_put(basequant.dequantize_params(tree, templates), jax.tree.map(lambda a: a.sharding, abstract))
   adapters = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), adapters)
-  from model import basequant  # pylint: disable=g-import-not-at-top
-  base, templates = _abstract_base(abstract, saved, replicated)
   tree = checkpointer.restore_subtree({"params": {"lora": adapters}, "frozen": {"model": base}}, step)
   merged = lora_lib.merge(basequant.dequantize_params(tree["frozen"]["model"], templates), tree["params"]["lora"],
                           lora_lib.scale(saved["lora_alpha"], rank, bool(saved.get("lora_rslora", False))))

@@ -37,7 +37,8 @@ directory (train.rundir.runconfig.frozen_model); the Trainer builds it as a froz
 (`frozen_configs`), sharded on the student's mesh by the same rules, and a fresh run loads its weights
 (train/core/setup.py); checkpoints keep it in the frozen state, as DPO keeps its reference, so a resumed run does
 not read the teacher's directory for weights. Each step runs the teacher forward without a backward pass (no
-activations kept for it). On-policy distillation (the student's own samples, GKD's lambda) is not done here.
+activations kept for it). On-policy distillation (GKD with lambda = 1: the batches are the student's own
+completions) is `python -m train.rl` with rl.algorithm=gkd, which trains this objective on its rollouts.
 """
 from __future__ import annotations
 

@@ -13,6 +13,10 @@ One iteration (rl.algorithm):
              the `grpo` objective (clipped, k3 KL to the reference when rl.kl_coef > 0); no critic.
   best_of_n  K = rl.samples_per_prompt samples per prompt, the best by reward kept (ties broken by a draw from
              the iteration's seed), rl.epochs passes of the `sft` objective on the kept answers (one round).
+  gkd        on-policy distillation (Agarwal et al. 2024, "On-Policy Distillation of Language Models", GKD with
+             lambda = 1): the same rollouts from the student, rl.epochs passes of the `distill` objective
+             (train/objectives/distill.py) on their completion tokens against the frozen teacher
+             (train.distill_teacher / distill_teacher_recipe); the reward is reported, not trained on.
 Rewards: `py:MODULE:FUNCTION` called with (prompt text, completion text) -> float, or `rm:RUN`, a reward-model
 run scored through `train.rundir.reward.load_scorer` on the conversation + completion as a chat record. A reward
 that raises or is not finite drops its sample (zero loss mask) and is counted (`bad_rewards`); the run halts once
@@ -45,7 +49,7 @@ from train.core import setup  # pylint: disable=wrong-import-position
 from train.rl import rewards  # pylint: disable=wrong-import-position
 from train.rl import rollouts  # pylint: disable=wrong-import-position
 
-OBJECTIVE = {"ppo": "ppo", "grpo": "grpo", "best_of_n": "sft"}  # rl.algorithm -> train.objective
+OBJECTIVE = {"ppo": "ppo", "grpo": "grpo", "best_of_n": "sft", "gkd": "distill"}  # rl.algorithm -> train.objective
 
 
 def _check_rl(config) -> None:

@@ -166,6 +166,8 @@ class Session:
     t1 = time.perf_counter()
     if r.algorithm == "best_of_n":
       batch = self._best_of_n_batch(roll, iteration, metrics)
+    elif r.algorithm == "gkd":  # every completion, whatever its reward: the teacher scores each token
+      batch = rows(roll["prompt_ids"], roll["tokens"], self.config.train.seq_len)
     else:
       batch = self._policy_batch(roll, metrics)
     metrics.update(self.train(batch, iteration))
