@@ -25,7 +25,8 @@ SMALL = {"model.vocab_size": 256, "model.d_model": 64, "model.num_layers": 2, "m
 def _trainer(quant, double=False, shape=(2, 2, 2)):
   c = configs.load("tiny", **{**SMALL, "train.lora_base_quant": quant, "train.lora_base_double_quant": double})
   c.mesh.update(data=shape[0], fsdp=shape[1], tensor=shape[2])
-  return step_lib.Trainer(c, mesh_lib.make_mesh(c.mesh), step_lib.FAST_COMPILE)
+  devices = jax.devices()[:1] if shape == (1, 1, 1) else None
+  return step_lib.Trainer(c, mesh_lib.make_mesh(c.mesh, devices), step_lib.FAST_COMPILE)
 
 
 def _nf4_numpy(w, lead, n_in, block=64):
@@ -105,7 +106,7 @@ def test_int8_and_double_quantized_bases_track_the_float_base():
   start, same adapters), int8 nearer than 4 bits."""
   runs = {}
   for quant, double in (("none", False), ("int8", False), ("nf4", True)):
-    trainer = _trainer(quant, double, shape=(1, 8, 1))
+    trainer = _trainer(quant, double, shape=(1, 1, 1))  # the mesh is the nf4 fixture's business
     state = trainer.init()
     losses = []
     for _ in range(3):

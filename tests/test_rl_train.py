@@ -140,7 +140,7 @@ def test_gkd_distills_the_teacher_on_the_students_own_samples(base):
   assert len(train) == 6 and all(r["nonfinite"] == 0 and np.isfinite(r["reward_mean"]) for r in train)
   divergence = [r["distill_divergence"] for r in train]
   assert divergence[0] > 0 and np.mean(divergence[-2:]) < 0.8 * np.mean(divergence[:2]), divergence
-  first, last = _saved_state(workdir, 1), _saved_state(workdir, 6)
+  first, last = _saved_state(workdir, 2), _saved_state(workdir, 6)  # checkpoint.keep=5
   key = ("frozen", "teacher", "embed", "embedding")
   assert np.array_equal(first[key], last[key])
   assert first[("frozen", "teacher", "layers", "attn", "q")].shape[0] == 3  # the teacher's own 3 layers
