@@ -128,6 +128,12 @@ def cached_attention(q_BTHK, k_BSGK, v_BSGK, index, start_B, window=0, softcap: 
   return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, softcap=softcap)
 
 
+def masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, softcap: float = 0.0) -> jax.Array:
+  """Softmax attention of queries [B, T, H, K] over keys / values [B, S, G, K] where mask_BTS (bool [B, T, S]) is
+  True (float32 scores, GQA groups of H / G heads): the arithmetic of `cached_attention` for any mask."""
+  return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, softcap=softcap)
+
+
 def _cache_mask(B: int, T: int, S: int, index, start_B, window) -> jax.Array:
   """bool [B, T, S]: queries at cache slots [index, index + T) see slots start_B[b] <= j <= i (inside the window)."""
   slots_S = jnp.arange(S)

@@ -18,6 +18,7 @@ from model import axes
 from model import kv_cache
 from model import moe as moe_lib
 from model import mup
+from model import paged
 from model import quant as quant_lib
 from model import remat
 from model import rope
@@ -124,11 +125,13 @@ class Attention(nnx.Module):
     every cached slot of their row from `cache.start` on and to the new slots up to their own, causally and inside
     the window (`cached_attention`), so a prompt prefilled in chunks gives the logits of one whole pass.
     """
+    paged_cache = isinstance(cache, paged.PagedKVCache)
     if cache is not None:
       if not self.causal:
         raise ValueError("model.causal=False (a bidirectional encoder) cannot use a KV cache: its tokens see later "
                          "ones; score it with one forward pass")
-      kv_cache.check_room(cache, x_BLD.shape[1])
+      if not paged_cache:
+        kv_cache.check_room(cache, x_BLD.shape[1])
     dt = self.dtype
     q_BLHK = quant_lib.einsum("bld,dhk->blhk", x_BLD, _value(self.q, dt), self.quant)
     k_BLGK = quant_lib.einsum("bld,dgk->blgk", x_BLD, _value(self.k, dt), self.quant)
@@ -149,13 +152,16 @@ class Attention(nnx.Module):
     kv_len = KV_LENGTH if cache is not None else attention_lib.kv_length_name(self.context)
     k_BLGK = remat.tag(axes.constrain(k_BLGK, (BATCH, kv_len, KV_HEADS, HEAD_DIM)), remat.KEY_PROJ)
     v_BLGK = remat.tag(axes.constrain(v_BLGK, (BATCH, kv_len, KV_HEADS, HEAD_DIM)), remat.VALUE_PROJ)
-    cached = cache is not None and not kv_cache.is_empty(cache)  # decided at trace time (see kv_cache)
-    if cache is not None:
+    if paged_cache:  # the engine's pages (model/paged.py): write the call's tokens, attend over their sequences
+      cache = paged.write(cache, k_BLGK, v_BLGK, segment_ids_BL)
+      o_BLHK = paged.attend(q_BLHK, cache, window, self.softcap)
+    elif cache is not None and not kv_cache.is_empty(cache):  # decided at trace time (see kv_cache)
       cache = kv_cache.write(cache, k_BLGK, v_BLGK)
-    if cached:
       o_BLHK = attention_lib.cached_attention(q_BLHK, cache.k, cache.v, cache.index, cache.start, window,
                                               self.softcap)
     else:
+      if cache is not None:
+        cache = kv_cache.write(cache, k_BLGK, v_BLGK)
       context = self.context if cache is None else "all_gather"  # a prompt into a cache: K/V gathered for it
       o_BLHK = attention_lib.context_attend(context, self.impl, q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, window,
                                             self.block_size, self.causal, prefix_BL, branch_BL, self.query_block,

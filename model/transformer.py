@@ -16,6 +16,7 @@ from model import attention as attention_lib
 from model import axes
 from model import config as config_lib
 from model import kv_cache
+from model import paged
 from model import layers
 from model import moe as moe_lib
 from model import mup
@@ -107,11 +108,12 @@ class Transformer(nnx.Module):
     if cache is not None:
       if prefix_BL is not None or branch_BL is not None:
         raise ValueError("prefix_BL / branch_BL (prefix-LM, tree attention) cannot be used with a KV cache")
-      slots_BL = cache.index + jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
-      if segment_ids_BL is None:
-        segment_ids_BL = (slots_BL >= cache.start[:, None]).astype(jnp.int32)
-      if positions_BL is None:
-        positions_BL = jnp.maximum(slots_BL - cache.start[:, None], 0)
+      if isinstance(cache, paged.PagedKVCache):
+        if segment_ids_BL is None or positions_BL is None:
+          raise ValueError("a paged cache (model/paged.py) needs segment ids and positions for every call: its "
+                           "sequences sit at their own lengths (model.engine builds them)")
+      else:
+        segment_ids_BL, positions_BL = self._cache_defaults(cache, tokens_BL, segment_ids_BL, positions_BL)
     if segment_ids_BL is None:
       segment_ids_BL = jnp.ones(tokens_BL.shape, jnp.int32)
     segment_ids_BL = segment_ids_BL.astype(jnp.int32)
@@ -135,6 +137,8 @@ class Transformer(nnx.Module):
 
     if cache is not None:
       x_BLD, cache = self._cached_layers(apply_block, x_BLD, windows, cache)
+      if isinstance(cache, paged.PagedKVCache):  # the engine advances each sequence's length itself
+        return self.final_norm(x_BLD), cache
       return self.final_norm(x_BLD), cache._replace(index=cache.index + tokens_BL.shape[1])
     if self.cfg.scan_layers:
       unit, prefix = config_lib.layers_per_unit(self.cfg), config_lib.dense_prefix(self.cfg)
@@ -265,6 +269,17 @@ class Transformer(nnx.Module):
     main = (self.layers, prefix, n, config_lib.layers_per_unit(self.cfg))
     return [(self.dense_layers, 0, prefix, 1), main] if prefix else [main]
 
+  @staticmethod
+  def _cache_defaults(cache: kv_cache.KVCache, tokens_BL, segment_ids_BL, positions_BL):
+    """(segment ids, positions) of a call into a KVCache: 1 from the row's `cache.start` on (0 = left padding) and
+    slot - start, where not given."""
+    slots_BL = cache.index + jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
+    if segment_ids_BL is None:
+      segment_ids_BL = (slots_BL >= cache.start[:, None]).astype(jnp.int32)
+    if positions_BL is None:
+      positions_BL = jnp.maximum(slots_BL - cache.start[:, None], 0)
+    return segment_ids_BL, positions_BL
+
   def _cached_layers(self, apply_block, x_BLD, windows, cache):
     """The layer stack with each layer's slice of the cache as scan input and its update as scan output."""
     def layer_view(k, v):
@@ -296,6 +311,8 @@ class Transformer(nnx.Module):
         ks.append(layer.k)
         vs.append(layer.v)
       k, v = jnp.stack(ks), jnp.stack(vs)
+    if isinstance(cache, paged.PagedKVCache):
+      return x_BLD, cache._replace(k=axes.constrain(k, cache.NAMES), v=axes.constrain(v, cache.NAMES))
     return x_BLD, cache._replace(k=axes.constrain(k, kv_cache.names(k)), v=axes.constrain(v, kv_cache.names(v)))
 
   def logits(self, x_BLD: jax.Array) -> jax.Array:

@@ -1,0 +1,216 @@
+"""The inference engine: continuous batching over a paged KV cache, with chunked prefill and preemption.
+
+    engine = Engine(model, max_seqs=8, page_size=16, num_pages=None, chunk=64, max_len=None)
+    rid = engine.add(prompt_ids, max_new_tokens, stop_ids=(), temperature=0.0, seed=0)
+    finished = engine.step()          # one iteration; the requests that finished in it
+    engine.generate(prompts, max_new_tokens, ...) -> list[list[int]]   (add all, step until done)
+
+Design (docs/serve.md):
+  - Pages: one pool of `num_pages` pages of `page_size` slots per layer (model/paged.py; page 0 is scratch), a
+    page table per sequence slot, pages taken from a free list as a sequence grows and returned when it finishes.
+  - Scheduler: every `step` admits waiting requests into free sequence slots (first come, first served), then runs
+    one forward over all running sequences: each feeds its next uncached tokens, one for a decoding sequence, up
+    to `chunk` of a prompt for a prefilling one (chunked prefill: a chunk attends to the tokens cached before it),
+    so requests join and leave at every step and a long prompt never stalls the others' decoding for more than a
+    chunk. Two compiled shapes only, [max_seqs, 1] and [max_seqs, chunk]: nothing recompiles as traffic changes.
+  - Preemption by recomputation: when a step needs pages the pool does not have, the most recently admitted
+    sequence gives its pages back and waits at the head of the queue with its prompt and the tokens generated so
+    far, which it prefills again when readmitted (greedy output unchanged), never an out-of-memory error.
+  - Tokens: greedy (temperature 0: the argmax) or sampled from softmax(logits / temperature) with the request's
+    key fold_in(PRNGKey(seed), i) for its i-th token, so a request's output does not depend on the traffic around
+    it. Each request also records log p(token) under softmax(logits / max(temperature, 1 if greedy)) as
+    `model.generate.sample` does.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model import paged
+
+
+@dataclasses.dataclass
+class Request:
+  """One generation request and its progress (host side)."""
+  rid: int
+  prompt: list[int]
+  max_new_tokens: int
+  stop_ids: tuple[int, ...] = ()
+  temperature: float = 0.0
+  seed: int = 0
+  tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  cached: int = 0  # tokens of prompt + tokens in the cache
+  pages: list[int] = dataclasses.field(default_factory=list)
+  preemptions: int = 0
+  done: bool = False
+
+  @property
+  def sequence(self) -> list[int]:
+    return self.prompt + self.tokens
+
+
+def _forward(graphdef, state, k, v, tokens_ST, segment_ids_ST, positions_ST, table_SP, length_S, last_S):
+  """One engine call: the model over [S, T] tokens into the paged cache -> (logits [S, V] float32 of each row's
+  token at index last_S, the updated pools)."""
+  model = nnx.merge(graphdef, state)
+  cache = paged.PagedKVCache(k, v, table_SP, length_S)
+  x_STD, cache = model.features(tokens_ST, segment_ids_ST, positions_ST, cache=cache)
+  x_S1D = jnp.take_along_axis(x_STD, last_S[:, None, None], axis=1)
+  return model.logits(x_S1D)[:, 0], cache.k, cache.v
+
+
+class Engine:
+  """Continuous batching over a paged KV cache for one `model.Transformer` (module docstring)."""
+
+  def __init__(self, model, *, max_seqs: int = 8, page_size: int = 16, num_pages: int | None = None,
+               chunk: int = 64, max_len: int | None = None):
+    cfg = model.cfg
+    self.max_len = int(max_len or cfg.max_seq_len)
+    if min(max_seqs, page_size, chunk, self.max_len) < 1:
+      raise ValueError(f"Engine: max_seqs={max_seqs}, page_size={page_size}, chunk={chunk} and max_len="
+                       f"{self.max_len} must all be >= 1")
+    self.max_seqs, self.page_size, self.chunk = max_seqs, page_size, chunk
+    self.pages_per_seq = math.ceil(self.max_len / page_size)
+    num_pages = num_pages or max_seqs * self.pages_per_seq + 1
+    if num_pages - 1 < self.pages_per_seq:
+      raise ValueError(f"Engine: num_pages={num_pages} holds fewer than one sequence of max_len={self.max_len} "
+                       f"({self.pages_per_seq} pages of {page_size} and the scratch page); raise num_pages")
+    self.graphdef, self.state = nnx.split(model)
+    self.k, self.v = paged.pools(cfg, num_pages, page_size)
+    self.free = list(range(num_pages - 1, paged.SCRATCH, -1))  # a stack: page 1 first
+    self.slots: list[Request | None] = [None] * max_seqs
+    self.waiting: collections.deque[Request] = collections.deque()
+    self._next_id = 0
+    self._forward = jax.jit(_forward, donate_argnums=(2, 3))
+    self.stats = {"steps": 0, "preemptions": 0, "tokens_fed": 0}
+
+  # ---- requests ----------------------------------------------------------------------------------------
+  def add(self, prompt: Sequence[int], max_new_tokens: int, *, stop_ids: Sequence[int] = (),
+          temperature: float = 0.0, seed: int = 0) -> int:
+    """Queues a request; returns its id. ValueError when it cannot fit max_len or asks for nothing."""
+    prompt = [int(t) for t in prompt]
+    if not prompt or max_new_tokens < 1:
+      raise ValueError(f"a request needs a non-empty prompt and max_new_tokens >= 1 (got {len(prompt)} prompt "
+                       f"tokens, max_new_tokens={max_new_tokens})")
+    if len(prompt) + max_new_tokens > self.max_len:
+      raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds the engine's "
+                       f"max_len={self.max_len}; shorten the prompt or lower max_new_tokens")
+    if temperature < 0:
+      raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    request = Request(self._next_id, prompt, int(max_new_tokens), tuple(stop_ids), float(temperature), int(seed))
+    self._next_id += 1
+    self.waiting.append(request)
+    return request.rid
+
+  def busy(self) -> bool:
+    return bool(self.waiting) or any(r is not None for r in self.slots)
+
+  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, **kwargs) -> list[list[int]]:
+    """Every prompt's continuation (as `model.generate`): all queued at once, stepped until done."""
+    ids = [self.add(p, max_new_tokens, **kwargs) for p in prompts]
+    out = {}
+    while self.busy():
+      out.update({r.rid: r.tokens for r in self.step()})
+    return [out[i] for i in ids]
+
+  # ---- one iteration -----------------------------------------------------------------------------------
+  def step(self) -> list[Request]:
+    """Admits waiting requests, feeds every running sequence its next tokens (module docstring), picks the next
+    token where a sequence is fully cached; returns the requests that finished."""
+    self._admit()
+    feed = self._plan()
+    if not feed:
+      return []
+    width = self.chunk if max(feed.values()) > 1 else 1
+    arrays = self._arrays(feed, width)
+    logits, self.k, self.v = self._forward(self.graphdef, self.state, self.k, self.v, *arrays)
+    self.stats["steps"] += 1
+    self.stats["tokens_fed"] += sum(feed.values())
+    return self._advance(feed, logits)
+
+  def _admit(self) -> None:
+    for s in range(self.max_seqs):
+      if self.slots[s] is None and self.waiting:
+        self.slots[s] = self.waiting.popleft()
+
+  def _plan(self) -> dict[int, int]:
+    """slot -> tokens to feed this step, every running sequence holding the pages they need (preempting the most
+    recently admitted sequences while the pool is short)."""
+    while True:
+      running = [s for s, r in enumerate(self.slots) if r is not None]
+      feed = {s: min(len(self.slots[s].sequence) - self.slots[s].cached, self.chunk) for s in running}
+      need = {s: math.ceil((self.slots[s].cached + n) / self.page_size) - len(self.slots[s].pages)
+              for s, n in feed.items()}
+      if sum(max(n, 0) for n in need.values()) <= len(self.free):
+        for s, n in need.items():
+          self.slots[s].pages += [self.free.pop() for _ in range(max(n, 0))]
+        return feed
+      self._preempt(max(running, key=lambda s: self.slots[s].rid))
+
+  def _preempt(self, s: int) -> None:
+    """Slot s gives its pages back and waits first in line; it recomputes its prompt and tokens when readmitted."""
+    request = self.slots[s]
+    self._release(s)
+    request.cached, request.preemptions = 0, request.preemptions + 1
+    self.stats["preemptions"] += 1
+    self.waiting.appendleft(request)
+
+  def _release(self, s: int) -> None:
+    self.free.extend(reversed(self.slots[s].pages))
+    self.slots[s].pages = []
+    self.slots[s] = None
+
+  def _arrays(self, feed: dict[int, int], width: int) -> tuple[np.ndarray, ...]:
+    """(tokens, segment ids, positions [S, width], page table [S, P], cached lengths [S], last index [S])."""
+    S, P = self.max_seqs, self.pages_per_seq
+    tokens, segments, positions = (np.zeros((S, width), np.int32) for _ in range(3))
+    table, length, last = np.zeros((S, P), np.int32), np.zeros((S,), np.int32), np.zeros((S,), np.int32)
+    for s, n in feed.items():
+      r = self.slots[s]
+      tokens[s, :n] = r.sequence[r.cached:r.cached + n]
+      segments[s, :n] = 1
+      positions[s, :n] = np.arange(r.cached, r.cached + n)
+      table[s, :len(r.pages)] = r.pages
+      length[s], last[s] = r.cached, n - 1
+    return tokens, segments, positions, table, length, last
+
+  def _advance(self, feed: dict[int, int], logits_SV: jax.Array) -> list[Request]:
+    """Counts the fed tokens as cached; a sequence now fully cached takes its next token; finished ones leave."""
+    ready = [s for s, n in feed.items() if self.slots[s].cached + n == len(self.slots[s].sequence)]
+    logits = np.asarray(jax.device_get(logits_SV), np.float64) if ready else None
+    finished = []
+    for s, n in feed.items():
+      r = self.slots[s]
+      r.cached += n
+      if s not in ready:
+        continue
+      token, logprob = _choose(logits[s], r)
+      r.tokens.append(token)
+      r.logprobs.append(logprob)
+      if token in r.stop_ids or len(r.tokens) >= r.max_new_tokens:
+        r.done = True
+        finished.append(r)
+        self._release(s)
+    return finished
+
+
+def _choose(logits_V: np.ndarray, r: Request) -> tuple[int, float]:
+  """(next token, its log-probability) of request r from float64 logits: argmax, or a draw at r.temperature with
+  the key fold_in(PRNGKey(seed), i) of its i-th token."""
+  temperature = r.temperature or 1.0
+  z = logits_V / temperature
+  logp_V = z - (z.max() + np.log(np.sum(np.exp(z - z.max()))))
+  if not r.temperature:
+    token = int(np.argmax(logits_V))
+  else:
+    key = jax.random.fold_in(jax.random.PRNGKey(r.seed), len(r.tokens))
+    token = int(jax.random.categorical(key, jnp.asarray(z, jnp.float32)))
+  return token, float(logp_V[token])

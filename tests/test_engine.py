@@ -1,0 +1,100 @@
+"""The inference engine (model/engine.py, model/paged.py): greedy tokens equal model.generate's for requests
+arriving at different steps, with the pool running short (preemption by recomputation); chunked prefill into the
+paged cache equals one forward pass; a sampled request's tokens do not depend on the traffic around it."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import configs
+from model import Transformer
+from model import engine as engine_lib
+from model import generate as generate_lib
+from model import paged
+
+SMALL = {"model.vocab_size": 256, "model.d_model": 32, "model.num_layers": 2, "model.num_heads": 4,
+         "model.num_kv_heads": 2, "model.head_dim": 8, "model.mlp_dim": 64, "model.max_seq_len": 96,
+         # a sliding-window layer beside a global one: the pages' mask must apply the window
+         "model.layer_types": ("sliding", "full"), "model.sliding_window": 8}
+LENGTHS = (3, 17, 30, 5, 44, 9, 21)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Transformer(configs.load("tiny", **SMALL).model, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def prompts_and_greedy(model):
+  rng = np.random.default_rng(0)
+  prompts = [[int(t) for t in rng.integers(1, 256, size=n)] for n in LENGTHS]
+  return prompts, generate_lib.generate(model, prompts, 12)  # the static sampler: one batch, left-padded
+
+
+def _arrivals(engine, prompts, max_new_tokens, every=2):
+  """Adds prompt i at step i * every (requests join while others decode); returns each prompt's tokens."""
+  out, ids, step = {}, {}, 0
+  while len(out) < len(prompts):
+    for i, p in enumerate(prompts):
+      if i * every == step:
+        ids[engine.add(p, max_new_tokens)] = i
+    out.update({ids[r.rid]: r.tokens for r in engine.step()})
+    step += 1
+  return [out[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("pool", ["ample", "short"])
+def test_greedy_stream_equals_the_static_sampler(model, prompts_and_greedy, pool):
+  prompts, want = prompts_and_greedy
+  kwargs = {"num_pages": 10, "max_len": 64} if pool == "short" else {}
+  engine = engine_lib.Engine(model, max_seqs=4, page_size=8, chunk=7, **kwargs)
+  assert _arrivals(engine, prompts, 12) == want
+  assert (engine.stats["preemptions"] > 0) == (pool == "short")
+  assert len(engine.free) == engine.k.shape[1] - 1  # every page back in the pool
+
+
+def test_chunked_prefill_equals_one_forward_pass(model):
+  """A 29-token prompt fed in uneven chunks (5, 11, 13) through the paged cache, pages scattered over the pool:
+  every position's logits equal the one-shot forward's (float32, 1e-5)."""
+  tokens = np.random.default_rng(1).integers(1, 256, size=(1, 29)).astype(np.int32)
+  want = np.asarray(model(jnp.asarray(tokens)))[0]
+  page, table = 4, np.array([[7, 2, 9, 4, 1, 8, 3, 6]], np.int32)  # 8 pages of 4 slots: 32 >= 29
+  k, v = paged.pools(model.cfg, 10, page)
+  got, start = [], 0
+  for n in (5, 11, 13):
+    cache = paged.PagedKVCache(k, v, jnp.asarray(table), jnp.asarray([start], jnp.int32))
+    x, cache = model.features(jnp.asarray(tokens[:, start:start + n]), jnp.ones((1, n), jnp.int32),
+                              jnp.arange(start, start + n, dtype=jnp.int32)[None], cache=cache)
+    got.append(np.asarray(model.logits(x))[0])
+    k, v, start = cache.k, cache.v, start + n
+  np.testing.assert_allclose(np.concatenate(got), want, rtol=0, atol=1e-5)
+
+
+def test_a_sampled_request_ignores_the_traffic_around_it(model, prompts_and_greedy):
+  prompts, _ = prompts_and_greedy
+  alone = engine_lib.Engine(model, max_seqs=2, page_size=8)
+  rid = alone.add(prompts[1], 10, temperature=1.0, seed=3)
+  solo = {}
+  while alone.busy():
+    solo.update({r.rid: (r.tokens, r.logprobs) for r in alone.step()})
+  crowded = engine_lib.Engine(model, max_seqs=4, page_size=8, chunk=5)
+  for p in prompts[:3]:
+    crowded.add(p, 10, temperature=1.0, seed=11)
+  mine = crowded.add(prompts[1], 10, temperature=1.0, seed=3)
+  got = {}
+  while crowded.busy():
+    got.update({r.rid: (r.tokens, r.logprobs) for r in crowded.step()})
+  assert got[mine][0] == solo[rid][0]
+  np.testing.assert_allclose(got[mine][1], solo[rid][1], rtol=0, atol=1e-5)
+  assert got[mine][0] != got[1][0]  # same prompt, another seed: another draw
+
+
+def test_bad_requests_are_refused(model):
+  engine = engine_lib.Engine(model, max_seqs=2, page_size=8, max_len=32)
+  with pytest.raises(ValueError, match="max_len=32"):
+    engine.add(list(range(1, 30)), 8)
+  with pytest.raises(ValueError, match="non-empty prompt"):
+    engine.add([], 4)
+  with pytest.raises(ValueError, match="num_pages=3"):
+    engine_lib.Engine(model, page_size=8, num_pages=3, max_len=32)
