@@ -49,6 +49,7 @@ class Request:
   logprobs: list[float] = dataclasses.field(default_factory=list)
   cached: int = 0  # tokens of prompt + tokens in the cache
   pages: list[int] = dataclasses.field(default_factory=list)
+  hashes: list[int] = dataclasses.field(default_factory=list)  # of its full prompt pages, chained (prefix cache)
   preemptions: int = 0
   done: bool = False
 
@@ -71,7 +72,7 @@ class Engine:
   """Continuous batching over a paged KV cache for one `model.Transformer` (module docstring)."""
 
   def __init__(self, model, *, max_seqs: int = 8, page_size: int = 16, num_pages: int | None = None,
-               chunk: int = 64, max_len: int | None = None):
+               chunk: int = 64, max_len: int | None = None, prefix_caching: bool = True):
     cfg = model.cfg
     self.max_len = int(max_len or cfg.max_seq_len)
     if min(max_seqs, page_size, chunk, self.max_len) < 1:
@@ -86,11 +87,16 @@ class Engine:
     self.graphdef, self.state = nnx.split(model)
     self.k, self.v = paged.pools(cfg, num_pages, page_size)
     self.free = list(range(num_pages - 1, paged.SCRATCH, -1))  # a stack: page 1 first
+    self.prefix_caching = prefix_caching
+    self.refs: collections.Counter[int] = collections.Counter()  # page -> sequences holding it
+    self.by_hash: dict[int, int] = {}  # prefix hash -> the page holding that full page of prompt
+    self.page_hash: dict[int, int] = {}
+    self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, unheld: LRU first
     self.slots: list[Request | None] = [None] * max_seqs
     self.waiting: collections.deque[Request] = collections.deque()
     self._next_id = 0
     self._forward = jax.jit(_forward, donate_argnums=(2, 3))
-    self.stats = {"steps": 0, "preemptions": 0, "tokens_fed": 0}
+    self.stats = {"steps": 0, "preemptions": 0, "tokens_fed": 0, "prefix_hit_tokens": 0}
 
   # ---- requests ----------------------------------------------------------------------------------------
   def add(self, prompt: Sequence[int], max_new_tokens: int, *, stop_ids: Sequence[int] = (),
@@ -140,6 +146,50 @@ class Engine:
     for s in range(self.max_seqs):
       if self.slots[s] is None and self.waiting:
         self.slots[s] = self.waiting.popleft()
+        if self.prefix_caching:
+          self._reuse_prefix(self.slots[s])
+
+  # ---- pages: the free list, reference counts and the prefix cache -------------------------------------
+  def _hash(self, r: Request, j: int) -> int:
+    """The chained hash of request r's j-th full prompt page (its tokens and every page before it)."""
+    previous = r.hashes[j - 1] if j else 0
+    return hash((previous, tuple(r.prompt[j * self.page_size:(j + 1) * self.page_size])))
+
+  def _reuse_prefix(self, r: Request) -> None:
+    """Pages already holding r's leading full prompt pages, shared by reference (the last prompt token is always
+    computed: its logits give the first new token)."""
+    while r.cached == len(r.pages) * self.page_size and (len(r.pages) + 1) * self.page_size < len(r.prompt):
+      h = self._hash(r, len(r.pages))
+      page = self.by_hash.get(h)
+      if page is None:
+        return
+      self.evictable.pop(page, None)
+      self.refs[page] += 1
+      r.pages.append(page)
+      r.hashes.append(h)
+      r.cached += self.page_size
+      self.stats["prefix_hit_tokens"] += self.page_size
+
+  def _register(self, r: Request) -> None:
+    """Makes r's newly completed full prompt pages findable by later requests with the same prefix."""
+    while (len(r.hashes) + 1) * self.page_size <= min(r.cached, len(r.prompt)):
+      h, page = self._hash(r, len(r.hashes)), r.pages[len(r.hashes)]
+      r.hashes.append(h)
+      if h not in self.by_hash:
+        self.by_hash[h], self.page_hash[page] = page, h
+
+  def _available(self) -> int:
+    return len(self.free) + len(self.evictable)
+
+  def _take_page(self) -> int:
+    """A free page, else the least recently released cached one (forgotten by the prefix cache)."""
+    if self.free:
+      page = self.free.pop()
+    else:
+      page, _ = self.evictable.popitem(last=False)
+      del self.by_hash[self.page_hash.pop(page)]
+    self.refs[page] += 1
+    return page
 
   def _plan(self) -> dict[int, int]:
     """slot -> tokens to feed this step, every running sequence holding the pages they need (preempting the most
@@ -149,9 +199,9 @@ class Engine:
       feed = {s: min(len(self.slots[s].sequence) - self.slots[s].cached, self.chunk) for s in running}
       need = {s: math.ceil((self.slots[s].cached + n) / self.page_size) - len(self.slots[s].pages)
               for s, n in feed.items()}
-      if sum(max(n, 0) for n in need.values()) <= len(self.free):
+      if sum(max(n, 0) for n in need.values()) <= self._available():
         for s, n in need.items():
-          self.slots[s].pages += [self.free.pop() for _ in range(max(n, 0))]
+          self.slots[s].pages += [self._take_page() for _ in range(max(n, 0))]
         return feed
       self._preempt(max(running, key=lambda s: self.slots[s].rid))
 
@@ -159,12 +209,21 @@ class Engine:
     """Slot s gives its pages back and waits first in line; it recomputes its prompt and tokens when readmitted."""
     request = self.slots[s]
     self._release(s)
-    request.cached, request.preemptions = 0, request.preemptions + 1
+    request.cached, request.preemptions, request.hashes = 0, request.preemptions + 1, []
     self.stats["preemptions"] += 1
     self.waiting.appendleft(request)
 
   def _release(self, s: int) -> None:
-    self.free.extend(reversed(self.slots[s].pages))
+    """Slot s's pages lose a holder: unheld ones go back to the free list, or stay cached (evictable) while the
+    prefix cache knows them."""
+    for page in reversed(self.slots[s].pages):
+      self.refs[page] -= 1
+      if self.refs[page] == 0:
+        del self.refs[page]
+        if page in self.page_hash:
+          self.evictable[page] = None
+        else:
+          self.free.append(page)
     self.slots[s].pages = []
     self.slots[s] = None
 
@@ -190,6 +249,8 @@ class Engine:
     for s, n in feed.items():
       r = self.slots[s]
       r.cached += n
+      if self.prefix_caching:
+        self._register(r)
       if s not in ready:
         continue
       token, logprob = _choose(logits[s], r)

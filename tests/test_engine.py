@@ -51,7 +51,24 @@ def test_greedy_stream_equals_the_static_sampler(model, prompts_and_greedy, pool
   engine = engine_lib.Engine(model, max_seqs=4, page_size=8, chunk=7, **kwargs)
   assert _arrivals(engine, prompts, 12) == want
   assert (engine.stats["preemptions"] > 0) == (pool == "short")
-  assert len(engine.free) == engine.k.shape[1] - 1  # every page back in the pool
+  assert not engine.refs and len(engine.free) + len(engine.evictable) == engine.k.shape[1] - 1  # all pages back
+
+
+def test_prefix_caching_shares_pages_and_keeps_the_tokens(model):
+  """Prompts behind one 24-token system prefix: with prefix caching the later requests reuse its pages (fewer tokens
+  fed), and every request's greedy tokens equal model.generate's, as without it."""
+  rng = np.random.default_rng(2)
+  system = [int(t) for t in rng.integers(1, 256, size=24)]
+  prompts = [system + [int(t) for t in rng.integers(1, 256, size=n)] for n in (3, 9, 1, 14)]
+  want = generate_lib.generate(model, prompts, 8)
+  fed = {}
+  for caching in (True, False):
+    engine = engine_lib.Engine(model, max_seqs=2, page_size=8, chunk=16, prefix_caching=caching)
+    assert engine.generate(prompts, 8) == want
+    fed[caching] = engine.stats["tokens_fed"]
+    # the first two requests start together (both compute the prefix); the next two find its 3 full pages
+    assert engine.stats["prefix_hit_tokens"] == (2 * 24 if caching else 0)
+  assert fed[True] == fed[False] - 2 * 24
 
 
 def test_chunked_prefill_equals_one_forward_pass(model):
