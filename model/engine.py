@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -50,6 +51,7 @@ class Request:
   cached: int = 0  # tokens of prompt + tokens in the cache
   pages: list[int] = dataclasses.field(default_factory=list)
   hashes: list[int] = dataclasses.field(default_factory=list)  # of its full prompt pages, chained (prefix cache)
+  drafts: list[int] = dataclasses.field(default_factory=list)  # proposed after its last token this step
   preemptions: int = 0
   done: bool = False
 
@@ -58,27 +60,46 @@ class Request:
     return self.prompt + self.tokens
 
 
-def _forward(graphdef, state, k, v, tokens_ST, segment_ids_ST, positions_ST, table_SP, length_S, last_S):
-  """One engine call: the model over [S, T] tokens into the paged cache -> (logits [S, V] float32 of each row's
-  token at index last_S, the updated pools)."""
+def _forward(graphdef, state, k, v, tokens_ST, segment_ids_ST, positions_ST, table_SP, length_S, last_S, *,
+             window: int):
+  """One engine call: the model over [S, T] tokens into the paged cache -> (logits [S, window, V] float32 of each
+  row's tokens at indices last_S - window + 1 .. last_S (clipped at 0), the updated pools)."""
   model = nnx.merge(graphdef, state)
   cache = paged.PagedKVCache(k, v, table_SP, length_S)
   x_STD, cache = model.features(tokens_ST, segment_ids_ST, positions_ST, cache=cache)
-  x_S1D = jnp.take_along_axis(x_STD, last_S[:, None, None], axis=1)
-  return model.logits(x_S1D)[:, 0], cache.k, cache.v
+  index_SW = jnp.maximum(last_S[:, None] - window + 1 + jnp.arange(window)[None, :], 0)
+  x_SWD = jnp.take_along_axis(x_STD, index_SW[:, :, None], axis=1)
+  return model.logits(x_SWD), cache.k, cache.v
+
+
+def ngram_drafts(sequence: Sequence[int], n: int, k: int) -> list[int]:
+  """Prompt-lookup drafts: the up to k tokens that followed the latest earlier occurrence of the sequence's last n
+  tokens ([] when they never occurred before)."""
+  if k < 1 or len(sequence) <= n:
+    return []
+  tail = list(sequence[-n:])
+  for start in range(len(sequence) - n - 1, -1, -1):
+    if list(sequence[start:start + n]) == tail:
+      return list(sequence[start + n:start + n + k])
+  return []
 
 
 class Engine:
   """Continuous batching over a paged KV cache for one `model.Transformer` (module docstring)."""
 
   def __init__(self, model, *, max_seqs: int = 8, page_size: int = 16, num_pages: int | None = None,
-               chunk: int = 64, max_len: int | None = None, prefix_caching: bool = True):
+               chunk: int = 64, max_len: int | None = None, prefix_caching: bool = True, speculative: int = 0,
+               ngram: int = 2):
     cfg = model.cfg
     self.max_len = int(max_len or cfg.max_seq_len)
     if min(max_seqs, page_size, chunk, self.max_len) < 1:
       raise ValueError(f"Engine: max_seqs={max_seqs}, page_size={page_size}, chunk={chunk} and max_len="
                        f"{self.max_len} must all be >= 1")
     self.max_seqs, self.page_size, self.chunk = max_seqs, page_size, chunk
+    if speculative < 0 or (speculative and (ngram < 1 or speculative >= chunk)):
+      raise ValueError(f"Engine: speculative={speculative} draft tokens need 1 <= speculative < chunk={chunk} and "
+                       f"ngram={ngram} >= 1 (0 = no speculative decoding)")
+    self.speculative, self.ngram = speculative, ngram
     self.pages_per_seq = math.ceil(self.max_len / page_size)
     num_pages = num_pages or max_seqs * self.pages_per_seq + 1
     if num_pages - 1 < self.pages_per_seq:
@@ -95,8 +116,9 @@ class Engine:
     self.slots: list[Request | None] = [None] * max_seqs
     self.waiting: collections.deque[Request] = collections.deque()
     self._next_id = 0
-    self._forward = jax.jit(_forward, donate_argnums=(2, 3))
-    self.stats = {"steps": 0, "preemptions": 0, "tokens_fed": 0, "prefix_hit_tokens": 0}
+    self._forward = jax.jit(functools.partial(_forward, window=speculative + 1), donate_argnums=(2, 3))
+    self.stats = {"steps": 0, "preemptions": 0, "tokens_fed": 0, "prefix_hit_tokens": 0, "drafted": 0,
+                  "accepted": 0}
 
   # ---- requests ----------------------------------------------------------------------------------------
   def add(self, prompt: Sequence[int], max_new_tokens: int, *, stop_ids: Sequence[int] = (),
@@ -196,7 +218,7 @@ class Engine:
     recently admitted sequences while the pool is short)."""
     while True:
       running = [s for s, r in enumerate(self.slots) if r is not None]
-      feed = {s: min(len(self.slots[s].sequence) - self.slots[s].cached, self.chunk) for s in running}
+      feed = {s: self._feed(self.slots[s]) for s in running}
       need = {s: math.ceil((self.slots[s].cached + n) / self.page_size) - len(self.slots[s].pages)
               for s, n in feed.items()}
       if sum(max(n, 0) for n in need.values()) <= self._available():
@@ -204,6 +226,14 @@ class Engine:
           self.slots[s].pages += [self._take_page() for _ in range(max(n, 0))]
         return feed
       self._preempt(max(running, key=lambda s: self.slots[s].rid))
+
+  def _feed(self, r: Request) -> int:
+    """Tokens r feeds this step: up to `chunk` of its uncached prompt, or its last token and (speculative > 0)
+    the n-gram drafts after it (`ngram_drafts`), no more than its remaining new tokens allow."""
+    n = min(len(r.sequence) - r.cached, self.chunk)
+    room = min(self.speculative, r.max_new_tokens - len(r.tokens) - 1)
+    r.drafts = ngram_drafts(r.sequence, self.ngram, room) if n == 1 and r.tokens and room > 0 else []
+    return n + len(r.drafts)
 
   def _preempt(self, s: int) -> None:
     """Slot s gives its pages back and waits first in line; it recomputes its prompt and tokens when readmitted."""
@@ -241,26 +271,70 @@ class Engine:
       length[s], last[s] = r.cached, n - 1
     return tokens, segments, positions, table, length, last
 
-  def _advance(self, feed: dict[int, int], logits_SV: jax.Array) -> list[Request]:
-    """Counts the fed tokens as cached; a sequence now fully cached takes its next token; finished ones leave."""
-    ready = [s for s, n in feed.items() if self.slots[s].cached + n == len(self.slots[s].sequence)]
-    logits = np.asarray(jax.device_get(logits_SV), np.float64) if ready else None
+  def _advance(self, feed: dict[int, int], logits_SWV: jax.Array) -> list[Request]:
+    """Counts the fed tokens as cached (of drafts, the accepted ones); a sequence now fully cached takes its next
+    tokens (`verify`); finished ones leave."""
+    ready = [s for s, n in feed.items() if self.slots[s].cached + n == len(self.slots[s].sequence) +
+             len(self.slots[s].drafts)]
+    logits = np.asarray(jax.device_get(logits_SWV), np.float64) if ready else None
     finished = []
     for s, n in feed.items():
       r = self.slots[s]
-      r.cached += n
+      if s not in ready:
+        r.cached += n
+        continue
+      m = len(r.drafts)
+      new, logps = verify(logits[s, logits.shape[1] - 1 - m:], r)
+      r.cached += n - m + len(new) - 1  # the fed tokens whose keys stand: the last one and the accepted drafts
+      self.stats["drafted"] += m
+      self.stats["accepted"] += len(new) - 1 if m else 0
       if self.prefix_caching:
         self._register(r)
-      if s not in ready:
-        continue
-      token, logprob = _choose(logits[s], r)
-      r.tokens.append(token)
-      r.logprobs.append(logprob)
-      if token in r.stop_ids or len(r.tokens) >= r.max_new_tokens:
-        r.done = True
+      for token, logp in zip(new, logps):
+        r.tokens.append(token)
+        r.logprobs.append(logp)
+        if token in r.stop_ids or len(r.tokens) >= r.max_new_tokens:
+          r.done = True
+          break
+      if r.done:
         finished.append(r)
         self._release(s)
     return finished
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+  return z - (z.max(-1, keepdims=True) + np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1, keepdims=True)))
+
+
+def verify(logits_MV: np.ndarray, r: Request) -> tuple[list[int], list[float]]:
+  """(new tokens, their log-probabilities) of request r from float64 logits [m + 1, V] at its last token and its
+  m drafts (`r.drafts`): no drafts, `_choose`. Greedy: the drafts while each equals the argmax, then the argmax
+  where one differs (or after the last): plain greedy decoding's tokens. Sampled (Leviathan et al. 2023, Chen et
+  al. 2023, with the deterministic proposal q = the draft): draft d_i kept with probability p_i(d_i), else a token
+  from p_i without d_i (renormalised) ends the step; all kept, one more from p_m. Each emitted token is then
+  distributed as p: the output's distribution is the target's."""
+  if not r.drafts:
+    token, logp = _choose(logits_MV[0], r)
+    return [token], [logp]
+  temperature = r.temperature or 1.0
+  logp_MV = _log_softmax(logits_MV / temperature)
+  new = []
+  for i, d in enumerate(r.drafts + [None]):
+    if not r.temperature:
+      token = int(np.argmax(logits_MV[i]))
+    else:
+      rng = np.random.default_rng([r.seed, len(r.tokens) + i, 1])
+      p_V = np.exp(logp_MV[i])
+      if d is not None and rng.random() < p_V[d]:
+        token = d
+      else:
+        if d is not None:
+          p_V[d] = 0.0
+        token = int(rng.choice(len(p_V), p=p_V / p_V.sum()))
+    new.append(token)
+    if token != d:
+      break
+  return new, [float(logp_MV[i, t]) for i, t in enumerate(new)]
 
 
 def _choose(logits_V: np.ndarray, r: Request) -> tuple[int, float]:
