@@ -1,6 +1,7 @@
 """Hugging Face checkpoint I/O: load and save throughput and peak host memory, unsharded vs sharded vs transformers.
 
-  python benchmarks/hf_io.py [--size 1gb|100mb] [--modes load_unsharded,load_sharded,transformers,save_sharded]
+  python benchmarks/hf_io.py [--size 1gb|100mb]
+      [--modes load_unsharded,load_sharded,transformers,save_sharded,load_qlora_nf4]
       [--code DIR]
 
 Writes a random Llama-shaped checkpoint in float32 (1gb: d 1024, 12 layers, MLP 4096, vocab 32000: 267M

@@ -203,10 +203,7 @@ def _adapted(mm: Callable, side_mm: Callable, a_PX: jax.Array, w_EXY) -> jax.Arr
   if not hasattr(w_EXY, "einsum"):
     return mm(a_PX, w_EXY)
   y_PY = mm(a_PX, jax.lax.stop_gradient(w_EXY.w))
-  if w_EXY.dropout and w_EXY.key is not None:
-    keep = jax.random.bernoulli(w_EXY.key, 1.0 - w_EXY.dropout, a_PX.shape)
-    a_PX = jnp.where(keep, a_PX / (1.0 - w_EXY.dropout), 0).astype(a_PX.dtype)
-  return y_PY + (w_EXY.scale * side_mm(side_mm(a_PX, w_EXY.a), w_EXY.b)).astype(y_PY.dtype)
+  return y_PY + (w_EXY.scale * side_mm(side_mm(w_EXY.drop(a_PX), w_EXY.a), w_EXY.b)).astype(y_PY.dtype)
 
 
 def grouped_ffn(x_RD: jax.Array, group_R: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array,
@@ -335,6 +332,16 @@ def _one_key(w):
   return type(w)(w.w, w.a, w.b, w.key.reshape(-1, w.key.shape[-1])[0], scale=w.scale, dropout=w.dropout)
 
 
+def _per_device_key(w, mesh_shape):
+  """A LoRA kernel's dropout key folded with this device's index (every device masks its own rows differently)."""
+  if not hasattr(w, "einsum") or w.key is None:
+    return w
+  index = 0
+  for a, size in mesh_shape.items():
+    index = index * size + jax.lax.axis_index(a)
+  return type(w)(w.w, w.a, w.b, jax.random.fold_in(w.key, index), scale=w.scale, dropout=w.dropout)
+
+
 def _on_d(w, gather: Callable, axis: int, d_child: str):
   """gather(w, axis) for a plain kernel; for a LoRA kernel W and its adapter child holding D (`d_child`) gathered."""
   if not hasattr(w, "einsum"):
@@ -380,6 +387,7 @@ def dispatch(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_E
 
   def local(x_BLD, experts_BLK, weights_BLK, keep_BLK, gate_EDF, up_EDF, down_EFD):
     B, L, D = x_BLD.shape
+    gate_EDF, up_EDF, down_EFD = (_per_device_key(w, mesh_shape) for w in (gate_EDF, up_EDF, down_EFD))
     if d_axes:  # FSDP: whole rows of D for the matmuls (a LoRA kernel: W, and A or B, whichever holds D)
       gate_EDF, up_EDF = (_on_d(w, gather, 1, "a") for w in (gate_EDF, up_EDF))
       down_EFD = _on_d(down_EFD, gather, 2, "b")

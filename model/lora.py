@@ -168,6 +168,13 @@ class SideKernel:
     return SideKernel(self.w.astype(dtype), self.a.astype(dtype), self.b.astype(dtype), self.key,
                       scale=self.scale, dropout=self.dropout)
 
+  def drop(self, x: jax.Array) -> jax.Array:
+    """The adapter's input: x with lora_dropout applied (kept entries scaled by 1 / (1 - p)); x without a key."""
+    if not self.dropout or self.key is None:
+      return x
+    keep = jax.random.bernoulli(self.key, 1.0 - self.dropout, x.shape)
+    return jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
+
   def einsum(self, spec: str, x: jax.Array, base_einsum) -> jax.Array:
     """base_einsum(spec, x, stop_gradient(W)) + scale * (dropout(x) A) B for a projection `spec` such as
     "bld,dhk->blhk" (W's contracted letters first, as every adapted kernel is laid out)."""
@@ -178,9 +185,7 @@ class SideKernel:
     contracted = "".join(c for c in ws if c not in out)
     outs = ws[len(contracted):]
     r = next(c for c in string.ascii_letters if c not in spec)
-    if self.dropout and self.key is not None:
-      keep = jax.random.bernoulli(self.key, 1.0 - self.dropout, x.shape)
-      x = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
+    x = self.drop(x)
     free = "".join(c for c in xs if c not in contracted)
     h = quant_lib.project(f"{xs},{contracted}{r}->{free}{r}", x, self.a)
     side = quant_lib.project(f"{free}{r},{r}{outs}->{out}", h, self.b)

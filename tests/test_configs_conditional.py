@@ -58,6 +58,8 @@ CASES = {
         ("gamma", 0.99), ("lam", 0.9), ("value_clip", 0.5), ("vf_coef", 0.5), ("ent_coef", 0.01),
         ("whiten_advantages", False))},
     "rl.clip": (0.1, _BEST_OF_N, {}),
+    "rl.length_penalty": (0.1, {"rl.algorithm": "gkd"}, {}),
+    "rl.missing_eos_penalty": (0.5, {"rl.algorithm": "gkd"}, {}),
     "rl.kl_coef": (0.1, _BEST_OF_N, {}),
     "rl.eval_prompts": (8, {"rl.eval_every": 0}, {}),
     "rl.eval_best_of": (4, {"rl.eval_every": 0}, {}),

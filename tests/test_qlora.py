@@ -126,6 +126,8 @@ def test_qlora_keys_are_checked():
     one(**{"train.lora_base_quant": "nf5"})
   with pytest.raises(ValueError, match="lora_base_double_quant"):
     one(**{"train.lora_base_quant": "int8", "train.lora_base_double_quant": True})
+  with pytest.raises(ValueError, match="frozen reference"):  # DPO's float reference vs the quantized base
+    one(**{"train.lora_base_quant": "nf4", "train.objective": "dpo"})
 
 
 def test_a_hugging_face_directory_loads_quantized_while_streaming(tmp_path):

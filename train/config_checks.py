@@ -120,6 +120,9 @@ validate.conditional(
       for k in _PPO_ONLY),
     *(_row(f"rl.{k}", "rl.algorithm is ppo or grpo", lambda c, f: c.rl.algorithm in ("ppo", "grpo"),
            "best_of_n fine-tunes on its best samples with the sft objective") for k in ("clip", "kl_coef")),
+    *(_row(f"rl.{k}", "rl.algorithm is ppo, grpo or best_of_n", lambda c, f: c.rl.algorithm != "gkd",
+           "gkd trains on every completion whatever its reward (the shaped reward is only reported)")
+      for k in ("length_penalty", "missing_eos_penalty")),
     *(_row(f"rl.{k}", "rl.eval_every > 0", lambda c, f: c.rl.eval_every > 0, "held-out evaluation is off")
       for k in ("eval_prompts", "eval_best_of")),
     _row("log.wandb_project", "log.wandb=True", lambda c, f: c.log.wandb, "nothing is logged to Weights & Biases"),

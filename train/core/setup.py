@@ -27,6 +27,7 @@ import contextlib
 import copy
 import dataclasses
 import errno
+import functools
 import json
 import os
 import shutil
@@ -507,6 +508,13 @@ def init_from(trainer, path: str) -> dict[str, Any]:
   return load_params(trainer, path, trainer.abstract_model_params(), trainer.config.model, quantize_base=True)
 
 
+@functools.lru_cache(maxsize=None)
+def _quantizer(lead: int, n_in: int, kind: str, double: bool) -> Callable:
+  """A jitted quantizer of one layout (compiled once per kernel shape; eager ops would compile every primitive)."""
+  from model import basequant  # pylint: disable=g-import-not-at-top
+  return jax.jit(lambda w: basequant.as_dict(basequant.quantize(w, lead, n_in, kind, double=double)))
+
+
 def _base_quantizer(trainer) -> Callable | None:
   """hf.load's `transform` for a QLoRA run: each base kernel read one leading slice (layer) at a time in float32,
   quantized and kept only quantized, then placed on the frozen base's shardings; no float copy of a whole stacked
@@ -521,9 +529,7 @@ def _base_quantizer(trainer) -> Callable | None:
     if name not in kernels:
       return None
     path, lead, n_in = kernels[name]
-    # jitted: one program per kernel shape (eager ops would compile and hold one executable per primitive)
-    one = jax.jit(lambda w: basequant.as_dict(basequant.quantize(w, lead, n_in, trainer.base_quant,
-                                                                 double=trainer.base_double_quant)))
+    one = _quantizer(lead, n_in, trainer.base_quant, trainer.base_double_quant)
     rest = (slice(None),) * (len(shape) - 1)
     parts = ([jax.device_get(one(read((slice(i, i + 1),) + rest))) for i in range(shape[0])] if lead else
              [jax.device_get(one(read(rest + (slice(None),))))])
@@ -580,9 +586,10 @@ def _hf_params(trainer, path: str, abstract: Any, m, key: str, what: str, quanti
   return jax.device_put(params, jax.tree.map(lambda a: a.sharding, abstract))
 
 
-def _abstract_base(abstract: Any, saved: dict, sharding) -> tuple[Any, dict]:
+def _abstract_base(abstract: Any, saved: dict) -> tuple[Any, dict]:
   """(the frozen base as a LoRA run saved it, the quantized kernels' templates): `abstract` itself, or under
-  train.lora_base_quant (QLoRA) its projection kernels as the stored quantized children, on `sharding`."""
+  train.lora_base_quant (QLoRA) its projection kernels as the stored quantized children, sharded as the run's
+  trainer shards them (basequant.spec_tree of `abstract`'s specs)."""
   from model import basequant  # pylint: disable=g-import-not-at-top
   from model import lora as lora_lib  # pylint: disable=g-import-not-at-top
   kind, double = saved.get("lora_base_quant", "none"), bool(saved.get("lora_base_double_quant", False))
@@ -591,9 +598,11 @@ def _abstract_base(abstract: Any, saved: dict, sharding) -> tuple[Any, dict]:
   templates = basequant.templates(abstract, kernels, kind, double)
   if not templates:
     return abstract, templates
-  on = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+  mesh = jax.tree.leaves(abstract)[0].sharding.mesh
+  specs = basequant.spec_tree(jax.tree.map(lambda a: a.sharding.spec, abstract), kernels, templates, dict(mesh.shape))
   base = jax.eval_shape(lambda tree: basequant.quantize_params(tree, kernels, kind, double), abstract)
-  return jax.tree.map(on, base), templates
+  on = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+  return jax.tree.map(on, base, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)), templates
 
 
 def restore_model_params(checkpointer: ckpt_lib.Checkpointer, step: int | None, abstract: Any) -> Any:
@@ -611,15 +620,17 @@ def restore_model_params(checkpointer: ckpt_lib.Checkpointer, step: int | None, 
   adapters = jax.eval_shape(lambda: lora_lib.init(jax.random.PRNGKey(0), abstract, targets, rank))
   first = jax.tree.leaves(abstract)[0].sharding
   replicated = jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
-  base, templates = _abstract_base(abstract, saved, replicated)  # QLoRA: the kernels as stored, quantized
+  base, templates = _abstract_base(abstract, saved)  # QLoRA: the kernels as stored, quantized
+  shardings = jax.tree.map(lambda a: a.sharding, abstract)
   if not adapters:  # `abstract` (a part of the tree, as train.export restores it) holds no adapted kernel
     tree = checkpointer.restore_subtree({"frozen": {"model": base}}, step)["frozen"]["model"]
-    return jax.device_put(basequant.dequantize_params(tree, templates), jax.tree.map(lambda a: a.sharding, abstract))
+    return jax.jit(lambda t: basequant.dequantize_params(t, templates), out_shardings=shardings)(tree)
   adapters = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), adapters)
   tree = checkpointer.restore_subtree({"params": {"lora": adapters}, "frozen": {"model": base}}, step)
-  merged = lora_lib.merge(basequant.dequantize_params(tree["frozen"]["model"], templates), tree["params"]["lora"],
-                          lora_lib.scale(saved["lora_alpha"], rank, bool(saved.get("lora_rslora", False))))
-  return jax.device_put(merged, jax.tree.map(lambda a: a.sharding, abstract))
+  scale = lora_lib.scale(saved["lora_alpha"], rank, bool(saved.get("lora_rslora", False)))
+  merge = lambda t: lora_lib.merge(basequant.dequantize_params(t["frozen"]["model"], templates), t["params"]["lora"],
+                                   scale)
+  return jax.jit(merge, out_shardings=shardings)(tree)  # dequantized and merged shard by shard
 
 
 # ---- writing: only once every check has passed ---------------------------------------------------------------

@@ -214,6 +214,11 @@ class Trainer:
     self.base_quant, self.base_double_quant = str(t.lora_base_quant), bool(t.lora_base_double_quant)
     if self.base_quant not in basequant.KINDS:
       raise ValueError(f"config.train.lora_base_quant={t.lora_base_quant!r} is not one of {', '.join(basequant.KINDS)}")
+    if self.base_quant != "none" and self.objective.frozen_models:
+      raise ValueError(f"config.train.lora_base_quant={self.base_quant!r} with train.objective={t.objective!r}: its "
+                       f"frozen {', '.join(self.objective.frozen_models)} would be a float copy of the weights the "
+                       "quantized base only approximates (their log-probabilities would differ at step 0); use "
+                       "lora_base_quant='none' for this objective")
     if self.base_double_quant and self.base_quant != "nf4":
       raise ValueError("config.train.lora_base_double_quant=True quantizes NF4's block constants; it needs "
                        f"train.lora_base_quant='nf4' (got {self.base_quant!r})")

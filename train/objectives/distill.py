@@ -97,7 +97,8 @@ class Distillation(base.Objective):
       raise ValueError(f"config.train.distill_loss={t.distill_loss!r} is not one of {', '.join(LOSSES)}")
     if not t.distill_teacher:
       raise ValueError("config.train.objective='distill' needs config.train.distill_teacher: a meshlm run directory "
-                       "or a Hugging Face directory (python -m train sets it from train.distill_teacher_recipe)")
+                       "or a Hugging Face directory (python -m train and python -m train.rl set it from "
+                       "train.distill_teacher_recipe)")
     teacher = runconfig.frozen_model(t.distill_teacher, "train.distill_teacher", m)
     if teacher.vocab_size != m.vocab_size:
       raise ValueError(f"train.distill_teacher={t.distill_teacher!r}: the teacher's vocab_size={teacher.vocab_size} "

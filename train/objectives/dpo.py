@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from model import logprobs
 from train.objectives import base
+from train.objectives import distill
 from train.objectives import pairs
 
 LOSSES = ("sigmoid", "ipo", "hinge")
@@ -54,7 +55,7 @@ def token_kl(logits_BLV: jax.Array, reference_logits_BLV: jax.Array) -> jax.Arra
   """KL(softmax(logits) || softmax(reference_logits)) at every position [B, L], float32 nats."""
   logp_BLV = jax.nn.log_softmax(logits_BLV.astype(jnp.float32), axis=-1)
   logq_BLV = jax.nn.log_softmax(reference_logits_BLV.astype(jnp.float32), axis=-1)
-  return jnp.sum(jnp.exp(logp_BLV) * (logp_BLV - logq_BLV), axis=-1)
+  return distill.kl_divergence(logp_BLV, logq_BLV)
 
 
 class DirectPreference(base.Objective):

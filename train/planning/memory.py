@@ -79,7 +79,10 @@ def _lora_state(config: ml_collections.ConfigDict, params: float, share: float, 
   """meshlm_state of a LoRA run: the frozen base as weights (QLoRA: its projection kernels at the quantized
   format's bytes per weight), gradients and AdamW m, v for the adapters only."""
   m, t = config.model, config.train
-  n = lora_lib.counts(m, tuple(t.lora_targets), int(t.lora_rank))
+  if t.lora_base_double_quant and t.lora_base_quant != "nf4":
+    raise ValueError("config.train.lora_base_double_quant=True quantizes NF4's block constants; it needs "
+                     f"train.lora_base_quant='nf4' (got {t.lora_base_quant!r})")
+  n = lora_lib.counts(m, lora_lib.check_targets(t.lora_targets), int(t.lora_rank))
   per = BYTES[m.param_dtype]
   kernel = basequant.nbytes_per_param(t.lora_base_quant, double=bool(t.lora_base_double_quant),
                                       dtype=model_config.DTYPES[m.param_dtype])
