@@ -264,7 +264,9 @@ class Engine:
     table, length, last = np.zeros((S, P), np.int32), np.zeros((S,), np.int32), np.zeros((S,), np.int32)
     for s, n in feed.items():
       r = self.slots[s]
-      tokens[s, :n] = r.sequence[r.cached:r.cached + n]
+      fed = (r.sequence + r.drafts)[r.cached:r.cached + n]
+      assert len(fed) == n, (len(fed), n)  # never broadcast: every fed slot is a real token
+      tokens[s, :n] = fed
       segments[s, :n] = 1
       positions[s, :n] = np.arange(r.cached, r.cached + n)
       table[s, :len(r.pages)] = r.pages

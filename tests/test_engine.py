@@ -115,3 +115,29 @@ def test_bad_requests_are_refused(model):
     engine.add([], 4)
   with pytest.raises(ValueError, match="num_pages=3"):
     engine_lib.Engine(model, page_size=8, num_pages=3, max_len=32)
+
+
+def test_speculative_greedy_equals_plain_greedy(model):
+  """n-gram prompt-lookup drafts (3 per step) on prompts that repeat themselves: drafts are accepted, and the tokens
+  are plain greedy decoding's (model.generate) exactly."""
+  rng = np.random.default_rng(4)
+  prompts = [[int(t) for t in np.tile(rng.integers(1, 256, size=n), 4)] for n in (3, 5, 7)]
+  want = generate_lib.generate(model, prompts, 16)
+  engine = engine_lib.Engine(model, max_seqs=3, page_size=8, chunk=8, speculative=3)
+  assert engine.generate(prompts, 16) == want
+  assert engine.stats["drafted"] > 0 and engine.stats["accepted"] > 0
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+  """The acceptance rule with a deterministic draft (engine.verify): over 4000 seeds, the first token it emits is
+  distributed as the target softmax(logits / T) (chi-square, 5 categories), for a likely and an unlikely draft."""
+  from scipy import stats
+  logits = np.log(np.array([[0.4, 0.3, 0.15, 0.1, 0.05], [0.2, 0.2, 0.2, 0.2, 0.2]])) * 2.0  # T = 2 undoes the x2
+  p = np.exp(logits[0] / 2.0) / np.exp(logits[0] / 2.0).sum()
+  for draft in (0, 4):
+    counts = np.zeros(5)
+    for seed in range(4000):
+      r = engine_lib.Request(0, [1, 2], 8, temperature=2.0, seed=seed, tokens=[3], drafts=[draft])
+      new, _ = engine_lib.verify(logits, r)
+      counts[new[0]] += 1
+    assert stats.chisquare(counts, 4000 * p).pvalue > 1e-3, (draft, counts)
