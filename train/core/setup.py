@@ -531,9 +531,16 @@ def _base_quantizer(trainer) -> Callable | None:
     path, lead, n_in = kernels[name]
     one = _quantizer(lead, n_in, trainer.base_quant, trainer.base_double_quant)
     rest = (slice(None),) * (len(shape) - 1)
-    parts = ([jax.device_get(one(read((slice(i, i + 1),) + rest))) for i in range(shape[0])] if lead else
-             [jax.device_get(one(read(rest + (slice(None),))))])
-    children = {k: np.concatenate([p[k] for p in parts]) if lead else parts[0][k] for k in parts[0]}
+    if not lead:
+      children = jax.device_get(one(read(rest + (slice(None),))))
+    else:  # layer by layer into one host buffer per child (the quantized size, once)
+      children = None
+      for i in range(shape[0]):
+        part = jax.device_get(one(read((slice(i, i + 1),) + rest)))
+        if children is None:
+          children = {k: np.empty((shape[0],) + v.shape[1:], v.dtype) for k, v in part.items()}
+        for k, v in part.items():
+          children[k][i:i + 1] = v
     target = basequant._get(shardings, path)  # pylint: disable=protected-access
     return {k: jax.device_put(v, target[k]) for k, v in children.items()}
   return transform
