@@ -159,6 +159,7 @@ def get_config() -> ml_collections.ConfigDict:
   rl.prompts_per_iteration = 16  # prompts sampled per iteration
   rl.samples_per_prompt = 4  # completions per prompt: GRPO's group size G, best_of_n's K (PPO: usually 1)
   rl.max_new_tokens = 16  # longest completion; prompt + completion must fit in train.seq_len + 1 tokens
+  rl.engine = False  # rollouts through model.engine (continuous batching over a paged KV cache) instead of model.generate's static batch
   rl.temperature = 1.0  # sampling temperature; ppo/grpo's training forward pass uses the same (log-probs of logits / T); gkd's divergence uses train.distill_temperature
   rl.kl_coef = 0.05  # beta: PPO's per-token KL penalty in the reward, GRPO's k3 KL loss weight (0 = no reference)
   rl.kl_target = 0.0  # PPO adaptive KL controller target (KL per sequence, Ziegler et al. 2019); 0 = fixed kl_coef

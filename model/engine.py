@@ -17,8 +17,8 @@ Design (docs/serve.md):
     sequence gives its pages back and waits at the head of the queue with its prompt and the tokens generated so
     far, which it prefills again when readmitted (greedy output unchanged), never an out-of-memory error.
   - Tokens: greedy (temperature 0: the argmax) or sampled from softmax(logits / temperature) with the request's
-    key fold_in(PRNGKey(seed), i) for its i-th token, so a request's output does not depend on the traffic around
-    it. Each request also records log p(token) under softmax(logits / max(temperature, 1 if greedy)) as
+    key fold_in(fold_in(PRNGKey(seed), row), i) for its i-th token (model.generate's for that row), so a
+    request's output does not depend on the traffic around it. Each request also records log p(token) under softmax(logits / max(temperature, 1 if greedy)) as
     `model.generate.sample` does.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import functools
 import math
+import time
 from typing import Sequence
 
 import jax
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from model import generate as generate_lib
 from model import paged
 
 
@@ -46,6 +48,7 @@ class Request:
   stop_ids: tuple[int, ...] = ()
   temperature: float = 0.0
   seed: int = 0
+  row: int = 0  # with seed, the key of its i-th draw: fold_in(fold_in(PRNGKey(seed), row), i), as model.generate's
   tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
   logprobs: list[float] = dataclasses.field(default_factory=list)
   cached: int = 0  # tokens of prompt + tokens in the cache
@@ -70,6 +73,12 @@ def _forward(graphdef, state, k, v, tokens_ST, segment_ids_ST, positions_ST, tab
   index_SW = jnp.maximum(last_S[:, None] - window + 1 + jnp.arange(window)[None, :], 0)
   x_SWD = jnp.take_along_axis(x_STD, index_SW[:, :, None], axis=1)
   return model.logits(x_SWD), cache.k, cache.v
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_forward(window: int):
+  """`_forward` jitted once per logits window: engines of the same shapes share their compilations."""
+  return jax.jit(functools.partial(_forward, window=window), donate_argnums=(2, 3))
 
 
 def ngram_drafts(sequence: Sequence[int], n: int, k: int) -> list[int]:
@@ -116,13 +125,13 @@ class Engine:
     self.slots: list[Request | None] = [None] * max_seqs
     self.waiting: collections.deque[Request] = collections.deque()
     self._next_id = 0
-    self._forward = jax.jit(functools.partial(_forward, window=speculative + 1), donate_argnums=(2, 3))
+    self._forward = _jitted_forward(speculative + 1)
     self.stats = {"steps": 0, "preemptions": 0, "tokens_fed": 0, "prefix_hit_tokens": 0, "drafted": 0,
                   "accepted": 0}
 
   # ---- requests ----------------------------------------------------------------------------------------
   def add(self, prompt: Sequence[int], max_new_tokens: int, *, stop_ids: Sequence[int] = (),
-          temperature: float = 0.0, seed: int = 0) -> int:
+          temperature: float = 0.0, seed: int = 0, row: int = 0) -> int:
     """Queues a request; returns its id. ValueError when it cannot fit max_len or asks for nothing."""
     prompt = [int(t) for t in prompt]
     if not prompt or max_new_tokens < 1:
@@ -133,7 +142,8 @@ class Engine:
                        f"max_len={self.max_len}; shorten the prompt or lower max_new_tokens")
     if temperature < 0:
       raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
-    request = Request(self._next_id, prompt, int(max_new_tokens), tuple(stop_ids), float(temperature), int(seed))
+    request = Request(self._next_id, prompt, int(max_new_tokens), tuple(stop_ids), float(temperature), int(seed),
+                      int(row))
     self._next_id += 1
     self.waiting.append(request)
     return request.rid
@@ -340,14 +350,39 @@ def verify(logits_MV: np.ndarray, r: Request) -> tuple[list[int], list[float]]:
 
 
 def _choose(logits_V: np.ndarray, r: Request) -> tuple[int, float]:
-  """(next token, its log-probability) of request r from float64 logits: argmax, or a draw at r.temperature with
-  the key fold_in(PRNGKey(seed), i) of its i-th token."""
+  """(next token, its log-probability) of request r: the argmax, or model.generate's draw for row r.row of seed
+  r.seed at its i-th token (the same key and warp of the float32 logits, so the same token where the logits
+  agree)."""
   temperature = r.temperature or 1.0
-  z = logits_V / temperature
-  logp_V = z - (z.max() + np.log(np.sum(np.exp(z - z.max()))))
+  logp_V = _log_softmax(logits_V / temperature)
   if not r.temperature:
     token = int(np.argmax(logits_V))
   else:
-    key = jax.random.fold_in(jax.random.PRNGKey(r.seed), len(r.tokens))
-    token = int(jax.random.categorical(key, jnp.asarray(z, jnp.float32)))
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(r.seed), r.row), len(r.tokens))
+    warped = generate_lib.warp_logits(jnp.asarray(logits_V[None], jnp.float32), r.temperature)[0]
+    token = int(jax.random.categorical(key, warped))
   return token, float(logp_V[token])
+
+
+def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
+           stop_ids: Sequence[int] = (), seed: int = 0, **engine_kwargs) -> generate_lib.Generation:
+  """`model.generate.sample`'s result through the engine: every prompt queued at once and stepped until done
+  (engine_kwargs: Engine's; max_seqs defaults to min(len(prompts), 64)). Greedy tokens equal the static
+  sampler's, and so do sampled ones where the two programs' float32 logits agree (row i draws with model.generate's
+  keys for row i). stats: prompt_tokens, new_tokens, batch (max_seqs), prefill_seconds (0: prefill and decode
+  interleave), decode_seconds (compilation excluded), compile_seconds, compiles, engine_steps, preemptions."""
+  engine_kwargs.setdefault("max_seqs", min(len(prompts), 64))
+  engine = Engine(model, **engine_kwargs)
+  with generate_lib._count_compiles() as compiled:  # pylint: disable=protected-access
+    t0 = time.perf_counter()
+    ids = [engine.add(p, max_new_tokens, stop_ids=stop_ids, temperature=temperature, seed=seed, row=i)
+           for i, p in enumerate(prompts)]
+    done = {}
+    while engine.busy():
+      done.update({r.rid: r for r in engine.step()})
+    seconds = max(0.0, time.perf_counter() - t0 - compiled["compile_seconds"])
+  tokens, logprobs = [done[i].tokens for i in ids], [done[i].logprobs for i in ids]
+  stats = {"prompt_tokens": sum(len(p) for p in prompts), "new_tokens": sum(len(t) for t in tokens),
+           "batch": engine.max_seqs, "prefill_seconds": 0.0, "decode_seconds": seconds, **compiled,
+           "engine_steps": engine.stats["steps"], "preemptions": engine.stats["preemptions"]}
+  return generate_lib.Generation(tokens, logprobs, stats)

@@ -141,3 +141,24 @@ def test_speculative_sampling_keeps_the_target_distribution():
       new, _ = engine_lib.verify(logits, r)
       counts[new[0]] += 1
     assert stats.chisquare(counts, 4000 * p).pvalue > 1e-3, (draft, counts)
+
+
+def test_engine_sample_equals_the_static_sampler_on_a_mesh():
+  """engine.sample (what train.rl uses with rl.engine=True) under parallel.activate on data 2 x fsdp 2 x tensor 2:
+  greedy tokens and their log-probabilities equal model.generate.sample's."""
+  import parallel
+  from parallel import mesh as mesh_lib
+  from parallel import rules as rules_lib
+  c = configs.load("tiny", **SMALL)
+  c.mesh.update(data=2, fsdp=2, tensor=2)
+  mesh = mesh_lib.make_mesh(c.mesh)
+  rules = rules_lib.fit_rules(rules_lib.logical_rules(c.mesh), c.model, mesh)
+  rng = np.random.default_rng(5)
+  prompts = [[int(t) for t in rng.integers(1, 256, size=n)] for n in (4, 13, 8)]
+  with parallel.activate(mesh, rules):
+    sharded = Transformer(c.model, rngs=nnx.Rngs(0))
+    want = generate_lib.sample(sharded, prompts, 10, stop_ids=(7,))
+    got = engine_lib.sample(sharded, prompts, 10, stop_ids=(7,), max_len=40)
+  assert got.tokens == want.tokens
+  for a, b in zip(got.logprobs, want.logprobs):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)

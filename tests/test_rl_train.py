@@ -146,6 +146,22 @@ def test_gkd_distills_the_teacher_on_the_students_own_samples(base):
   assert first[("frozen", "teacher", "layers", "attn", "q")].shape[0] == 3  # the teacher's own 3 layers
 
 
+@pytest.mark.slow
+def test_rollouts_through_the_engine_equal_the_static_sampler(base):
+  """rl.engine=True (model.engine: continuous batching over a paged cache) against model.generate's static batch:
+  the engine draws each row with the static sampler's keys, so the same seeds give the same rollouts, rewards,
+  training step and held-out evaluation."""
+  records = {}
+  for engine in (False, True):
+    workdir = str(base["root"] / "runs" / f"bon_engine_{engine}")
+    rl.run(_config(base, "best_of_n", **{"rl.engine": engine, "rl.iterations": 1, "rl.eval_every": 1,
+                                          "rl.eval_best_of": 0}), workdir)
+    records[engine] = _records(workdir)
+  keys = ("reward_mean", "completion_length", "eos_fraction", "best_reward_mean", "loss", "eval_reward_mean")
+  pick = lambda rs: [{k: r[k] for k in keys if k in r} for r in rs if any(k in r for k in keys)]
+  assert pick(records[True]) == pick(records[False]) and len(pick(records[True])) == 3  # evals 0 and 1, one step
+
+
 def test_best_of_n_choice_breaks_ties_by_the_seed():
   """`_best_of_n_batch` keeps the highest reward; equal rewards are settled by the iteration's seed alone."""
   class Fake:

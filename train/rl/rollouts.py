@@ -71,8 +71,14 @@ class Session:
     r = self.config.rl
     prompt_ids = [self.template.prompt(c) for c in conversations for _ in range(repeats)]
     with parallel.activate(self.mesh, self.trainer.rules):
-      gen = generate_lib.sample(self.trainer.model(self.state), prompt_ids, r.max_new_tokens,
-                                temperature=r.temperature, stop_ids=self.stop_ids, seed=seed)
+      if r.engine:  # continuous batching over a paged cache; every rollout fits train.seq_len + 1 (checked)
+        from model import engine as engine_lib  # pylint: disable=g-import-not-at-top
+        gen = engine_lib.sample(self.trainer.model(self.state), prompt_ids, r.max_new_tokens,
+                                temperature=r.temperature, stop_ids=self.stop_ids, seed=seed,
+                                max_len=self.config.train.seq_len + 1)
+      else:
+        gen = generate_lib.sample(self.trainer.model(self.state), prompt_ids, r.max_new_tokens,
+                                  temperature=r.temperature, stop_ids=self.stop_ids, seed=seed)
     completions = [self.tokenizer.decode([t for t in toks if t not in self.stop_ids]) for toks in gen.tokens]
     prompt_texts = [c[-1]["content"] for c in conversations for _ in range(repeats)]
     texts = [reward_text(c, completion) for c, completion in
