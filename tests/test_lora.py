@@ -185,8 +185,8 @@ def test_side_path_equals_the_merged_kernels_logits_and_gradients():
   np.testing.assert_allclose(np.asarray(side_logits), exact, rtol=0,
                              atol=max(1e-6 * max(1.0, np.abs(exact).max()), merged_error))
   assert float(side_loss) == pytest.approx(float(merged_loss), rel=1e-6)
-  g_side = jax.jit(jax.grad(lambda p: losses(p)[0][0]))(params)
-  g_merged = jax.jit(jax.grad(lambda p: losses(p)[1][0]))(params)
+  g_side, g_merged = jax.jit(lambda p: (jax.grad(lambda q: losses(q)[0][0])(p),
+                                        jax.grad(lambda q: losses(q)[1][0])(p)))(params)  # one compile
   leaves = jax.tree_util.tree_leaves_with_path(g_side)
   assert len(leaves) == 14  # A and B of 7 projections
   for (path, a), b in zip(leaves, jax.tree.leaves(g_merged)):
@@ -254,8 +254,9 @@ def test_expert_adapters_side_path_equals_merged(moe_impl="tiled", shape=(1, 2, 
               lora_lib.side(frozen["model"], p["lora"], trainer.lora_scale))
       sums = trainer.objective.sums(trainer._merge(tree), batch, {}, {})
       return trainer.objective.loss(sums) / trainer.objective.normalizer(batch)
-  side_loss, side_grads = jax.jit(jax.value_and_grad(lambda p: loss(p, False)))(params)
-  merged_loss, merged_grads = jax.jit(jax.value_and_grad(lambda p: loss(p, True)))(params)
+  both = jax.jit(lambda p: (jax.value_and_grad(lambda q: loss(q, False))(p),
+                            jax.value_and_grad(lambda q: loss(q, True))(p)))  # one compile
+  (side_loss, side_grads), (merged_loss, merged_grads) = both(params)
   assert float(side_loss) == pytest.approx(float(merged_loss), rel=1e-6)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(side_grads), jax.tree.leaves(merged_grads)):
     a, b = np.asarray(a), np.asarray(b)
