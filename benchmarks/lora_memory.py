@@ -30,15 +30,6 @@ MODES = {"full": {}, "lora": {"train.lora_base_quant": "none"},
 REDUCTIONS = ("reduce-scatter", "all-reduce")
 
 
-def _value(text: str):
-  for cast in (int, float):
-    try:
-      return cast(text)
-    except ValueError:
-      pass
-  return {"true": True, "false": False}.get(text.lower(), text)
-
-
 def _base_kernel_shard_bytes(trainer) -> int:
   """Bytes per chip of the smallest adapted kernel of one layer (its float32 gradient shard in full fine-tuning)."""
   import math
@@ -64,11 +55,7 @@ def measure(config, devices) -> dict:
     required, available = compile_lib._oom_bytes(str(e))  # pylint: disable=protected-access
     return {"fits": False, "required_bytes": required, "available_bytes": available,
             "compile_s": round(time.perf_counter() - start, 1)}
-  ma = compiled.memory_analysis()
-  memory = {"argument_bytes": int(ma.argument_size_in_bytes), "temp_bytes": int(ma.temp_size_in_bytes),
-            "output_bytes": int(ma.output_size_in_bytes), "alias_bytes": int(ma.alias_size_in_bytes)}
-  memory["total_bytes"] = (memory["argument_bytes"] + memory["output_bytes"] + memory["temp_bytes"]
-                           - memory["alias_bytes"])
+  memory = trainer.memory_analysis()  # the step compiled above (cached on the trainer)
   ops = [op for op in hlo.collective_ops(compiled.as_text(), len(devices)) if op["kind"] in REDUCTIONS]
   return {"fits": True, **memory, "compile_s": round(time.perf_counter() - start, 1),
           "trainable_params": int(sum(x.size for x in jax.tree.leaves(trainer.abstract_state()["params"]))),
@@ -104,8 +91,7 @@ def main(argv=None) -> int:
   from train.planning import hardware
   tpu = hardware.tpu_slice(args.topology)
   devices = compile_lib.abstract_devices(tpu)
-  overrides = dict(kv.split("=", 1) for kv in args.set)
-  overrides = {k: _value(v) for k, v in overrides.items()}
+  overrides = dict(kv.split("=", 1) for kv in args.set)  # strings: configs.load parses them as the command line
   results = {"config": args.config, "topology": args.topology, "overrides": overrides, "rank": args.rank,
              "targets": args.targets.split(","), "modes": {}}
   for mode in modes:

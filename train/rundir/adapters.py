@@ -35,9 +35,9 @@ def _check_lora(trainer) -> None:
 def _check_peft(trainer) -> None:
   """ValueError unless every adapter sits on a dense block's projection (what HF_MODULES names for PEFT)."""
   from model import lora as lora_lib  # pylint: disable=g-import-not-at-top
-  parents = {"q": "attn", "k": "attn", "v": "attn", "o": "attn", "gate": "mlp", "up": "mlp", "down": "mlp"}
   adapted = lora_lib.kernels(trainer.abstract_model_params(), trainer.lora_targets)
-  other = sorted("/".join(map(str, p)) for p in adapted if p[-2] != parents[p[-1]])
+  # a target's first parent is its dense block's (attn, mlp): the modules HF_MODULES names
+  other = sorted("/".join(map(str, p)) for p in adapted if p[-2] != lora_lib.TARGETS[p[-1]][0][0])
   if other:
     raise ValueError(f"PEFT export names dense projections only; this run also adapts {', '.join(other[:3])} (MoE "
                      "experts); use the merged export (DIR/merged) or train.lora_targets without gate/up/down")
