@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,10 @@ class Request:
   max_new_tokens: int
   stop_ids: tuple[int, ...] = ()
   temperature: float = 0.0
+  top_k: int = 0  # the warps of model.generate.warp_logits (0, 1.0, 0.0 = off) and its repetition penalty (1 = off)
+  top_p: float = 1.0
+  min_p: float = 0.0
+  repetition_penalty: float = 1.0
   seed: int = 0
   row: int = 0  # with seed, the key of its i-th draw: fold_in(fold_in(PRNGKey(seed), row), i), as model.generate's
   tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
@@ -61,6 +65,12 @@ class Request:
   @property
   def sequence(self) -> list[int]:
     return self.prompt + self.tokens
+
+  @property
+  def plain(self) -> bool:
+    """Whether its tokens come from softmax(logits / temperature) alone (no warp, no penalty): what speculative
+    decoding's acceptance rule verifies."""
+    return (self.top_k, self.top_p, self.min_p, self.repetition_penalty) == (0, 1.0, 0.0, 1.0)
 
 
 def _forward(graphdef, state, k, v, tokens_ST, segment_ids_ST, positions_ST, table_SP, length_S, last_S, *,
@@ -101,6 +111,7 @@ class Engine:
                ngram: int = 2):
     cfg = model.cfg
     self.max_len = int(max_len or cfg.max_seq_len)
+    self._len_name = f"the engine's max_len={self.max_len}" if max_len else f"model.max_seq_len={self.max_len}"
     if min(max_seqs, page_size, chunk, self.max_len) < 1:
       raise ValueError(f"Engine: max_seqs={max_seqs}, page_size={page_size}, chunk={chunk} and max_len="
                        f"{self.max_len} must all be >= 1")
@@ -109,6 +120,7 @@ class Engine:
       raise ValueError(f"Engine: speculative={speculative} draft tokens need 1 <= speculative < chunk={chunk} and "
                        f"ngram={ngram} >= 1 (0 = no speculative decoding)")
     self.speculative, self.ngram = speculative, ngram
+    self.vocab_size = cfg.vocab_size
     self.pages_per_seq = math.ceil(self.max_len / page_size)
     num_pages = num_pages or max_seqs * self.pages_per_seq + 1
     if num_pages - 1 < self.pages_per_seq:
@@ -124,6 +136,7 @@ class Engine:
     self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, unheld: LRU first
     self.slots: list[Request | None] = [None] * max_seqs
     self.waiting: collections.deque[Request] = collections.deque()
+    self.live: dict[int, Request] = {}  # rid -> its request, from `add` until it finishes or is cancelled
     self._next_id = 0
     self._forward = _jitted_forward(speculative + 1)
     self.stats = {"steps": 0, "preemptions": 0, "tokens_fed": 0, "prefix_hit_tokens": 0, "drafted": 0,
@@ -131,22 +144,42 @@ class Engine:
 
   # ---- requests ----------------------------------------------------------------------------------------
   def add(self, prompt: Sequence[int], max_new_tokens: int, *, stop_ids: Sequence[int] = (),
-          temperature: float = 0.0, seed: int = 0, row: int = 0) -> int:
-    """Queues a request; returns its id. ValueError when it cannot fit max_len or asks for nothing."""
+          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+          repetition_penalty: float = 1.0, seed: int = 0, row: int = 0) -> int:
+    """Queues a request; returns its id (its progress: `live[id]` until it finishes). The sampling settings are
+    model.generate.sample's. ValueError when it cannot fit max_len, asks for nothing or a setting is out of range."""
     prompt = [int(t) for t in prompt]
     if not prompt or max_new_tokens < 1:
       raise ValueError(f"a request needs a non-empty prompt and max_new_tokens >= 1 (got {len(prompt)} prompt "
                        f"tokens, max_new_tokens={max_new_tokens})")
     if len(prompt) + max_new_tokens > self.max_len:
-      raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds the engine's "
-                       f"max_len={self.max_len}; shorten the prompt or lower max_new_tokens")
-    if temperature < 0:
+      raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds "
+                       f"{self._len_name}; shorten the prompt or lower max_new_tokens")
+    if not temperature >= 0:
       raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
-    request = Request(self._next_id, prompt, int(max_new_tokens), tuple(stop_ids), float(temperature), int(seed),
-                      int(row))
+    if top_k < 0 or not 0 < top_p <= 1 or not 0 <= min_p <= 1 or not 0 < repetition_penalty < float("inf"):
+      raise ValueError(f"top_k={top_k} must be >= 0, top_p={top_p} in (0, 1], min_p={min_p} in [0, 1] and "
+                       f"repetition_penalty={repetition_penalty} > 0")
+    if any(not 0 <= t < self.vocab_size for t in prompt):
+      raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size}) (the model's vocabulary)")
+    request = Request(self._next_id, prompt, int(max_new_tokens), tuple(stop_ids), float(temperature), int(top_k),
+                      float(top_p), float(min_p), float(repetition_penalty), int(seed), int(row))
     self._next_id += 1
     self.waiting.append(request)
+    self.live[request.rid] = request
     return request.rid
+
+  def cancel(self, rid: int) -> None:
+    """Drops request rid (waiting or running; its pages go back); nothing when it already finished."""
+    request = self.live.pop(rid, None)
+    if request is None:
+      return
+    request.done = True
+    if request in self.waiting:
+      self.waiting.remove(request)
+    for s, r in enumerate(self.slots):
+      if r is request:
+        self._release(s)
 
   def busy(self) -> bool:
     return bool(self.waiting) or any(r is not None for r in self.slots)
@@ -242,7 +275,8 @@ class Engine:
     the n-gram drafts after it (`ngram_drafts`), no more than its remaining new tokens allow."""
     n = min(len(r.sequence) - r.cached, self.chunk)
     room = min(self.speculative, r.max_new_tokens - len(r.tokens) - 1)
-    r.drafts = ngram_drafts(r.sequence, self.ngram, room) if n == 1 and r.tokens and room > 0 else []
+    drafting = n == 1 and r.tokens and room > 0 and r.plain
+    r.drafts = ngram_drafts(r.sequence, self.ngram, room) if drafting else []
     return n + len(r.drafts)
 
   def _preempt(self, s: int) -> None:
@@ -310,6 +344,7 @@ class Engine:
           break
       if r.done:
         finished.append(r)
+        self.live.pop(r.rid, None)
         self._release(s)
     return finished
 
@@ -350,38 +385,55 @@ def verify(logits_MV: np.ndarray, r: Request) -> tuple[list[int], list[float]]:
 
 
 def _choose(logits_V: np.ndarray, r: Request) -> tuple[int, float]:
-  """(next token, its log-probability) of request r: the argmax, or model.generate's draw for row r.row of seed
-  r.seed at its i-th token (the same key and warp of the float32 logits, so the same token where the logits
-  agree)."""
+  """(next token, its log-probability) of request r as model.generate.choose picks it for row r.row of seed r.seed
+  at its i-th token: the repetition penalty over the ids in its prompt and output, then the argmax, or a draw from
+  softmax(warp_logits) with model.generate's key (the same key and warps of the float32 logits, so the same token
+  where the logits agree). The log-probability is of the unpenalised logits / temperature (1 when greedy)."""
   temperature = r.temperature or 1.0
   logp_V = _log_softmax(logits_V / temperature)
+  penalized_V = logits_V
+  if r.repetition_penalty != 1.0:
+    seen_V = np.zeros(logits_V.shape, bool)
+    seen_V[np.asarray(r.sequence)] = True
+    p = r.repetition_penalty
+    penalized_V = np.where(seen_V, np.where(logits_V < 0, logits_V * p, logits_V / p), logits_V)
   if not r.temperature:
-    token = int(np.argmax(logits_V))
+    token = int(np.argmax(penalized_V))
   else:
     key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(r.seed), r.row), len(r.tokens))
-    warped = generate_lib.warp_logits(jnp.asarray(logits_V[None], jnp.float32), r.temperature)[0]
+    warped = generate_lib.warp_logits(jnp.asarray(penalized_V[None], jnp.float32), r.temperature, r.top_k, r.top_p,
+                                      r.min_p)[0]
     token = int(jax.random.categorical(key, warped))
   return token, float(logp_V[token])
 
 
 def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
-           stop_ids: Sequence[int] = (), seed: int = 0, **engine_kwargs) -> generate_lib.Generation:
+           top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+           stop_ids: Sequence[int] = (), seed: int = 0,
+           on_tokens: Callable[[int, list[int]], None] | None = None, **engine_kwargs) -> generate_lib.Generation:
   """`model.generate.sample`'s result through the engine: every prompt queued at once and stepped until done
   (engine_kwargs: Engine's; max_seqs defaults to min(len(prompts), 64)). Greedy tokens equal the static
   sampler's, and so do sampled ones where the two programs' float32 logits agree (row i draws with model.generate's
-  keys for row i). stats: prompt_tokens, new_tokens, batch (max_seqs), prefill_seconds (0: prefill and decode
-  interleave), decode_seconds (compilation excluded), compile_seconds, compiles, engine_steps, preemptions."""
+  keys for row i). on_tokens(i, new_ids) is called after every engine step in which prompt i got tokens.
+  stats: prompt_tokens, new_tokens, batch (max_seqs), prefill_seconds (0: prefill and decode interleave),
+  decode_seconds (compilation excluded), compile_seconds, compiles, engine_steps, preemptions."""
   engine_kwargs.setdefault("max_seqs", min(len(prompts), 64))
   engine = Engine(model, **engine_kwargs)
   with generate_lib._count_compiles() as compiled:  # pylint: disable=protected-access
     t0 = time.perf_counter()
-    ids = [engine.add(p, max_new_tokens, stop_ids=stop_ids, temperature=temperature, seed=seed, row=i)
+    ids = [engine.add(p, max_new_tokens, stop_ids=stop_ids, temperature=temperature, top_k=top_k, top_p=top_p,
+                      min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, row=i)
            for i, p in enumerate(prompts)]
-    done = {}
+    requests = [engine.live[i] for i in ids]
+    shown = [0] * len(prompts)
     while engine.busy():
-      done.update({r.rid: r for r in engine.step()})
+      engine.step()
+      for i, r in enumerate(requests if on_tokens else ()):
+        if len(r.tokens) > shown[i]:
+          on_tokens(i, r.tokens[shown[i]:])
+          shown[i] = len(r.tokens)
     seconds = max(0.0, time.perf_counter() - t0 - compiled["compile_seconds"])
-  tokens, logprobs = [done[i].tokens for i in ids], [done[i].logprobs for i in ids]
+  tokens, logprobs = [r.tokens for r in requests], [r.logprobs for r in requests]
   stats = {"prompt_tokens": sum(len(p) for p in prompts), "new_tokens": sum(len(t) for t in tokens),
            "batch": engine.max_seqs, "prefill_seconds": 0.0, "decode_seconds": seconds, **compiled,
            "engine_steps": engine.stats["steps"], "preemptions": engine.stats["preemptions"]}

@@ -1,7 +1,7 @@
 """`python -m train.generate`: text from a trained run or a Hugging Face directory (docs/generate.md).
 
     python -m train.generate --workdir RUN [--step N] --prompt "text" [--prompt ...] [--max_new_tokens 64]
-        [--temperature 0] [--top_k 0] [--top_p 1.0] [--min_p 0] [--repetition_penalty 1.0] [--seed 0] [--json]
+        [--temperature 0] [--top_k 0] [--top_p 1.0] [--min_p 0] [--repetition_penalty 1.0] [--seed 0] [--sampler engine|static] [--json]
         [--config.mesh.data=2 ...]
     python -m train.generate --hf DIR --prompt "text"
     python -m train.generate --workdir RUN --chat      (user turns from stdin, one per line; train/rundir/chat.py)
@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="> 0: divide the logits of tokens already in the prompt or output by it (multiply negative "
                       "ones); > 1 discourages repeats, also when greedy (1 = off)")
   p.add_argument("--seed", type=int, default=0, help="sampling seed")
+  p.add_argument("--sampler", choices=("engine", "static"), default="engine",
+                 help="engine: the continuous-batching engine over a paged cache (model/engine.py); static: "
+                      "model.generate's one static batch (the same greedy tokens)")
   p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
   return p
 
@@ -171,26 +174,53 @@ def _load_model(config, restore):
   return nnx.merge(graphdef, restore(targets)), mesh, rules
 
 
-def run(args, overrides: Sequence[tuple[str, str]]) -> dict[str, Any]:
-  """Loads the model, generates, prints; returns the JSON summary. Raises GenerateError / ValueError."""
-  import parallel  # pylint: disable=g-import-not-at-top
-  from model import generate as generate_lib  # pylint: disable=g-import-not-at-top
-
-  if args.workdir:
-    config, tokenizer, restore, chat_template = _run_source(os.path.abspath(args.workdir), args.step)
+def load(workdir: str | None, hf_dir: str | None, step: int | None = None,
+         overrides: Sequence[tuple[str, str]] = ()):
+  """(config, tokenizer, saved chat template or None, model, mesh, rules) of a run directory's checkpoint (the
+  latest, or `step`) or a Hugging Face directory, the model's parameters sharded on config.mesh after the
+  overrides [(dotted key, value)]. Raises GenerateError naming the directory and the fix."""
+  if workdir:
+    config, tokenizer, restore, chat_template = _run_source(os.path.abspath(workdir), step)
   else:
-    config, tokenizer, restore, chat_template = _hf_source(os.path.abspath(args.hf))
+    config, tokenizer, restore, chat_template = _hf_source(os.path.abspath(hf_dir))
   for key, value in overrides:
     configs.apply_override(config, key, value)
   if tokenizer.vocab_size > config.model.vocab_size:
     raise GenerateError(f"tokenizer has {tokenizer.vocab_size} pieces but the model only {config.model.vocab_size}")
   model, mesh, rules = _load_model(config, restore)
+  return config, tokenizer, chat_template, model, mesh, rules
+
+
+def _sample(args, model, prompts, stop_ids, on_ids):
+  """model.generate.Generation of the prompts by --sampler's program; on_ids(new ids of prompt 0) as they come."""
+  kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, stop_ids=stop_ids, seed=args.seed)
+  if args.sampler == "engine":
+    from model import engine as engine_lib  # pylint: disable=g-import-not-at-top
+    return engine_lib.sample(model, prompts, args.max_new_tokens, **kwargs,
+                             on_tokens=(lambda i, ids: on_ids(ids)) if on_ids else None)
+  from model import generate as generate_lib  # pylint: disable=g-import-not-at-top
+
+  def on_tokens(step, token_B, done_B):
+    del step
+    if not done_B[0]:
+      on_ids([int(token_B[0])])
+
+  return generate_lib.sample(model, prompts, args.max_new_tokens, **kwargs, on_tokens=on_tokens if on_ids else None)
+
+
+def run(args, overrides: Sequence[tuple[str, str]]) -> dict[str, Any]:
+  """Loads the model, generates, prints; returns the JSON summary. Raises GenerateError / ValueError."""
+  import parallel  # pylint: disable=g-import-not-at-top
+  from data import detokenize  # pylint: disable=g-import-not-at-top
+
+  config, tokenizer, chat_template, model, mesh, rules = load(args.workdir, args.hf, args.step, overrides)
   if args.chat:
     from train.rundir import chat  # pylint: disable=g-import-not-at-top
     template = chat.template_for_run(config, tokenizer, chat_template)
     with parallel.activate(mesh, rules):
       messages = chat.converse(model, tokenizer, template, sys.stdin, lambda text: print(text, flush=True),
-                               args.max_new_tokens, args.temperature, args.seed)
+                               args.max_new_tokens, args.temperature, args.seed, args.sampler)
     return {"messages": messages}
   from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   infill = args.prefix is not None or args.suffix is not None
@@ -203,23 +233,14 @@ def run(args, overrides: Sequence[tuple[str, str]]) -> dict[str, Any]:
     prompts = [tokenizer_lib.prompt_ids(tokenizer, tokenizer.encode(text)) for text in args.prompt]
 
   stream = len(prompts) == 1 and not args.json
-  ids: list[int] = []
-  shown = [""]
-
-  def on_tokens(step, token_B, done_B):
-    del step
-    if not done_B[0]:
-      ids.append(int(token_B[0]))
-      text = tokenizer.decode(ids)
-      print(text[len(shown[0]):], end="", flush=True)
-      shown[0] = text
-
+  detok = detokenize.Detokenizer(tokenizer)
   if stream:
     print(args.prompt[0], end="", flush=True)
   with parallel.activate(mesh, rules):
-    out = generate_lib.sample(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                              stop_ids=(tokenizer.eos_id,), seed=args.seed, on_tokens=on_tokens if stream else None)
+    out = _sample(args, model, prompts, (tokenizer.eos_id,),
+                  (lambda ids: print(detok.push(ids), end="", flush=True)) if stream else None)
+  if stream:
+    print(detok.flush(), end="", flush=True)
   stats = out.stats
   seconds = stats["prefill_seconds"] + stats["decode_seconds"]
   summary = {
