@@ -147,9 +147,23 @@ class Engine:
           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
           repetition_penalty: float = 1.0, seed: int = 0, row: int = 0) -> int:
     """Queues a request; returns its id (its progress: `live[id]` until it finishes). The sampling settings are
-    model.generate.sample's. ValueError when it cannot fit max_len, asks for nothing or a setting is out of range."""
-    prompt = [int(t) for t in prompt]
-    if not prompt or max_new_tokens < 1:
+    model.generate.sample's. ValueError (`check`) when it cannot fit max_len, asks for nothing or a setting is out
+    of range."""
+    self.check(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+               repetition_penalty=repetition_penalty)
+    request = Request(self._next_id, [int(t) for t in prompt], int(max_new_tokens), tuple(stop_ids),
+                      float(temperature), int(top_k), float(top_p), float(min_p), float(repetition_penalty),
+                      int(seed), int(row))
+    self._next_id += 1
+    self.waiting.append(request)
+    self.live[request.rid] = request
+    return request.rid
+
+  def check(self, prompt: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+            top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0) -> None:
+    """ValueError naming the problem when `add` would refuse the request (reads nothing that steps change, so
+    another thread may call it while the engine runs)."""
+    if not len(prompt) or max_new_tokens < 1:
       raise ValueError(f"a request needs a non-empty prompt and max_new_tokens >= 1 (got {len(prompt)} prompt "
                        f"tokens, max_new_tokens={max_new_tokens})")
     if len(prompt) + max_new_tokens > self.max_len:
@@ -160,14 +174,8 @@ class Engine:
     if top_k < 0 or not 0 < top_p <= 1 or not 0 <= min_p <= 1 or not 0 < repetition_penalty < float("inf"):
       raise ValueError(f"top_k={top_k} must be >= 0, top_p={top_p} in (0, 1], min_p={min_p} in [0, 1] and "
                        f"repetition_penalty={repetition_penalty} > 0")
-    if any(not 0 <= t < self.vocab_size for t in prompt):
+    if any(not 0 <= int(t) < self.vocab_size for t in prompt):
       raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size}) (the model's vocabulary)")
-    request = Request(self._next_id, prompt, int(max_new_tokens), tuple(stop_ids), float(temperature), int(top_k),
-                      float(top_p), float(min_p), float(repetition_penalty), int(seed), int(row))
-    self._next_id += 1
-    self.waiting.append(request)
-    self.live[request.rid] = request
-    return request.rid
 
   def cancel(self, rid: int) -> None:
     """Drops request rid (waiting or running; its pages go back); nothing when it already finished."""

@@ -266,7 +266,7 @@ def run(args, overrides: Sequence[tuple[str, str]]) -> dict[str, Any]:
   return summary
 
 
-def _split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str]]]:
+def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str]]]:
   """(the command's own arguments, [(dotted key, value)] from --config.KEY=VALUE / --config.KEY VALUE)."""
   own, overrides, i = [], [], 0
   while i < len(argv):
@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   from train.__main__ import _default_platform  # pylint: disable=g-import-not-at-top
   _default_platform()  # before the first JAX import
   try:
-    own, overrides = _split_overrides(sys.argv[1:] if argv is None else list(argv))
+    own, overrides = split_overrides(sys.argv[1:] if argv is None else list(argv))
     args = _parser().parse_args(own)
     _check_args(args)
     run(args, overrides)
