@@ -109,9 +109,13 @@ class LM:
   """
 
   def __init__(self, model, tokenizer: TokenizerLike, mesh: jax.sharding.Mesh, rules, *, batch_size: int = 16,
-               max_len: int | None = None, progress: bool = False, specials: Mapping[str, int] | None = None):
+               max_len: int | None = None, progress: bool = False, specials: Mapping[str, int] | None = None,
+               sampler: str = "engine"):
     if batch_size < 1:
       raise ValueError(f"batch_size={batch_size} must be >= 1")
+    if sampler not in ("engine", "static"):
+      raise ValueError(f"sampler={sampler!r} must be 'engine' (model/engine.py) or 'static' (model.generate)")
+    self.sampler = sampler
     self.model, self.tokenizer, self.mesh, self.rules = model, tokenizer, mesh, tuple(rules)
     self.max_len = int(max_len or model.cfg.max_seq_len)
     self.progress = progress
@@ -240,27 +244,45 @@ class LM:
 
     requests: (context, until, max_tokens). The context is `tok_encode`d and left-truncated to
     `max_len - max_tokens` tokens; generation stops at EOS or after max_tokens. Greedy unless temperature > 0.
+    The `sampler` given at construction decodes: the engine (every request at once, batch_size sequences at a
+    time, each to its own max_tokens) or model.generate (batches of equal max_tokens); greedy output is the same.
     """
-    return self._generate_with(generate_lib.generate, requests, temperature=temperature, top_p=top_p, seed=seed)
+    return self._generate_with(requests, temperature=temperature, top_p=top_p, seed=seed)
 
-  def _generate_with(self, sampler: Callable, requests, *, temperature: float, top_p: float, seed: int):
-    """`generate_until` with an explicit sampler of `model.generate.generate`'s signature."""
+  def _generate_with(self, requests, *, temperature: float, top_p: float, seed: int, sampler: Callable = None):
+    """`generate_until` by `self.sampler`, or by `sampler` (of `model.generate.generate`'s signature) when given.
+
+    Requests are batched as model.generate takes them: equal max_tokens, batch_size at a time, the batch at
+    `start` of its group drawing with seed + start, each request as its row in it. The engine takes every
+    request at once with those seeds and rows, so its sampled tokens are model.generate's too wherever the two
+    programs' logits agree."""
     groups: dict[int, list[int]] = {}
     for i, (_, _, max_tokens) in enumerate(requests):
       if max_tokens < 1 or max_tokens >= self.max_len:
         raise ValueError(f"request {i}: max_tokens={max_tokens} must be in [1, {self.max_len - 1}]")
       groups.setdefault(int(max_tokens), []).append(i)
-    out = [""] * len(requests)
-    for max_tokens, idx in groups.items():
-      for start in range(0, len(idx), self.batch_size):
-        chunk = idx[start:start + self.batch_size]
-        prompts = [self.tok_encode(requests[i][0])[-(self.max_len - max_tokens):] for i in chunk]
-        with parallel.activate(self.mesh, self.rules):
-          conts = sampler(self.model, prompts, max_tokens, temperature=temperature, top_p=top_p,
-                          stop_ids=(self.tokenizer.eos_id,), seed=seed + start)
-        for i, cont in zip(chunk, conts):
-          out[i] = cut_at_stops(self.tokenizer.decode(cont), requests[i][1])
-    return out
+    prompt = lambda i: self.tok_encode(requests[i][0])[-(self.max_len - requests[i][2]):]  # noqa: E731
+    batches = [(idx[start:start + self.batch_size], max_tokens, seed + start) for max_tokens, idx in groups.items()
+               for start in range(0, len(idx), self.batch_size)]
+    stop_ids = (self.tokenizer.eos_id,)
+    conts = {}
+    with parallel.activate(self.mesh, self.rules):
+      if sampler is None and self.sampler == "engine" and requests:
+        from model import engine as engine_lib  # pylint: disable=g-import-not-at-top
+        order = [(i, max_tokens, batch_seed, row) for chunk, max_tokens, batch_seed in batches
+                 for row, i in enumerate(chunk)]
+        tokens = engine_lib.sample(self.model, [prompt(i) for i, *_ in order], [b for _, b, _, _ in order],
+                                   temperature=temperature, top_p=top_p, stop_ids=stop_ids,
+                                   seed=[s for *_, s, _ in order], rows=[r for *_, r in order],
+                                   max_seqs=min(self.batch_size, len(order)), max_len=self.max_len).tokens
+        conts = {i: t for (i, *_), t in zip(order, tokens)}
+      else:
+        for chunk, max_tokens, batch_seed in batches:
+          outs = (sampler or generate_lib.generate)(self.model, [prompt(i) for i in chunk], max_tokens,
+                                                    temperature=temperature, top_p=top_p, stop_ids=stop_ids,
+                                                    seed=batch_seed)
+          conts.update(zip(chunk, outs))
+    return [cut_at_stops(self.tokenizer.decode(conts[i]), requests[i][1]) for i in range(len(requests))]
 
   # ---- token-level scoring --------------------------------------------------------------------------------
   def loglikelihood_tokens(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[float, bool]]:

@@ -73,22 +73,36 @@ class Request:
     return (self.top_k, self.top_p, self.min_p, self.repetition_penalty) == (0, 1.0, 0.0, 1.0)
 
 
-def _forward(graphdef, state, k, v, tokens_ST, segment_ids_ST, positions_ST, table_SP, length_S, last_S, *,
-             window: int):
+def _forward(graphdef, state, k, v, tokens_ST, segment_ids_ST, positions_ST, table_SP, length_S, last_S,
+             seed_S, row_S, index_S, temperature_S, *, window: int, warps: tuple[int, float, float]):
   """One engine call: the model over [S, T] tokens into the paged cache -> (logits [S, window, V] float32 of each
-  row's tokens at indices last_S - window + 1 .. last_S (clipped at 0), the updated pools)."""
+  row's tokens at indices last_S - window + 1 .. last_S (clipped at 0), each row's next token [S] and its
+  log-probability [S] picked on the device from the logits at last_S, the updated pools).
+
+  The pick is model.generate.choose's without a repetition penalty: the argmax where temperature_S is 0, else a
+  draw from softmax(warp_logits(logits / temperature, *warps)) with the key fold_in(fold_in(PRNGKey(seed), row),
+  index); log p under softmax(logits / temperature) (1 when greedy)."""
   model = nnx.merge(graphdef, state)
   cache = paged.PagedKVCache(k, v, table_SP, length_S)
   x_STD, cache = model.features(tokens_ST, segment_ids_ST, positions_ST, cache=cache)
   index_SW = jnp.maximum(last_S[:, None] - window + 1 + jnp.arange(window)[None, :], 0)
   x_SWD = jnp.take_along_axis(x_STD, index_SW[:, :, None], axis=1)
-  return model.logits(x_SWD), cache.k, cache.v
+  logits_SWV = model.logits(x_SWD)
+  last_SV = logits_SWV[:, -1]
+  greedy_S = temperature_S == 0
+  scaled_SV = last_SV / jnp.where(greedy_S, jnp.float32(1), temperature_S)[:, None]
+  keys_S = jax.vmap(lambda s, r, i: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), r), i))(
+      seed_S, row_S, index_S)
+  drawn_S = jax.vmap(jax.random.categorical)(keys_S, generate_lib.warp_logits(scaled_SV, 1.0, *warps))
+  token_S = jnp.where(greedy_S, jnp.argmax(last_SV, axis=-1), drawn_S).astype(jnp.int32)
+  logp_S = jnp.take_along_axis(jax.nn.log_softmax(scaled_SV, axis=-1), token_S[:, None], axis=-1)[:, 0]
+  return logits_SWV, token_S, logp_S, cache.k, cache.v
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_forward(window: int):
-  """`_forward` jitted once per logits window: engines of the same shapes share their compilations."""
-  return jax.jit(functools.partial(_forward, window=window), donate_argnums=(2, 3))
+def _jitted_forward(window: int, warps: tuple[int, float, float] = (0, 1.0, 0.0)):
+  """`_forward` jitted once per logits window and warps: engines of the same shapes share their compilations."""
+  return jax.jit(functools.partial(_forward, window=window, warps=warps), donate_argnums=(2, 3))
 
 
 def ngram_drafts(sequence: Sequence[int], n: int, k: int) -> list[int]:
@@ -138,7 +152,6 @@ class Engine:
     self.waiting: collections.deque[Request] = collections.deque()
     self.live: dict[int, Request] = {}  # rid -> its request, from `add` until it finishes or is cancelled
     self._next_id = 0
-    self._forward = _jitted_forward(speculative + 1)
     self.stats = {"steps": 0, "preemptions": 0, "tokens_fed": 0, "prefix_hit_tokens": 0, "drafted": 0,
                   "accepted": 0}
 
@@ -209,18 +222,55 @@ class Engine:
     if not feed:
       return []
     width = self.chunk if max(feed.values()) > 1 else 1
-    arrays = self._arrays(feed, width)
-    logits, self.k, self.v = self._forward(self.graphdef, self.state, self.k, self.v, *arrays)
+    warps = self._warps(feed)
+    arrays = self._arrays(feed, width) + self._sampling(feed)
+    logits, token_S, logp_S, self.k, self.v = _jitted_forward(self.speculative + 1, warps)(
+        self.graphdef, self.state, self.k, self.v, *arrays)
     self.stats["steps"] += 1
     self.stats["tokens_fed"] += sum(feed.values())
-    return self._advance(feed, logits)
+    return self._advance(feed, logits, token_S, logp_S, warps)
+
+  def _warps(self, feed: dict[int, int]) -> tuple[int, float, float]:
+    """The (top_k, top_p, min_p) the call's on-device pick applies: the most common among the sampled rows (rows
+    with others pick on the host, `_on_device`)."""
+    counts = collections.Counter((r.top_k, r.top_p, r.min_p) for r in (self.slots[s] for s in feed)
+                                 if r.temperature > 0)
+    return counts.most_common(1)[0][0] if counts else (0, 1.0, 0.0)
+
+  def _sampling(self, feed: dict[int, int]) -> tuple[np.ndarray, ...]:
+    """(seed, row, index of the next token, temperature) per sequence slot [S], for the on-device pick."""
+    seed, row, index = (np.zeros((self.max_seqs,), np.int32) for _ in range(3))
+    temperature = np.zeros((self.max_seqs,), np.float32)
+    for s in feed:
+      r = self.slots[s]
+      seed[s], row[s], index[s], temperature[s] = r.seed, r.row, len(r.tokens), r.temperature
+    return seed, row, index, temperature
 
   def _admit(self) -> None:
-    for s in range(self.max_seqs):
-      if self.slots[s] is None and self.waiting:
-        self.slots[s] = self.waiting.popleft()
-        if self.prefix_caching:
-          self._reuse_prefix(self.slots[s])
+    """Fills free sequence slots from the queue in order. With prefix caching, a request whose first prompt page
+    is being prefilled right now by a running request (GRPO's samples of one prompt, one system prompt) waits
+    for it and then shares its pages instead of computing them again."""
+    free = [s for s in range(self.max_seqs) if self.slots[s] is None]
+    if not free or not self.waiting:
+      return
+    busy = {self._hash(r, 0) for r in self.slots if r is not None and self._prefilling(r)}
+    skipped: list[Request] = []
+    while free and self.waiting:
+      r = self.waiting.popleft()
+      first = self._hash(r, 0) if self.prefix_caching and len(r.prompt) > self.page_size else None
+      if first in busy and first not in self.by_hash:
+        skipped.append(r)
+        continue
+      self.slots[free.pop(0)] = r
+      if self.prefix_caching:
+        self._reuse_prefix(r)
+        if self._prefilling(r):
+          busy.add(first)
+    self.waiting.extendleft(reversed(skipped))
+
+  def _prefilling(self, r: Request) -> bool:
+    """Whether r computes a first full prompt page that the prefix cache does not know yet."""
+    return self.prefix_caching and len(r.prompt) > self.page_size and not r.hashes and r.cached < len(r.prompt)
 
   # ---- pages: the free list, reference counts and the prefix cache -------------------------------------
   def _hash(self, r: Request, j: int) -> int:
@@ -309,9 +359,29 @@ class Engine:
     self.slots[s].pages = []
     self.slots[s] = None
 
+  def table_width(self, pages: int) -> int:
+    """The page-table width a call over sequences of up to `pages` pages uses: the next power of two, at most
+    pages_per_seq. Attention gathers [sequences, width x page_size] slots, so short sequences pay for short
+    tables; the widths are a fixed set of log2(pages_per_seq) + 1, compiled once each (`warmup`)."""
+    return min(1 << max(pages - 1, 0).bit_length(), self.pages_per_seq)
+
+  def warmup(self) -> None:
+    """Compiles every program the engine can call (each call width with each page-table width) with a call that
+    writes only the scratch page, so no request waits for a compilation."""
+    widths = sorted({self.table_width(p) for p in range(1, self.pages_per_seq + 1)})
+    for width in sorted({1, self.chunk}):
+      for P in widths:
+        S = self.max_seqs
+        zeros = np.zeros((S, width), np.int32)
+        vector = np.zeros((S,), np.int32)
+        *_, self.k, self.v = _jitted_forward(self.speculative + 1)(
+            self.graphdef, self.state, self.k, self.v, zeros, zeros, zeros, np.zeros((S, P), np.int32), vector,
+            vector, vector, vector, vector, np.zeros((S,), np.float32))
+
   def _arrays(self, feed: dict[int, int], width: int) -> tuple[np.ndarray, ...]:
     """(tokens, segment ids, positions [S, width], page table [S, P], cached lengths [S], last index [S])."""
-    S, P = self.max_seqs, self.pages_per_seq
+    S = self.max_seqs
+    P = self.table_width(max(len(self.slots[s].pages) for s in feed))
     tokens, segments, positions = (np.zeros((S, width), np.int32) for _ in range(3))
     table, length, last = np.zeros((S, P), np.int32), np.zeros((S,), np.int32), np.zeros((S,), np.int32)
     for s, n in feed.items():
@@ -325,12 +395,16 @@ class Engine:
       length[s], last[s] = r.cached, n - 1
     return tokens, segments, positions, table, length, last
 
-  def _advance(self, feed: dict[int, int], logits_SWV: jax.Array) -> list[Request]:
+  def _advance(self, feed: dict[int, int], logits_SWV: jax.Array, token_S: jax.Array, logp_S: jax.Array,
+               warps: tuple[int, float, float]) -> list[Request]:
     """Counts the fed tokens as cached (of drafts, the accepted ones); a sequence now fully cached takes its next
-    tokens (`verify`); finished ones leave."""
+    tokens (the device's pick, or `verify` on the host for drafts, repetition penalties and other warps);
+    finished ones leave."""
     ready = [s for s, n in feed.items() if self.slots[s].cached + n == len(self.slots[s].sequence) +
              len(self.slots[s].drafts)]
-    logits = np.asarray(jax.device_get(logits_SWV), np.float64) if ready else None
+    host = [s for s in ready if not self._on_device(self.slots[s], warps)]
+    logits = np.asarray(jax.device_get(logits_SWV), np.float64) if host else None
+    picked = jax.device_get((token_S, logp_S)) if len(host) < len(ready) else None
     finished = []
     for s, n in feed.items():
       r = self.slots[s]
@@ -338,7 +412,10 @@ class Engine:
         r.cached += n
         continue
       m = len(r.drafts)
-      new, logps = verify(logits[s, logits.shape[1] - 1 - m:], r)
+      if s in host:
+        new, logps = verify(logits[s, logits.shape[1] - 1 - m:], r)
+      else:
+        new, logps = [int(picked[0][s])], [float(picked[1][s])]
       r.cached += n - m + len(new) - 1  # the fed tokens whose keys stand: the last one and the accepted drafts
       self.stats["drafted"] += m
       self.stats["accepted"] += len(new) - 1 if m else 0
@@ -355,6 +432,14 @@ class Engine:
         self.live.pop(r.rid, None)
         self._release(s)
     return finished
+
+
+  @staticmethod
+  def _on_device(r: Request, warps: tuple[int, float, float]) -> bool:
+    """Whether the device's pick is r's next token: no drafts to verify, no repetition penalty, and (sampled)
+    the call's warps."""
+    return not r.drafts and r.repetition_penalty == 1.0 and (not r.temperature or
+                                                             (r.top_k, r.top_p, r.min_p) == warps)
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
@@ -415,23 +500,26 @@ def _choose(logits_V: np.ndarray, r: Request) -> tuple[int, float]:
   return token, float(logp_V[token])
 
 
-def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
+def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-           stop_ids: Sequence[int] = (), seed: int = 0,
+           stop_ids: Sequence[int] = (), seed: int | Sequence[int] = 0, rows: Sequence[int] | None = None,
            on_tokens: Callable[[int, list[int]], None] | None = None, **engine_kwargs) -> generate_lib.Generation:
   """`model.generate.sample`'s result through the engine: every prompt queued at once and stepped until done
   (engine_kwargs: Engine's; max_seqs defaults to min(len(prompts), 64)). Greedy tokens equal the static
   sampler's, and so do sampled ones where the two programs' float32 logits agree (row i draws with model.generate's
-  keys for row i). on_tokens(i, new_ids) is called after every engine step in which prompt i got tokens.
+  keys for row i). max_new_tokens and seed: one for all, or one per prompt; rows: each prompt's row in its keys
+  (default 0, 1, ...: prompt i draws as row i of a static batch). on_tokens(i, new_ids) is called after every engine step in which prompt i got tokens.
   stats: prompt_tokens, new_tokens, batch (max_seqs), prefill_seconds (0: prefill and decode interleave),
   decode_seconds (compilation excluded), compile_seconds, compiles, engine_steps, preemptions."""
   engine_kwargs.setdefault("max_seqs", min(len(prompts), 64))
   engine = Engine(model, **engine_kwargs)
   with generate_lib._count_compiles() as compiled:  # pylint: disable=protected-access
     t0 = time.perf_counter()
-    ids = [engine.add(p, max_new_tokens, stop_ids=stop_ids, temperature=temperature, top_k=top_k, top_p=top_p,
-                      min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, row=i)
-           for i, p in enumerate(prompts)]
+    each = lambda x: [x] * len(prompts) if isinstance(x, int) else list(x)  # noqa: E731
+    ids = [engine.add(p, bound, stop_ids=stop_ids, temperature=temperature, top_k=top_k, top_p=top_p,
+                      min_p=min_p, repetition_penalty=repetition_penalty, seed=key_seed, row=row)
+           for p, bound, key_seed, row in zip(prompts, each(max_new_tokens), each(seed),
+                                              rows if rows is not None else range(len(prompts)))]
     requests = [engine.live[i] for i in ids]
     shown = [0] * len(prompts)
     while engine.busy():

@@ -408,14 +408,19 @@ class LayerGroup(nnx.Module):
                prefix_BL=None, branch_BL=None, order_L=None):
     """-> (x_BLD, the MoE block's stats), or (x_BLD, updated cache) when `cache` (k/v: [moe_every, ...]) is given."""
     stats, ks, vs = {}, [], []
+    indices_U = getattr(cache, "layer", None)
     for j, block in enumerate(self.blocks):
       if cache is None:
         x_BLD, block_stats = block(x_BLD, segment_ids_BL, cos, sin, windows_U[j], prefix_BL=prefix_BL,
                                    branch_BL=branch_BL, order_L=order_L)
         stats = block_stats or stats
+      elif indices_U is not None:  # a paged cache: all the pools and the unit's layer indices [unit]
+        x_BLD, cache = block(x_BLD, segment_ids_BL, cos, sin, windows_U[j], cache._replace(layer=indices_U[j]))
       else:
         x_BLD, layer = block(x_BLD, segment_ids_BL, cos, sin, windows_U[j],
                              cache._replace(k=cache.k[j], v=cache.v[j]))
         ks.append(layer.k)
         vs.append(layer.v)
-    return (x_BLD, stats) if cache is None else (x_BLD, cache._replace(k=jnp.stack(ks), v=jnp.stack(vs)))
+    if cache is None:
+      return x_BLD, stats
+    return x_BLD, (cache._replace(k=jnp.stack(ks), v=jnp.stack(vs)) if ks else cache)

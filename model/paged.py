@@ -13,7 +13,8 @@ a decode step (one real token per running sequence) or chunks of prompts (chunke
 key/value is written to its page slot first; then each query at position q of sequence s attends to positions
 0 .. q of s (its cached tokens and the call's own up to itself; inside the window on sliding-window layers),
 gathered from s's pages (`attend`: an XLA gather of the row's pages, [S, P * page] slots). Inside one layer the
-same type holds that layer's pools (k, v [N, page, G, K]). Which pages a sequence owns is the engine's business
+same type holds all the pools and the layer's index (`layer`): the layer scan carries the pools and each layer
+updates its own in place (a scanned slice would copy every pool at every call). Which pages a sequence owns is the engine's business
 (model/engine.py).
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ class PagedKVCache(NamedTuple):
   v: jax.Array
   table: jax.Array
   length: jax.Array
+  layer: jax.Array | None = None  # int32 scalar: inside the layer stack, the layer whose pools k[layer], v[layer] are
 
   # the pools' logical axes: pages are never split over the mesh (any sequence may own any page)
   NAMES = (LAYERS, None, None, KV_HEADS, HEAD_DIM)
@@ -53,14 +55,15 @@ def pools(cfg, num_pages: int, page: int) -> tuple[jax.Array, jax.Array]:
 
 def write(layer: PagedKVCache, k_STGK: jax.Array, v_STGK: jax.Array, segment_ids_ST: jax.Array) -> PagedKVCache:
   """The layer's pools with the call's real tokens stored at their sequences' page slots (padding: SCRATCH)."""
-  page = layer.k.shape[1]
+  page = layer.k.shape[-3]
   pos_ST = layer.length[:, None] + jnp.arange(k_STGK.shape[1], dtype=jnp.int32)[None, :]
   real_ST = segment_ids_ST > 0
   slot_ST = jnp.clip(pos_ST // page, 0, layer.table.shape[1] - 1)
   page_ST = jnp.where(real_ST, jnp.take_along_axis(layer.table, slot_ST, axis=1), SCRATCH)
   offset_ST = pos_ST % page
-  k = layer.k.at[page_ST, offset_ST].set(k_STGK.astype(layer.k.dtype))
-  v = layer.v.at[page_ST, offset_ST].set(v_STGK.astype(layer.v.dtype))
+  at = (page_ST, offset_ST) if layer.layer is None else (layer.layer, page_ST, offset_ST)
+  k = layer.k.at[at].set(k_STGK.astype(layer.k.dtype))
+  v = layer.v.at[at].set(v_STGK.astype(layer.v.dtype))
   return layer._replace(k=k, v=v)
 
 
@@ -69,9 +72,10 @@ def attend(q_STHK: jax.Array, layer: PagedKVCache, window=0, softcap: float = 0.
   the sequence's pages (written already: `write` first); `window` > 0 also hides positions q - j >= window.
   Scores float32 [S, H, T, P * page]; the arithmetic of `model.attention.cached_attention`."""
   S, T = q_STHK.shape[:2]
-  P, page = layer.table.shape[1], layer.k.shape[1]
-  k_SXGK = layer.k[layer.table].reshape(S, P * page, *layer.k.shape[2:])
-  v_SXGK = layer.v[layer.table].reshape(S, P * page, *layer.v.shape[2:])
+  P, page = layer.table.shape[1], layer.k.shape[-3]
+  at = layer.table if layer.layer is None else (layer.layer, layer.table)
+  k_SXGK = layer.k[at].reshape(S, P * page, *layer.k.shape[-2:])
+  v_SXGK = layer.v[at].reshape(S, P * page, *layer.v.shape[-2:])
   q_pos_ST = layer.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   key_pos_X = jnp.arange(P * page, dtype=jnp.int32)
   visible_STX = key_pos_X[None, None, :] <= q_pos_ST[:, :, None]

@@ -280,8 +280,33 @@ class Transformer(nnx.Module):
       positions_BL = jnp.maximum(slots_BL - cache.start[:, None], 0)
     return segment_ids_BL, positions_BL
 
+  def _paged_layers(self, apply_block, x_BLD, windows, cache):
+    """The layer stack over a paged cache: the pools are carried through the scan and each layer writes its own
+    in place (indexed by `cache.layer`), so a call costs the tokens it feeds, not a copy of the pools."""
+    if not self.cfg.scan_layers:
+      for i, (block, window) in enumerate(zip(self.layers, windows)):
+        x_BLD, cache = apply_block(*nnx.split(block), x_BLD, window, cache._replace(layer=jnp.int32(i)))
+      return x_BLD, cache._replace(layer=None)
+    for stack, lo, hi, unit in self._segments():
+      graphdef, state = nnx.split(stack)
+      by_unit = lambda a: a.reshape(a.shape[0] // unit, unit, *a.shape[1:]) if unit > 1 else a  # noqa: E731
+      def body(carry, xs):
+        x_BLD, k, v = carry
+        layer_state, window, index = xs
+        x_BLD, out = apply_block(graphdef, layer_state, x_BLD, window, cache._replace(k=k, v=v, layer=index))
+        return (x_BLD, out.k, out.v), None
+      (x_BLD, k, v), _ = jax.lax.scan(body, (x_BLD, cache.k, cache.v),
+                                      (state, by_unit(jnp.asarray(windows[lo:hi], jnp.int32)),
+                                       by_unit(jnp.arange(lo, hi, dtype=jnp.int32))))
+      cache = cache._replace(k=k, v=v)
+    return x_BLD, cache._replace(k=axes.constrain(cache.k, cache.NAMES), v=axes.constrain(cache.v, cache.NAMES),
+                                 layer=None)
+
   def _cached_layers(self, apply_block, x_BLD, windows, cache):
     """The layer stack with each layer's slice of the cache as scan input and its update as scan output."""
+    if isinstance(cache, paged.PagedKVCache):
+      return self._paged_layers(apply_block, x_BLD, windows, cache)
+
     def layer_view(k, v):
       return cache._replace(k=k, v=v)
 
@@ -311,8 +336,6 @@ class Transformer(nnx.Module):
         ks.append(layer.k)
         vs.append(layer.v)
       k, v = jnp.stack(ks), jnp.stack(vs)
-    if isinstance(cache, paged.PagedKVCache):
-      return x_BLD, cache._replace(k=axes.constrain(k, cache.NAMES), v=axes.constrain(v, cache.NAMES))
     return x_BLD, cache._replace(k=axes.constrain(k, kv_cache.names(k)), v=axes.constrain(v, kv_cache.names(v)))
 
   def logits(self, x_BLD: jax.Array) -> jax.Array:

@@ -66,9 +66,10 @@ def test_prefix_caching_shares_pages_and_keeps_the_tokens(model):
     engine = engine_lib.Engine(model, max_seqs=2, page_size=8, chunk=16, prefix_caching=caching)
     assert engine.generate(prompts, 8) == want
     fed[caching] = engine.stats["tokens_fed"]
-    # the first two requests start together (both compute the prefix); the next two find its 3 full pages
-    assert engine.stats["prefix_hit_tokens"] == (2 * 24 if caching else 0)
-  assert fed[True] == fed[False] - 2 * 24
+    # the first request computes the prefix while the others wait for it (their first page is the one it is
+    # prefilling); then each of them finds its 3 full pages (all 3 lie before each prompt's last token)
+    assert engine.stats["prefix_hit_tokens"] == (3 * 24 if caching else 0)
+  assert fed[True] == fed[False] - 3 * 24
 
 
 def test_chunked_prefill_equals_one_forward_pass(model):

@@ -18,7 +18,7 @@ from data import tokenizer as tokenizer_lib
 from evals import bias, metrics, tasks as tasks_lib, toxicity
 from evals import requests as requests_lib
 from evals.requests import LM, cut_at_stops, rolling_windows
-from model import Transformer
+from model import Transformer, generate
 from parallel import mesh as mesh_lib
 from parallel import rules as rules_lib
 from train.rundir import restore
@@ -384,7 +384,7 @@ def test_generate_until_cuts_at_stops_and_truncates_the_prompt(single, tok):
     return [text_ids[:max_new_tokens] for _ in prompts]
 
   reqs = [("Loop. " * 40, ["\n\n"], 30), ("short", ["STOP", "\n\n"], 30), ("short", [], 3)]
-  out = single._generate_with(greedy_stand_in, reqs, temperature=0.0, top_p=1.0, seed=0)
+  out = single._generate_with(reqs, temperature=0.0, top_p=1.0, seed=0, sampler=greedy_stand_in)
   full = tok.decode(text_ids[:30])
   assert out[0] == full.split("\n\n")[0] == "hello world"
   assert out[1] == "hello world"
@@ -395,13 +395,25 @@ def test_generate_until_cuts_at_stops_and_truncates_the_prompt(single, tok):
 
 
 def test_generate_until_with_the_shared_sampler_is_greedy(single, tok):
-  from model import generate
   prompt = single.tok_encode("The value of")
   with parallel.activate(single.mesh, single.rules):
     cont = generate.generate(single.model, [prompt], 6)[0]
   (_, greedy), = single.loglikelihood_tokens([(prompt, cont)])
   assert greedy  # every generated token is the model's argmax, as the scorer computes it
   assert single.generate_until([("The value of", [], 6)])[0] == tok.decode(cont)
+
+
+def test_generate_until_through_the_engine_equals_the_static_sampler(single, tok):
+  """Requests of different lengths, bounds and stops give the same texts through the engine (all at once, 4
+  sequences at a time) as through model.generate's batches: greedy, and sampled with the same seeds and rows."""
+  reqs = [("The value of", [], 6), ("def f(x):\n  return", ["\n"], 9), ("Loop. " * 30, [], 4),
+          ("hello", ["STOP"], 6), ("a b c d e f g h", [" "], 12), ("x", [], 1)]
+  engine_lm = LM(single.model, tok, single.mesh, single.rules, batch_size=4, sampler="engine")
+  static = single._generate_with(reqs, temperature=0.0, top_p=1.0, seed=0, sampler=generate.generate)
+  assert engine_lm.generate_until(reqs) == static
+  assert any(len(t) > 3 for t in static)
+  sampled = single._generate_with(reqs, temperature=1.0, top_p=0.9, seed=5, sampler=generate.generate)
+  assert engine_lm.generate_until(reqs, temperature=1.0, top_p=0.9, seed=5) == sampled != static
 
 
 # ---- toxicity end to end: prompts file -> sampler -> scorer -> RealToxicityPrompts metrics ----------------------
