@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from model import config as config_lib
 from model import generate as generate_lib
 from model import paged
 
@@ -136,10 +137,16 @@ class Engine:
     self.speculative, self.ngram = speculative, ngram
     self.vocab_size = cfg.vocab_size
     self.pages_per_seq = math.ceil(self.max_len / page_size)
+    windows = config_lib.layer_windows(cfg)
+    # Every layer windowed: pages wholly before the window of a sequence's next query are freed as it advances.
+    self.window = max(windows) if windows and all(w > 0 for w in windows) else 0
+    held = self.pages_per_seq  # the most pages one sequence holds at once
+    if self.window:
+      held = min(held, math.ceil((self.window - 1 + chunk) / page_size) + 1)
     num_pages = num_pages or max_seqs * self.pages_per_seq + 1
-    if num_pages - 1 < self.pages_per_seq:
+    if num_pages - 1 < held:
       raise ValueError(f"Engine: num_pages={num_pages} holds fewer than one sequence of max_len={self.max_len} "
-                       f"({self.pages_per_seq} pages of {page_size} and the scratch page); raise num_pages")
+                       f"({held} pages of {page_size} and the scratch page); raise num_pages")
     self.graphdef, self.state = nnx.split(model)
     self.k, self.v = paged.pools(cfg, num_pages, page_size)
     self.free = list(range(num_pages - 1, paged.SCRATCH, -1))  # a stack: page 1 first
@@ -153,7 +160,7 @@ class Engine:
     self.live: dict[int, Request] = {}  # rid -> its request, from `add` until it finishes or is cancelled
     self._next_id = 0
     self.stats = {"steps": 0, "preemptions": 0, "tokens_fed": 0, "prefix_hit_tokens": 0, "drafted": 0,
-                  "accepted": 0}
+                  "accepted": 0, "window_freed_pages": 0}
 
   # ---- requests ----------------------------------------------------------------------------------------
   def add(self, prompt: Sequence[int], max_new_tokens: int, *, stop_ids: Sequence[int] = (),
@@ -297,6 +304,8 @@ class Engine:
     """Makes r's newly completed full prompt pages findable by later requests with the same prefix."""
     while (len(r.hashes) + 1) * self.page_size <= min(r.cached, len(r.prompt)):
       h, page = self._hash(r, len(r.hashes)), r.pages[len(r.hashes)]
+      if page == paged.SCRATCH:  # freed by the window before it was complete: the chain ends here
+        return
       r.hashes.append(h)
       if h not in self.by_hash:
         self.by_hash[h], self.page_hash[page] = page, h
@@ -346,18 +355,35 @@ class Engine:
     self.waiting.appendleft(request)
 
   def _release(self, s: int) -> None:
-    """Slot s's pages lose a holder: unheld ones go back to the free list, or stay cached (evictable) while the
-    prefix cache knows them."""
+    """Slot s gives back every page it holds and leaves its slot."""
     for page in reversed(self.slots[s].pages):
-      self.refs[page] -= 1
-      if self.refs[page] == 0:
-        del self.refs[page]
-        if page in self.page_hash:
-          self.evictable[page] = None
-        else:
-          self.free.append(page)
+      self._drop(page)
     self.slots[s].pages = []
     self.slots[s] = None
+
+  def _drop(self, page: int) -> None:
+    """A page loses a holder: unheld, it goes back to the free list, or stays cached (evictable) while the prefix
+    cache knows it."""
+    if page == paged.SCRATCH:
+      return
+    self.refs[page] -= 1
+    if self.refs[page] == 0:
+      del self.refs[page]
+      if page in self.page_hash:
+        self.evictable[page] = None
+      else:
+        self.free.append(page)
+
+  def _forget_old(self, r: Request) -> None:
+    """With every layer windowed: r's pages wholly before the window of its next query (position r.cached sees
+    keys from r.cached - window + 1 on) go back; their table entries become the scratch page, which the window
+    masks."""
+    first_visible = r.cached - self.window + 1
+    for j in range(min(len(r.pages), max(first_visible, 0) // self.page_size)):
+      if r.pages[j] != paged.SCRATCH:
+        self._drop(r.pages[j])
+        r.pages[j] = paged.SCRATCH
+        self.stats["window_freed_pages"] += 1
 
   def table_width(self, pages: int) -> int:
     """The page-table width a call over sequences of up to `pages` pages uses: the next power of two, at most
@@ -410,6 +436,8 @@ class Engine:
       r = self.slots[s]
       if s not in ready:
         r.cached += n
+        if self.window:
+          self._forget_old(r)
         continue
       m = len(r.drafts)
       if s in host:
@@ -431,6 +459,8 @@ class Engine:
         finished.append(r)
         self.live.pop(r.rid, None)
         self._release(s)
+      elif self.window:
+        self._forget_old(r)
     return finished
 
 
