@@ -123,7 +123,7 @@ class Engine:
 
   def __init__(self, model, *, max_seqs: int = 8, page_size: int = 16, num_pages: int | None = None,
                chunk: int = 64, max_len: int | None = None, prefix_caching: bool = True, speculative: int = 0,
-               ngram: int = 2):
+               ngram: int = 2, draft=None, prefill_seqs: int = 4):
     cfg = model.cfg
     self.max_len = int(max_len or cfg.max_seq_len)
     self._len_name = f"the engine's max_len={self.max_len}" if max_len else f"model.max_seq_len={self.max_len}"
@@ -131,11 +131,23 @@ class Engine:
       raise ValueError(f"Engine: max_seqs={max_seqs}, page_size={page_size}, chunk={chunk} and max_len="
                        f"{self.max_len} must all be >= 1")
     self.max_seqs, self.page_size, self.chunk = max_seqs, page_size, chunk
+    if prefill_seqs < 1:
+      raise ValueError(f"Engine: prefill_seqs={prefill_seqs} (sequences prefilling per step) must be >= 1")
+    self.prefill_seqs = min(prefill_seqs, max_seqs)
     if speculative < 0 or (speculative and (ngram < 1 or speculative >= chunk)):
       raise ValueError(f"Engine: speculative={speculative} draft tokens need 1 <= speculative < chunk={chunk} and "
                        f"ngram={ngram} >= 1 (0 = no speculative decoding)")
     self.speculative, self.ngram = speculative, ngram
     self.vocab_size = cfg.vocab_size
+    if draft is not None and (not speculative or draft.cfg.vocab_size != cfg.vocab_size or
+                              draft.cfg.max_seq_len < self.max_len):
+      raise ValueError(f"Engine: a draft model needs speculative >= 1 (got {speculative}), the target's vocabulary "
+                       f"({cfg.vocab_size}; the draft has {draft.cfg.vocab_size}) and max_seq_len >= max_len="
+                       f"{self.max_len} (the draft's: {draft.cfg.max_seq_len})")
+    # The calls' (rows, width): decode steps and verification of speculative drafts over every sequence slot, and
+    # prompt chunks of up to prefill_seqs sequences (so a prompt chunk costs its own tokens, not a chunk per slot).
+    self.shapes = sorted({(max_seqs, 1), (self.prefill_seqs, chunk)} |
+                         ({(max_seqs, speculative + 1)} if speculative else set()))
     self.pages_per_seq = math.ceil(self.max_len / page_size)
     windows = config_lib.layer_windows(cfg)
     # Every layer windowed: pages wholly before the window of a sequence's next query are freed as it advances.
@@ -149,6 +161,8 @@ class Engine:
                        f"({held} pages of {page_size} and the scratch page); raise num_pages")
     self.graphdef, self.state = nnx.split(model)
     self.k, self.v = paged.pools(cfg, num_pages, page_size)
+    # A draft model keeps its own pools under the same page tables: every call feeds it the target's tokens.
+    self.draft = None if draft is None else (*nnx.split(draft), *paged.pools(draft.cfg, num_pages, page_size))
     self.free = list(range(num_pages - 1, paged.SCRATCH, -1))  # a stack: page 1 first
     self.prefix_caching = prefix_caching
     self.refs: collections.Counter[int] = collections.Counter()  # page -> sequences holding it
@@ -160,7 +174,7 @@ class Engine:
     self.live: dict[int, Request] = {}  # rid -> its request, from `add` until it finishes or is cancelled
     self._next_id = 0
     self.stats = {"steps": 0, "preemptions": 0, "tokens_fed": 0, "prefix_hit_tokens": 0, "drafted": 0,
-                  "accepted": 0, "window_freed_pages": 0}
+                  "accepted": 0, "window_freed_pages": 0, "calls": 0}
 
   # ---- requests ----------------------------------------------------------------------------------------
   def add(self, prompt: Sequence[int], max_new_tokens: int, *, stop_ids: Sequence[int] = (),
@@ -228,14 +242,64 @@ class Engine:
     feed = self._plan()
     if not feed:
       return []
-    width = self.chunk if max(feed.values()) > 1 else 1
-    warps = self._warps(feed)
-    arrays = self._arrays(feed, width) + self._sampling(feed)
-    logits, token_S, logp_S, self.k, self.v = _jitted_forward(self.speculative + 1, warps)(
-        self.graphdef, self.state, self.k, self.v, *arrays)
+    decode = {s: n for s, n in feed.items() if not self._prefilling_tokens(self.slots[s])}
+    prefill = {s: n for s, n in feed.items() if s not in decode}
+    finished = []
+    if decode:
+      width = 1 if max(decode.values()) == 1 else self.speculative + 1
+      finished += self._call(decode, {s: s for s in decode}, self.max_seqs, width)
+    if prefill:
+      finished += self._call(prefill, {s: i for i, s in enumerate(sorted(prefill))}, self.prefill_seqs, self.chunk)
     self.stats["steps"] += 1
     self.stats["tokens_fed"] += sum(feed.values())
-    return self._advance(feed, logits, token_S, logp_S, warps)
+    return finished
+
+  @staticmethod
+  def _prefilling_tokens(r: Request) -> bool:
+    """Whether r has more than one uncached token (a prompt, or a preempted sequence's recomputation)."""
+    return len(r.sequence) - r.cached > 1
+
+  def _call(self, feed: dict[int, int], rows: dict[int, int], capacity: int, width: int) -> list[Request]:
+    """One forward over the fed sequences, slot s in call row rows[s] of `capacity` rows; returns the finished."""
+    warps = self._warps(feed)
+    if self.draft is not None and width > 1 and capacity == self.max_seqs:
+      self._propose(feed)
+    arrays = self._arrays(feed, rows, capacity, width) + self._sampling(feed, rows, capacity)
+    logits, token_S, logp_S, self.k, self.v = _jitted_forward(self.speculative + 1, warps)(
+        self.graphdef, self.state, self.k, self.v, *arrays)
+    if self.draft is not None:  # the draft's pools take the same tokens (its next proposals attend to them)
+      self._draft_call(arrays)
+    self.stats["calls"] += 1
+    return self._advance(feed, rows, logits, token_S, logp_S, warps)
+
+  def _draft_call(self, arrays) -> tuple[jax.Array, jax.Array]:
+    """The draft model over one call's arrays into its pools; returns its greedy picks and their log-probs [S]."""
+    graphdef, state, k, v = self.draft
+    _, token_S, logp_S, k, v = _jitted_forward(1)(graphdef, state, k, v, *arrays)
+    self.draft = (graphdef, state, k, v)
+    return token_S, logp_S
+
+  def _propose(self, feed: dict[int, int]) -> None:
+    """Fills the drafts of the sequences that verify this step: the draft model's greedy tokens, one [S, 1] call
+    per draft position (the last token, then each draft in turn, at their positions)."""
+    rows = [s for s in feed if self.slots[s].drafts]
+    for i in range(max((len(self.slots[s].drafts) for s in rows), default=0)):
+      S = self.max_seqs
+      tokens, segments, positions = (np.zeros((S, 1), np.int32) for _ in range(3))
+      length, zeros = np.zeros((S,), np.int32), np.zeros((S,), np.int32)
+      table = np.zeros((S, self.table_width(max(len(self.slots[s].pages) for s in feed))), np.int32)
+      for s in rows:
+        r = self.slots[s]
+        if i < len(r.drafts):
+          tokens[s, 0] = r.sequence[-1] if i == 0 else r.drafts[i - 1]
+          segments[s, 0], positions[s, 0], length[s] = 1, r.cached + i, r.cached + i
+          table[s, :len(r.pages)] = r.pages
+      token_S, _ = self._draft_call((tokens, segments, positions, table, length, zeros, zeros, zeros, zeros,
+                                     np.zeros((S,), np.float32)))
+      token_S = np.asarray(token_S)
+      for s in rows:
+        if i < len(self.slots[s].drafts):
+          self.slots[s].drafts[i] = int(token_S[s])
 
   def _warps(self, feed: dict[int, int]) -> tuple[int, float, float]:
     """The (top_k, top_p, min_p) the call's on-device pick applies: the most common among the sampled rows (rows
@@ -244,13 +308,13 @@ class Engine:
                                  if r.temperature > 0)
     return counts.most_common(1)[0][0] if counts else (0, 1.0, 0.0)
 
-  def _sampling(self, feed: dict[int, int]) -> tuple[np.ndarray, ...]:
-    """(seed, row, index of the next token, temperature) per sequence slot [S], for the on-device pick."""
-    seed, row, index = (np.zeros((self.max_seqs,), np.int32) for _ in range(3))
-    temperature = np.zeros((self.max_seqs,), np.float32)
+  def _sampling(self, feed: dict[int, int], rows: dict[int, int], capacity: int) -> tuple[np.ndarray, ...]:
+    """(seed, row, index of the next token, temperature) per call row [capacity], for the on-device pick."""
+    seed, row, index = (np.zeros((capacity,), np.int32) for _ in range(3))
+    temperature = np.zeros((capacity,), np.float32)
     for s in feed:
-      r = self.slots[s]
-      seed[s], row[s], index[s], temperature[s] = r.seed, r.row, len(r.tokens), r.temperature
+      r, i = self.slots[s], rows[s]
+      seed[i], row[i], index[i], temperature[i] = r.seed, r.row, len(r.tokens), r.temperature
     return seed, row, index, temperature
 
   def _admit(self) -> None:
@@ -329,6 +393,10 @@ class Engine:
     while True:
       running = [s for s, r in enumerate(self.slots) if r is not None]
       feed = {s: self._feed(self.slots[s]) for s in running}
+      prefilling = sorted((s for s in running if self._prefilling_tokens(self.slots[s])),
+                          key=lambda s: self.slots[s].rid)
+      for s in prefilling[self.prefill_seqs:]:  # the earliest prefill_seqs prompts take this step's chunks
+        del feed[s]
       need = {s: math.ceil((self.slots[s].cached + n) / self.page_size) - len(self.slots[s].pages)
               for s, n in feed.items()}
       if sum(max(n, 0) for n in need.values()) <= self._available():
@@ -343,7 +411,10 @@ class Engine:
     n = min(len(r.sequence) - r.cached, self.chunk)
     room = min(self.speculative, r.max_new_tokens - len(r.tokens) - 1)
     drafting = n == 1 and r.tokens and room > 0 and r.plain
-    r.drafts = ngram_drafts(r.sequence, self.ngram, room) if drafting else []
+    if self.draft is not None:
+      r.drafts = [-1] * room if drafting else []  # the draft model fills them in (`_propose`)
+    else:
+      r.drafts = ngram_drafts(r.sequence, self.ngram, room) if drafting else []
     return n + len(r.drafts)
 
   def _preempt(self, s: int) -> None:
@@ -392,37 +463,40 @@ class Engine:
     return min(1 << max(pages - 1, 0).bit_length(), self.pages_per_seq)
 
   def warmup(self) -> None:
-    """Compiles every program the engine can call (each call width with each page-table width) with a call that
+    """Compiles every program the engine can call (each call shape with each page-table width) with a call that
     writes only the scratch page, so no request waits for a compilation."""
     widths = sorted({self.table_width(p) for p in range(1, self.pages_per_seq + 1)})
-    for width in sorted({1, self.chunk}):
+    for capacity, width in self.shapes:
       for P in widths:
-        S = self.max_seqs
-        zeros = np.zeros((S, width), np.int32)
-        vector = np.zeros((S,), np.int32)
-        *_, self.k, self.v = _jitted_forward(self.speculative + 1)(
-            self.graphdef, self.state, self.k, self.v, zeros, zeros, zeros, np.zeros((S, P), np.int32), vector,
-            vector, vector, vector, vector, np.zeros((S,), np.float32))
+        zeros, vector = np.zeros((capacity, width), np.int32), np.zeros((capacity,), np.int32)
+        arrays = (zeros, zeros, zeros, np.zeros((capacity, P), np.int32), vector, vector, vector, vector, vector,
+                  np.zeros((capacity,), np.float32))
+        *_, self.k, self.v = _jitted_forward(self.speculative + 1)(self.graphdef, self.state, self.k, self.v,
+                                                                    *arrays)
+        if self.draft is not None:
+          self._draft_call(arrays)
 
-  def _arrays(self, feed: dict[int, int], width: int) -> tuple[np.ndarray, ...]:
-    """(tokens, segment ids, positions [S, width], page table [S, P], cached lengths [S], last index [S])."""
-    S = self.max_seqs
+  def _arrays(self, feed: dict[int, int], rows: dict[int, int], capacity: int,
+              width: int) -> tuple[np.ndarray, ...]:
+    """(tokens, segment ids, positions [R, width], page table [R, P], cached lengths [R], last index [R]) of the
+    fed sequences, slot s in row rows[s] of R = capacity rows."""
     P = self.table_width(max(len(self.slots[s].pages) for s in feed))
-    tokens, segments, positions = (np.zeros((S, width), np.int32) for _ in range(3))
-    table, length, last = np.zeros((S, P), np.int32), np.zeros((S,), np.int32), np.zeros((S,), np.int32)
+    tokens, segments, positions = (np.zeros((capacity, width), np.int32) for _ in range(3))
+    table = np.zeros((capacity, P), np.int32)
+    length, last = np.zeros((capacity,), np.int32), np.zeros((capacity,), np.int32)
     for s, n in feed.items():
-      r = self.slots[s]
+      r, i = self.slots[s], rows[s]
       fed = (r.sequence + r.drafts)[r.cached:r.cached + n]
       assert len(fed) == n, (len(fed), n)  # never broadcast: every fed slot is a real token
-      tokens[s, :n] = fed
-      segments[s, :n] = 1
-      positions[s, :n] = np.arange(r.cached, r.cached + n)
-      table[s, :len(r.pages)] = r.pages
-      length[s], last[s] = r.cached, n - 1
+      tokens[i, :n] = fed
+      segments[i, :n] = 1
+      positions[i, :n] = np.arange(r.cached, r.cached + n)
+      table[i, :len(r.pages)] = r.pages
+      length[i], last[i] = r.cached, n - 1
     return tokens, segments, positions, table, length, last
 
-  def _advance(self, feed: dict[int, int], logits_SWV: jax.Array, token_S: jax.Array, logp_S: jax.Array,
-               warps: tuple[int, float, float]) -> list[Request]:
+  def _advance(self, feed: dict[int, int], rows: dict[int, int], logits_SWV: jax.Array, token_S: jax.Array,
+               logp_S: jax.Array, warps: tuple[int, float, float]) -> list[Request]:
     """Counts the fed tokens as cached (of drafts, the accepted ones); a sequence now fully cached takes its next
     tokens (the device's pick, or `verify` on the host for drafts, repetition penalties and other warps);
     finished ones leave."""
@@ -441,9 +515,9 @@ class Engine:
         continue
       m = len(r.drafts)
       if s in host:
-        new, logps = verify(logits[s, logits.shape[1] - 1 - m:], r)
+        new, logps = verify(logits[rows[s], logits.shape[1] - 1 - m:], r)
       else:
-        new, logps = [int(picked[0][s])], [float(picked[1][s])]
+        new, logps = [int(picked[0][rows[s]])], [float(picked[1][rows[s]])]
       r.cached += n - m + len(new) - 1  # the fed tokens whose keys stand: the last one and the accepted drafts
       self.stats["drafted"] += m
       self.stats["accepted"] += len(new) - 1 if m else 0

@@ -129,6 +129,24 @@ def test_speculative_greedy_equals_plain_greedy(model):
   assert engine.stats["drafted"] > 0 and engine.stats["accepted"] > 0
 
 
+def test_a_draft_model_proposes_and_greedy_stays_plain_greedy(model):
+  """A smaller meshlm model drafting 3 tokens per step (verified by the target in one call): the tokens are plain
+  greedy decoding's; the target drafting for itself has every draft accepted."""
+  rng = np.random.default_rng(6)
+  prompts = [[int(t) for t in rng.integers(1, 256, size=n)] for n in (4, 19, 11)]
+  want = generate_lib.generate(model, prompts, 14)
+  small = Transformer(configs.load("tiny", **{**SMALL, "model.num_layers": 1, "model.d_model": 16,
+                                              "model.mlp_dim": 32, "model.layer_types": ()}).model,
+                      rngs=nnx.Rngs(7))
+  for draft in (small, model):
+    engine = engine_lib.Engine(model, max_seqs=3, page_size=8, chunk=8, speculative=3, draft=draft)
+    assert engine.generate(prompts, 14) == want
+    drafted, accepted = engine.stats["drafted"], engine.stats["accepted"]
+    assert drafted > 0 and (accepted == drafted if draft is model else accepted < drafted), (drafted, accepted)
+  with pytest.raises(ValueError, match="speculative >= 1"):
+    engine_lib.Engine(model, draft=small)
+
+
 def test_speculative_sampling_keeps_the_target_distribution():
   """The acceptance rule with a deterministic draft (engine.verify): over 4000 seeds, the first token it emits is
   distributed as the target softmax(logits / T) (chi-square, 5 categories), for a likely and an unlikely draft."""

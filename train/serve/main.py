@@ -35,7 +35,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--page_size", type=int, default=16, help="KV-cache slots per page")
   p.add_argument("--num_pages", type=int, default=None, help="pages in the pool (default: max_seqs full sequences)")
   p.add_argument("--chunk", type=int, default=64, help="prompt tokens per sequence per step (chunked prefill)")
-  p.add_argument("--speculative", type=int, default=0, help="n-gram draft tokens verified per step (0 = off)")
+  p.add_argument("--speculative", type=int, default=0,
+                 help="draft tokens verified per step (0 = off): n-gram prompt lookup, or the --draft_* model's")
+  p.add_argument("--draft_workdir", default=None, help="a smaller meshlm run drafting for --speculative")
+  p.add_argument("--draft_hf", default=None, help="a smaller Hugging Face model drafting for --speculative")
   p.add_argument("--shutdown_timeout", type=float, default=30.0,
                  help="seconds in-flight requests get to finish after SIGTERM before they are cancelled")
   return p
@@ -46,6 +49,10 @@ def _check(args) -> None:
     raise generate_cli.GenerateError("--step applies to --workdir runs only")
   if not 0 <= args.port < 65536:
     raise generate_cli.GenerateError(f"--port={args.port} must be in [0, 65535]")
+  if args.draft_workdir and args.draft_hf:
+    raise generate_cli.GenerateError("give one of --draft_workdir and --draft_hf")
+  if (args.draft_workdir or args.draft_hf) and args.speculative < 1:
+    raise generate_cli.GenerateError("a draft model drafts --speculative tokens per step; set --speculative >= 1")
   if args.max_queue < 0 or args.shutdown_timeout < 0:
     raise generate_cli.GenerateError(f"--max_queue={args.max_queue} and --shutdown_timeout="
                                      f"{args.shutdown_timeout} must be >= 0")
@@ -61,11 +68,18 @@ def build(args, overrides: Sequence[tuple[str, str]]):
   config, tokenizer, saved_template, model, mesh, rules = generate_cli.load(args.workdir, args.hf, args.step,
                                                                             overrides)
   template = chat.template_for_run(config, tokenizer, saved_template)
+  draft = None
+  if args.draft_workdir or args.draft_hf:
+    mesh_overrides = [(k, v) for k, v in overrides if k.startswith("mesh.")]  # the model keys are the target's
+    _, draft_tokenizer, _, draft, _, _ = generate_cli.load(args.draft_workdir, args.draft_hf, None, mesh_overrides)
+    if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+      raise generate_cli.GenerateError(f"the draft's tokenizer has {draft_tokenizer.vocab_size} pieces, the "
+                                       f"model's {tokenizer.vocab_size}: a draft must share the tokenizer")
   engine = engine_lib.Engine(model, max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
-                             chunk=args.chunk, max_len=args.max_len, speculative=args.speculative)
+                             chunk=args.chunk, max_len=args.max_len, speculative=args.speculative, draft=draft)
   scope = lambda: parallel.activate(mesh, rules)  # pylint: disable=unnecessary-lambda-assignment
   with scope():
-    engine.generate([[tokenizer.bos_id] * 2], 2)  # compiles both of the engine's programs before serving
+    engine.warmup()  # every program the engine can call, compiled before serving
   worker = worker_lib.Worker(engine, max_queue=args.max_queue, scope=scope)
   name = args.served_model_name or os.path.basename(os.path.normpath(args.workdir or args.hf))
 
