@@ -1,11 +1,12 @@
 """Serving: the engine (model/engine.py) against the static-batch sampler and transformers' continuous batching.
 
-  JAX_PLATFORMS=cpu python benchmarks/serve.py [--models tiny,50m] [--requests 64] [--rate 40] [--max_seqs 16]
+  JAX_PLATFORMS=cpu python benchmarks/serve.py [--models tiny,50m] [--requests 64] [--rate 0] [--max_seqs 16]
       [--skip_torch] [--grpo_prompts 8 --grpo_samples 8]
 
 Workload (seed 0, the same for every system): `--requests` requests arriving as a Poisson process of `--rate`
-requests/s; prompt lengths log-normal (median 24 tokens, 4 .. 256), output lengths long-tailed (a Pareto draw:
-median ~12, a tail to 384), random token ids; greedy, every request generating exactly its output length (no stop
+requests/s (0: all at once, which measures throughput with the server saturated); prompt lengths log-normal
+(median 24 tokens, 4 .. 256), output lengths long-tailed (a Pareto draw: median ~12, a tail to 384), random token
+ids; greedy, every request generating exactly its output length (no stop
 id). Systems, on the same random weights (model.hf.save for transformers, float32, same process), each run once to
 warm up (compilations) and once timed:
   engine       Engine(max_seqs, chunk 64, page 16): requests join as they arrive, leave when done
@@ -180,7 +181,8 @@ def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("--models", default="tiny,50m")
   p.add_argument("--requests", type=int, default=64)
-  p.add_argument("--rate", type=float, default=40.0, help="arrivals per second (0: all at once)")
+  p.add_argument("--rate", type=float, default=0.0,
+                 help="arrivals per second (0: all at once, vLLM's benchmark_serving default)")
   p.add_argument("--max_seqs", type=int, default=16)
   p.add_argument("--skip_torch", action="store_true")
   p.add_argument("--grpo_prompts", type=int, default=8)

@@ -75,7 +75,7 @@ class Request:
 
 
 def _forward(graphdef, state, k, v, tokens_ST, segment_ids_ST, positions_ST, table_SP, length_S, last_S,
-             seed_S, row_S, index_S, temperature_S, *, window: int, warps: tuple[int, float, float]):
+             seed_S, row_S, index_S, temperature_S, *, window: int, warps: tuple[int, float, float], kernel: str):
   """One engine call: the model over [S, T] tokens into the paged cache -> (logits [S, window, V] float32 of each
   row's tokens at indices last_S - window + 1 .. last_S (clipped at 0), each row's next token [S] and its
   log-probability [S] picked on the device from the logits at last_S, the updated pools).
@@ -84,7 +84,7 @@ def _forward(graphdef, state, k, v, tokens_ST, segment_ids_ST, positions_ST, tab
   draw from softmax(warp_logits(logits / temperature, *warps)) with the key fold_in(fold_in(PRNGKey(seed), row),
   index); log p under softmax(logits / temperature) (1 when greedy)."""
   model = nnx.merge(graphdef, state)
-  cache = paged.PagedKVCache(k, v, table_SP, length_S)
+  cache = paged.PagedKVCache(k, v, table_SP, length_S, kernel=kernel)
   x_STD, cache = model.features(tokens_ST, segment_ids_ST, positions_ST, cache=cache)
   index_SW = jnp.maximum(last_S[:, None] - window + 1 + jnp.arange(window)[None, :], 0)
   x_SWD = jnp.take_along_axis(x_STD, index_SW[:, :, None], axis=1)
@@ -101,9 +101,28 @@ def _forward(graphdef, state, k, v, tokens_ST, segment_ids_ST, positions_ST, tab
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_forward(window: int, warps: tuple[int, float, float] = (0, 1.0, 0.0)):
-  """`_forward` jitted once per logits window and warps: engines of the same shapes share their compilations."""
-  return jax.jit(functools.partial(_forward, window=window, warps=warps), donate_argnums=(2, 3))
+def _jitted_forward(window: int, warps: tuple[int, float, float] = (0, 1.0, 0.0), kernel: str = "xla"):
+  """`_forward` jitted once per logits window, warps and decode kernel: engines of the same shapes share their
+  compilations."""
+  return jax.jit(functools.partial(_forward, window=window, warps=warps, kernel=kernel), donate_argnums=(2, 3))
+
+
+def decode_kernel(cfg, attention: str) -> str:
+  """The paged cache's decode attention (`paged.PagedKVCache.kernel`) for engine attention="auto" | "xla" |
+  "pallas": auto runs the Pallas TPU kernel on TPUs where it applies (no layer windowed: the kernel has no
+  window) and the XLA gather elsewhere; "pallas" off TPU runs the kernel in interpret mode. ValueError naming the
+  reason where "pallas" cannot apply."""
+  from model import splash as splash_lib  # pylint: disable=g-import-not-at-top
+  if attention not in ("auto", "xla", "pallas"):
+    raise ValueError(f"Engine: attention={attention!r} must be 'auto', 'xla' or 'pallas'")
+  on_tpu = splash_lib.target_platform() == "tpu"
+  windowed = any(config_lib.layer_windows(cfg))
+  if attention == "pallas" and windowed:
+    raise ValueError("Engine: attention='pallas' (the paged decode kernel) has no sliding window, and this model "
+                     "has windowed layers; use attention='xla' or 'auto'")
+  if attention == "pallas":
+    return "pallas" if on_tpu else "interpret"
+  return "pallas" if attention == "auto" and on_tpu and not windowed else "xla"
 
 
 def ngram_drafts(sequence: Sequence[int], n: int, k: int) -> list[int]:
@@ -123,7 +142,7 @@ class Engine:
 
   def __init__(self, model, *, max_seqs: int = 8, page_size: int = 16, num_pages: int | None = None,
                chunk: int = 64, max_len: int | None = None, prefix_caching: bool = True, speculative: int = 0,
-               ngram: int = 2, draft=None, prefill_seqs: int = 4):
+               ngram: int = 2, draft=None, prefill_seqs: int = 4, attention: str = "auto"):
     cfg = model.cfg
     self.max_len = int(max_len or cfg.max_seq_len)
     self._len_name = f"the engine's max_len={self.max_len}" if max_len else f"model.max_seq_len={self.max_len}"
@@ -146,7 +165,9 @@ class Engine:
                        f"{self.max_len} (the draft's: {draft.cfg.max_seq_len})")
     # The calls' (rows, width): decode steps and verification of speculative drafts over every sequence slot, and
     # prompt chunks of up to prefill_seqs sequences (so a prompt chunk costs its own tokens, not a chunk per slot).
-    self.shapes = sorted({(max_seqs, 1), (self.prefill_seqs, chunk)} |
+    # Prompt chunks come in widths chunk / 4, chunk / 2 and chunk, the narrowest that holds the step's longest.
+    self.prefill_widths = sorted({max(1, chunk // 4), max(1, chunk // 2), chunk})
+    self.shapes = sorted({(max_seqs, 1)} | {(self.prefill_seqs, w) for w in self.prefill_widths} |
                          ({(max_seqs, speculative + 1)} if speculative else set()))
     self.pages_per_seq = math.ceil(self.max_len / page_size)
     windows = config_lib.layer_windows(cfg)
@@ -160,6 +181,8 @@ class Engine:
       raise ValueError(f"Engine: num_pages={num_pages} holds fewer than one sequence of max_len={self.max_len} "
                        f"({held} pages of {page_size} and the scratch page); raise num_pages")
     self.graphdef, self.state = nnx.split(model)
+    self.kernel = decode_kernel(cfg, attention)
+    self.num_pages = num_pages
     self.k, self.v = paged.pools(cfg, num_pages, page_size)
     # A draft model keeps its own pools under the same page tables: every call feeds it the target's tokens.
     self.draft = None if draft is None else (*nnx.split(draft), *paged.pools(draft.cfg, num_pages, page_size))
@@ -249,7 +272,8 @@ class Engine:
       width = 1 if max(decode.values()) == 1 else self.speculative + 1
       finished += self._call(decode, {s: s for s in decode}, self.max_seqs, width)
     if prefill:
-      finished += self._call(prefill, {s: i for i, s in enumerate(sorted(prefill))}, self.prefill_seqs, self.chunk)
+      width = min(w for w in self.prefill_widths if w >= max(prefill.values()))
+      finished += self._call(prefill, {s: i for i, s in enumerate(sorted(prefill))}, self.prefill_seqs, width)
     self.stats["steps"] += 1
     self.stats["tokens_fed"] += sum(feed.values())
     return finished
@@ -265,7 +289,7 @@ class Engine:
     if self.draft is not None and width > 1 and capacity == self.max_seqs:
       self._propose(feed)
     arrays = self._arrays(feed, rows, capacity, width) + self._sampling(feed, rows, capacity)
-    logits, token_S, logp_S, self.k, self.v = _jitted_forward(self.speculative + 1, warps)(
+    logits, token_S, logp_S, self.k, self.v = _jitted_forward(self.speculative + 1, warps, self.kernel)(
         self.graphdef, self.state, self.k, self.v, *arrays)
     if self.draft is not None:  # the draft's pools take the same tokens (its next proposals attend to them)
       self._draft_call(arrays)
@@ -471,8 +495,8 @@ class Engine:
         zeros, vector = np.zeros((capacity, width), np.int32), np.zeros((capacity,), np.int32)
         arrays = (zeros, zeros, zeros, np.zeros((capacity, P), np.int32), vector, vector, vector, vector, vector,
                   np.zeros((capacity,), np.float32))
-        *_, self.k, self.v = _jitted_forward(self.speculative + 1)(self.graphdef, self.state, self.k, self.v,
-                                                                    *arrays)
+        *_, self.k, self.v = _jitted_forward(self.speculative + 1, kernel=self.kernel)(
+            self.graphdef, self.state, self.k, self.v, *arrays)
         if self.draft is not None:
           self._draft_call(arrays)
 

@@ -51,7 +51,7 @@ def test_greedy_stream_equals_the_static_sampler(model, prompts_and_greedy, pool
   engine = engine_lib.Engine(model, max_seqs=4, page_size=8, chunk=7, **kwargs)
   assert _arrivals(engine, prompts, 12) == want
   assert (engine.stats["preemptions"] > 0) == (pool == "short")
-  assert not engine.refs and len(engine.free) + len(engine.evictable) == engine.k.shape[1] - 1  # all pages back
+  assert not engine.refs and len(engine.free) + len(engine.evictable) == engine.num_pages - 1  # all pages back
 
 
 def test_prefix_caching_shares_pages_and_keeps_the_tokens(model):
@@ -196,3 +196,62 @@ def test_a_windowed_model_frees_the_pages_its_window_left_behind():
   assert engine.generate(prompts, 48) == want
   assert engine.stats["preemptions"] == 0
   assert engine.stats["window_freed_pages"] >= 2 * (60 // 4 - 4)
+
+
+PLAIN = {**SMALL, "model.layer_types": (), "model.sliding_window": 0, "model.head_dim": 128,
+         "model.dtype": "bfloat16"}
+
+
+def test_the_pallas_decode_kernel_equals_the_gather():
+  """The TPU paged-attention kernel (interpret mode on CPU) for the decode calls of a bfloat16 model without
+  windows: the tokens and log-probabilities of the XLA gather path (the kernel reads bfloat16 pages as stored)."""
+  m = Transformer(configs.load("tiny", **PLAIN).model, rngs=nnx.Rngs(8))
+  rng = np.random.default_rng(9)
+  prompts = [[int(t) for t in rng.integers(1, 256, size=n)] for n in (5, 21)]
+  out = {}
+  for attention in ("xla", "pallas"):
+    engine = engine_lib.Engine(m, max_seqs=2, page_size=16, chunk=16, attention=attention)
+    assert engine.kernel == ("xla" if attention == "xla" else "interpret")
+    ids = [engine.add(p, 4) for p in prompts]
+    requests = [engine.live[i] for i in ids]
+    while engine.busy():
+      engine.step()
+    out[attention] = requests
+  for a, b in zip(out["xla"], out["pallas"]):
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-2)
+  with pytest.raises(ValueError, match="no sliding window"):
+    engine_lib.Engine(Transformer(configs.load("tiny", **SMALL).model, rngs=nnx.Rngs(0)), attention="pallas")
+
+
+def test_ahead_of_time_tpu_compile_of_a_decode_step_holds_the_paged_kernel():
+  """The engine's decode program for a v5e-4 slice (data 2 x tensor 2), compiled by libtpu with no TPU attached:
+  attention over the pages is the Mosaic paged-attention kernel (a tpu_custom_call), per device under shard_map."""
+  import parallel
+  from jax.sharding import NamedSharding, PartitionSpec
+  from parallel import mesh as mesh_lib
+  from parallel import rules as rules_lib
+  from train.planning import compile as aot
+  from train.planning import hardware
+  if not aot._libtpu_installed():  # pylint: disable=protected-access
+    pytest.skip("libtpu (the TPU compiler) is not installed")
+  c = configs.load("tiny", **{**PLAIN, "model.num_kv_heads": 2, "mesh.data": 2, "mesh.tensor": 2})
+  mesh = mesh_lib.make_mesh(c.mesh, devices=aot.abstract_devices(hardware.tpu_slice("v5e-4")))
+  rules = rules_lib.fit_rules(rules_lib.logical_rules(c.mesh), c.model, mesh)
+  S, P, N = 4, 4, 32
+  with parallel.activate(mesh, rules):
+    abstract = nnx.eval_shape(lambda: Transformer(c.model, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    specs = nnx.get_partition_spec(state)
+    state = jax.tree.map(lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, p)),
+                         state, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    pool = jax.eval_shape(lambda: paged.pools(c.model, N, 16)[0])
+    pool = jax.ShapeDtypeStruct(pool.shape, pool.dtype,
+                                sharding=NamedSharding(mesh, jax.sharding.PartitionSpec("tensor")))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    args = (i32(S, 1), i32(S, 1), i32(S, 1), i32(S, P), i32(S), i32(S), i32(S), i32(S), i32(S),
+            jax.ShapeDtypeStruct((S,), jnp.float32))
+    compiled = engine_lib._jitted_forward(1, kernel="pallas").lower(graphdef, state, pool, pool, *args).compile()
+  hlo = compiled.as_text()
+  kernels = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+  assert len(kernels) == 1 and "%paged_attention" in kernels[0]  # one layer's program, scanned
