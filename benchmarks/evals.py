@@ -114,7 +114,7 @@ def bench(workdir, reqs, choices, batch_size, repeats):
   n_given = len(reqs)  # lm-eval asserts on a continuation longer than the model; meshlm would score its end
   reqs = [r for r in reqs if len(lm.encode_pair(*r)[1]) <= lm.max_len]
   _, first_s = _timed(lambda: lm.loglikelihood(reqs))  # every shape compiles here
-  out_dir = export.export(workdir, tempfile.mkdtemp(prefix="meshlm-bench-"))
+  out_dir, _ = export.export(workdir, tempfile.mkdtemp(prefix="meshlm-bench-"))
   hf = HFLM(pretrained=out_dir, dtype="float32", batch_size=batch_size, device="cpu")
   inst = [Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)]
   hf.loglikelihood(inst[:batch_size], disable_tqdm=True)  # warm-up

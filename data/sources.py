@@ -173,6 +173,7 @@ class JsonlFiles:
       counts.append(len(keep))
     self._offsets, self._lines = offsets, lines
     self._cum = np.cumsum([0] + counts).tolist()
+    self._counted: set[int] = set()  # indices of skipped records already counted (a record read again is not)
     self._files: dict[int, object] = {}
 
   def __getstate__(self):
@@ -201,18 +202,22 @@ class JsonlFiles:
     where = f"{path}:{int(self._lines[f_idx][row])}"
     record, error = files.parse_json(files.decode_utf8(raw, path, warn=False), where)
     if error:
-      return self._skip("unparseable_records", path, error)
+      return self._skip("unparseable_records", path, error, index)
     if self.field == "":  # chat / preference sources: the whole record, rendered later (data/chat.py, preference.py)
       return json.dumps(record)
     text, error = files.record_text(record, self.field, where)
     if error:
-      return self._skip("records_without_text", path, error)
+      return self._skip("records_without_text", path, error, index)
     return text
 
-  def _skip(self, kind: str, path: str, message: str) -> str:
+  def _skip(self, kind: str, path: str, message: str, index: int) -> str:
+    """'' for a bad record (counted once per record, however often it is read), or ValueError when strict."""
     if self.strict:
       raise ValueError(f"{message}; set config.data.text_field to the field holding the text, fix the line, or set "
                        "config.data.strict=False to skip such records")
+    if index in self._counted:
+      return ""
+    self._counted.add(index)
     files.COUNTERS[kind] += 1
     files.warn_once((kind, path), f"{message}: skipped (later such records in this file are skipped and counted in "
                     f"data/{kind} without a warning)")

@@ -128,10 +128,11 @@ def cached_attention(q_BTHK, k_BSGK, v_BSGK, index, start_B, window=0, softcap: 
   return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, softcap=softcap)
 
 
-def masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, softcap: float = 0.0) -> jax.Array:
-  """Softmax attention of queries [B, T, H, K] over keys / values [B, S, G, K] where mask_BTS (bool [B, T, S]) is
-  True (float32 scores, GQA groups of H / G heads): the arithmetic of `cached_attention` for any mask."""
-  return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, softcap=softcap)
+def masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, softcap: float = 0.0, heads_major: bool = False) -> jax.Array:
+  """Softmax attention of queries [B, T, H, K] over keys / values [B, S, G, K] (heads_major: [B, G, S, K], the
+  layout the products use) where mask_BTS (bool [B, T, S]) is True (float32 scores, GQA groups of H / G heads):
+  the arithmetic of `cached_attention` for any mask."""
+  return _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, softcap=softcap, heads_major=heads_major)
 
 
 def _cache_mask(B: int, T: int, S: int, index, start_B, window) -> jax.Array:
@@ -169,17 +170,21 @@ def cap_scores(s, softcap: float):
   return jnp.tanh(s / cap) * cap
 
 
-def _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, bounds=None, softcap: float = 0.0):
+def _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, bounds=None, softcap: float = 0.0,
+                      heads_major: bool = False):
   """Masked softmax attention; `bounds` (query block edges 0 = b_0 < ... < b_n = T, T == S, causal masks only):
-  queries [b_i, b_i+1) against keys [0, b_i+1); `softcap` > 0 caps the scaled scores (`cap_scores`)."""
+  queries [b_i, b_i+1) against keys [0, b_i+1); `softcap` > 0 caps the scaled scores (`cap_scores`); heads_major:
+  keys and values come as [B, G, S, K]."""
   B, T, H, K = q_BTHK.shape
-  S, G = k_BSGK.shape[1:3]
+  if not heads_major:
+    # Heads-major operands (M = R * T query rows per kv head): the products are then plain batched matmuls over
+    # (b, g) of contiguous matrices, which XLA:CPU runs about twice as fast as the token-major einsum
+    # ("btgrk,bsgk->bgrts"), whose operands it transposes inside every product and its gradients.
+    k_BSGK, v_BSGK = k_BSGK.transpose(0, 2, 1, 3), v_BSGK.transpose(0, 2, 1, 3)
+  k_BGSK, v_BGSK = k_BSGK, v_BSGK
+  G, S = k_BGSK.shape[1:3]
   R = H // G
-  # Heads-major operands (M = R * T query rows per kv head): the products are then plain batched matmuls over
-  # (b, g) of contiguous matrices, which XLA:CPU runs about twice as fast as the token-major einsum
-  # ("btgrk,bsgk->bgrts"), whose operands it transposes inside every product and its gradients.
   q_BGRTK = _group(q_BTHK, G).transpose(0, 2, 3, 1, 4)
-  k_BGSK, v_BGSK = k_BSGK.transpose(0, 2, 1, 3), v_BSGK.transpose(0, 2, 1, 3)
   edges = (0, T) if bounds is None else bounds
   o_blocks = []
   for a, e in zip(edges[:-1], edges[1:]):
@@ -190,7 +195,7 @@ def _masked_attention(q_BTHK, k_BSGK, v_BSGK, mask_BTS, bounds=None, softcap: fl
     s_BGMS = cap_scores(s_BGMS, softcap)
     s_BGRTS = jnp.where(mask_BTS[:, None, None, a:e, :s], s_BGMS.reshape(B, G, R, t, s), _NEG)
     p_BGMS = softmax(s_BGRTS).reshape(B, G, R * t, s)
-    o_BGMK = jnp.einsum("bgms,bgsk->bgmk", p_BGMS.astype(v_BSGK.dtype), v_BGSK[:, :, :s],
+    o_BGMK = jnp.einsum("bgms,bgsk->bgmk", p_BGMS.astype(v_BGSK.dtype), v_BGSK[:, :, :s],
                         preferred_element_type=jnp.float32)
     o_blocks.append(o_BGMK.reshape(B, G, R, t, K))
   o_BGRTK = o_blocks[0] if len(o_blocks) == 1 else jnp.concatenate(o_blocks, axis=3)

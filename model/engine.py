@@ -103,7 +103,7 @@ def _forward(graphdef, state, k, v, tokens_ST, segment_ids_ST, positions_ST, tab
 @functools.lru_cache(maxsize=None)
 def _jitted_forward(window: int, warps: tuple[int, float, float] = (0, 1.0, 0.0), kernel: str = "xla"):
   """`_forward` jitted once per logits window, warps and decode kernel: engines of the same shapes share their
-  compilations."""
+  compilations (callers pass all three positionally: the cache keys on how they are passed)."""
   return jax.jit(functools.partial(_forward, window=window, warps=warps, kernel=kernel), donate_argnums=(2, 3))
 
 
@@ -167,8 +167,11 @@ class Engine:
     # prompt chunks of up to prefill_seqs sequences (so a prompt chunk costs its own tokens, not a chunk per slot).
     # Prompt chunks come in widths chunk / 4, chunk / 2 and chunk, the narrowest that holds the step's longest.
     self.prefill_widths = sorted({max(1, chunk // 4), max(1, chunk // 2), chunk})
-    self.shapes = sorted({(max_seqs, 1)} | {(self.prefill_seqs, w) for w in self.prefill_widths} |
-                         ({(max_seqs, speculative + 1)} if speculative else set()))
+    # Decode calls take as many rows as sequences decode, rounded up to a power of two (at most max_seqs): the
+    # long tail of a few long completions does not pay for every slot.
+    self.decode_rows = sorted({min(1 << i, max_seqs) for i in range(max(max_seqs - 1, 0).bit_length() + 1)})
+    self.shapes = sorted({(r, w) for r in self.decode_rows for w in ({1, speculative + 1} if speculative else {1})}
+                         | {(self.prefill_seqs, w) for w in self.prefill_widths})
     self.pages_per_seq = math.ceil(self.max_len / page_size)
     windows = config_lib.layer_windows(cfg)
     # Every layer windowed: pages wholly before the window of a sequence's next query are freed as it advances.
@@ -270,7 +273,8 @@ class Engine:
     finished = []
     if decode:
       width = 1 if max(decode.values()) == 1 else self.speculative + 1
-      finished += self._call(decode, {s: s for s in decode}, self.max_seqs, width)
+      rows = min(r for r in self.decode_rows if r >= len(decode))
+      finished += self._call(decode, {s: i for i, s in enumerate(sorted(decode))}, rows, width)
     if prefill:
       width = min(w for w in self.prefill_widths if w >= max(prefill.values()))
       finished += self._call(prefill, {s: i for i, s in enumerate(sorted(prefill))}, self.prefill_seqs, width)
@@ -286,7 +290,7 @@ class Engine:
   def _call(self, feed: dict[int, int], rows: dict[int, int], capacity: int, width: int) -> list[Request]:
     """One forward over the fed sequences, slot s in call row rows[s] of `capacity` rows; returns the finished."""
     warps = self._warps(feed)
-    if self.draft is not None and width > 1 and capacity == self.max_seqs:
+    if self.draft is not None and any(self.slots[s].drafts for s in feed):
       self._propose(feed)
     arrays = self._arrays(feed, rows, capacity, width) + self._sampling(feed, rows, capacity)
     logits, token_S, logp_S, self.k, self.v = _jitted_forward(self.speculative + 1, warps, self.kernel)(
@@ -299,7 +303,7 @@ class Engine:
   def _draft_call(self, arrays) -> tuple[jax.Array, jax.Array]:
     """The draft model over one call's arrays into its pools; returns its greedy picks and their log-probs [S]."""
     graphdef, state, k, v = self.draft
-    _, token_S, logp_S, k, v = _jitted_forward(1)(graphdef, state, k, v, *arrays)
+    _, token_S, logp_S, k, v = _jitted_forward(1, (0, 1.0, 0.0), "xla")(graphdef, state, k, v, *arrays)
     self.draft = (graphdef, state, k, v)
     return token_S, logp_S
 
@@ -495,7 +499,7 @@ class Engine:
         zeros, vector = np.zeros((capacity, width), np.int32), np.zeros((capacity,), np.int32)
         arrays = (zeros, zeros, zeros, np.zeros((capacity, P), np.int32), vector, vector, vector, vector, vector,
                   np.zeros((capacity,), np.float32))
-        *_, self.k, self.v = _jitted_forward(self.speculative + 1, kernel=self.kernel)(
+        *_, self.k, self.v = _jitted_forward(self.speculative + 1, (0, 1.0, 0.0), self.kernel)(
             self.graphdef, self.state, self.k, self.v, *arrays)
         if self.draft is not None:
           self._draft_call(arrays)

@@ -82,13 +82,15 @@ def attend(q_STHK: jax.Array, layer: PagedKVCache, window=0, softcap: float = 0.
   if layer.kernel != "xla" and T == 1:
     return _kernel_attend(q_STHK, layer, softcap)
   G, P, page = layer.k.shape[0], layer.table.shape[1], layer.k.shape[3]
-  gather = lambda pool: pool[:, layer.layer, layer.table].reshape(G, S, P * page, -1).transpose(1, 2, 0, 3)  # noqa: E731
+  # [G, S, P, page, K] gathered where the pool lies, then heads-major [S, G, X, K] for the products
+  gather = lambda pool: pool[:, layer.layer, layer.table].reshape(G, S, P * page, -1).transpose(1, 0, 2, 3)  # noqa: E731
   q_pos_ST = layer.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   key_pos_X = jnp.arange(P * page, dtype=jnp.int32)
   visible_STX = key_pos_X[None, None, :] <= q_pos_ST[:, :, None]
   window = jnp.asarray(window)
   visible_STX &= (window <= 0) | (q_pos_ST[:, :, None] - key_pos_X[None, None, :] < window)
-  return attention_lib.masked_attention(q_STHK, gather(layer.k), gather(layer.v), visible_STX, softcap=softcap)
+  return attention_lib.masked_attention(q_STHK, gather(layer.k), gather(layer.v), visible_STX, softcap=softcap,
+                                        heads_major=True)
 
 
 def _kernel_attend(q_S1HK: jax.Array, layer: PagedKVCache, softcap: float) -> jax.Array:

@@ -161,7 +161,9 @@ def test_missing_tpu_compiler_is_a_clear_error_not_a_traceback(monkeypatch, caps
   monkeypatch.setattr(aot, "_libtpu_installed", lambda: False)
   assert aot.main(["--config=tiny", "--topology=v4-8"]) == 2
   err = capsys.readouterr().err
-  assert "TPU compiler" in err and "pip install" in err and "Traceback" not in err
+  assert "TPU compiler" in err and "Traceback" not in err
+  # both ways to install it keep to the pinned versions
+  assert err.count("pip install -c constraints.txt") == 2 and "-e '.[tpu]'" in err
 
 
 def test_fit_search_keeps_every_remat_policy(monkeypatch):
@@ -255,3 +257,25 @@ def test_continuation_fusion_is_asked_of_tpu_v5e_only():
     assert step.OVERLAP_OPTIONS["tpu"].items() <= options.items(), name
     fused = step.CONTINUATION_FUSION.items() <= options.items()
     assert fused == (name == "v5e-4"), name
+
+
+def test_tpu_start_up_warnings_stay_off_the_console():
+  """On a CPU-only host with libtpu installed, `python -m train.step` pins JAX to the CPU before it starts (as
+  `python -m train` does) and the TPU compiler's topology for ahead-of-time compilation starts without libtpu's
+  'no TPU host' warnings."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  if not aot._libtpu_installed():  # pylint: disable=protected-access
+    pytest.skip("libtpu (the TPU compiler) is not installed")
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS") and not k.startswith("TPU_")}
+  noise = ("INVALID_ARGUMENT", "could not determine TPU")
+  step = subprocess.run([sys.executable, "-m", "train.step", "--config=tiny", "--config.train.steps=1"], cwd=repo,
+                        env=env, capture_output=True, text=True, timeout=300)
+  assert step.returncode == 0, step.stderr[-2000:]
+  assert not any(n in step.stderr for n in noise), step.stderr[-2000:]
+  topology = subprocess.run([sys.executable, "-c", "from train.planning import compile as aot, hardware; "
+                             "print(len(aot.abstract_devices(hardware.tpu_slice('v5e-4'))))"], cwd=repo,
+                            env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+  assert topology.stdout.strip() == "4" and not any(n in topology.stderr for n in noise), topology.stderr[-2000:]

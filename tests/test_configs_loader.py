@@ -47,3 +47,17 @@ def test_workdir_check_refuses_urls():
   from train.core import loop
   with pytest.raises(loop.WorkdirError, match="URLs are not supported.*gcsfuse"):
     loop.check_workdir("gs://bucket/run")
+
+
+def test_a_refused_start_leaves_no_workdir_and_a_file_is_named(tmp_path):
+  """A start refused after the workdir was made (a mesh these devices cannot form) removes the empty directory it
+  made; a --workdir that is a file is refused as one."""
+  workdir = tmp_path / "new_run"
+  proc = _train(f"--workdir={workdir}", "--config.mesh.data=3", "--config.train.steps=1")
+  assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr
+  assert not workdir.exists()
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  proc = _train(f"--workdir={blocker}", "--config.train.steps=1")
+  assert proc.returncode == 2 and f"workdir {blocker} is a file, not a directory" in proc.stderr
+  assert blocker.read_text() == "not a directory"

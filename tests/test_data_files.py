@@ -57,7 +57,11 @@ def test_bad_records_are_skipped_counted_and_warned_once_per_file_on_both_sides(
   path.write_text("\n".join(lines) + "\n")
   with caplog.at_level(logging.WARNING):
     src = sources.JsonlFiles("j", str(path))
-    assert [src[i] for i in range(len(src))] == ["one", "", "", "", "", "two"]
+    before = dict(files.COUNTERS)
+    for _ in range(2):  # a second epoch reads the same bad records again: they count once
+      assert [src[i] for i in range(len(src))] == ["one", "", "", "", "", "two"]
+    counted = {k: files.COUNTERS[k] - before.get(k, 0) for k in ("unparseable_records", "records_without_text")}
+    assert counted == {"unparseable_records": 2, "records_without_text": 2}
   assert caplog.text.count("unparseable JSON") == 1 and f"{path}:2: unparseable JSON" in caplog.text
   assert caplog.text.count("is not a string") == 1 and f"{path}:3: text field" in caplog.text
   caplog.clear()

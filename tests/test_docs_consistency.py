@@ -42,3 +42,16 @@ def test_uniform_loss_figure_matches_the_vocabulary():
   figure = f"ln {vocab} = {math.log(vocab):.2f}"
   for rel in ("README.md", "configs/tiny.py"):
     assert figure in " ".join(_read(rel).split()), rel
+
+
+def test_what_the_docs_examples_write_in_the_checkout_is_ignored_by_git():
+  """The files the README's and docs' example commands write into the checkout (a curated corpus, a tokenizer,
+  evaluation results, runs) are in .gitignore, so following the docs leaves `git status` clean."""
+  import glob  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  docs = _read("README.md") + "".join(_read(os.path.relpath(p, REPO)) for p in glob.glob(f"{REPO}/docs/*.md"))
+  written = ["curated/en/head/part-0.jsonl", "tok.model", "results.json", "runs/tiny/metrics.jsonl"]
+  for path in written:  # each appears in a documented command
+    assert path.split("/")[0] in docs, path
+  out = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=REPO, capture_output=True, text=True)
+  assert sorted(out.stdout.split()) == sorted(written), out

@@ -524,6 +524,10 @@ def test_bad_specs_and_cli_exit_2(tmp_path, capsys):
   assert "mc.jsonl:1: label 5 is out of range" in capsys.readouterr().err
   assert evaluate.main(["--workdir", str(tmp_path / "none"), "--tasks", "pika:x"]) == 2
   assert "unknown task 'pika'" in capsys.readouterr().err
+  # samples would go nowhere without --output: refused before any work, and nothing written
+  assert evaluate.main(["--workdir", str(tmp_path), "--tasks", f"mc:{path}", "--log_samples"]) == 2
+  err = capsys.readouterr().err
+  assert "--log_samples" in err and "give --output FILE" in err
 
 
 def test_evaluate_reports_every_metric_with_stderr(single, tmp_path):

@@ -106,9 +106,10 @@ def test_bad_arguments_exit_2_with_a_message(run, capsys, tmp_path, argv, messag
   paths = {"RUN": run[0], "HFJSON": str(tmp_path), "HFBARE": str(tmp_path / "bare")}
   argv = [paths.get(a, a) for a in argv]
   assert cli.main(argv + ["--prompt", "hello"]) == 2
-  err = capsys.readouterr().err
+  out, err = capsys.readouterr()
   assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
   assert re.search(message, err), err
+  assert out == ""  # checked before anything is printed (the prompt is echoed only for a run that goes ahead)
 
 
 def test_fill_in_the_middle_generates_from_the_fim_prompt(run, capsys):

@@ -4,11 +4,13 @@ logits and token ids, PEFT's adapter on base/ gives merged/'s logits, and meshlm
 merged/ (the issue: train.generate --hf DIR/merged failed with "no tokenizer.model there")."""
 import filecmp
 import json
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import sentencepiece as spm
 
 import configs
 import parallel
@@ -69,11 +71,14 @@ def _torch_logits(directory, tokens):
     return model, model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
-def test_base_and_merged_carry_the_tokenizer_as_train_export_writes_it(exported):
+def test_base_and_merged_carry_the_tokenizer_as_train_export_writes_it(exported, capsys):
   import transformers
   root, run, out = exported
   assert export_lib.main([f"--workdir={run}", f"--output={root / 'export'}"]) == 0
-  names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"]
+  step = max(int(d) for d in os.listdir(run / "checkpoints") if d.isdigit())
+  assert capsys.readouterr().out.strip() == f"wrote {root / 'export'}: step {step} of {run}"  # the step written
+  names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+           "generation_config.json"]
   sp = tokenizer_lib.Tokenizer.load(str(run / "tokenizer.model"))
   for directory in (out / "base", out / "merged"):
     match, mismatch, errors = filecmp.cmpfiles(root / "export", directory, names, shallow=False)
@@ -84,6 +89,10 @@ def test_base_and_merged_carry_the_tokenizer_as_train_export_writes_it(exported)
       assert hf(text).input_ids == [sp.bos_id] + sp.encode(text), repr(text)
     assert hf.chat_template == chat.MESHLM_JINJA
     assert (hf.bos_token_id, hf.eos_token_id) == (sp.bos_id, sp.eos_id)
+    # transformers' generate stops at the chat template's end of turn as well as at EOS
+    generation = transformers.GenerationConfig.from_pretrained(str(directory))
+    end_of_turn = spm.SentencePieceProcessor(model_file=str(run / "tokenizer.model")).piece_to_id("<|end_of_turn|>")
+    assert sorted(generation.eos_token_id) == sorted([sp.eos_id, end_of_turn])
 
 
 def test_transformers_and_peft_give_meshlm_logits(exported):

@@ -169,6 +169,21 @@ def test_sigterm_saves_exits_0_and_resume_is_bit_exact(env, reference):
   _assert_same_run(workdir, reference)
 
 
+def test_a_second_sigint_stops_at_once_in_one_line(env):
+  """Ctrl-C twice: the first asks for a checkpoint, the second stops the run at once with one line and no
+  traceback (exit 130, as a shell reports an interrupted command)."""
+  workdir = env["root"] / "sigint"
+  proc = _start(env, workdir)
+  _wait_for(lambda: max(_train_lines(workdir), default=0) >= 1, proc)
+  proc.send_signal(signal.SIGINT)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode in (0, 130), err[-3000:]  # 0 when the checkpoint was written between the two
+  assert "Traceback" not in err, err[-3000:]
+  if proc.returncode == 130:
+    assert err.strip().splitlines()[-1].startswith("interrupted: a second SIGINT stopped the run at once")
+
+
 def test_sigkill_mid_training_resumes_to_the_same_result(env, reference):
   workdir = env["root"] / "sigkill"
   proc = _start(env, workdir, *MESH_222)

@@ -248,3 +248,19 @@ def test_config_json_says_which_kernels_the_run_ran(finished):
   assert written["model"]["attention_impl"] == written["model"]["moe_impl"] == "auto"
   assert {k: written["runtime"][k] for k in ("platform", "attention_impl", "moe_impl")} == {
       "platform": "cpu", "attention_impl": "xla", "moe_impl": "none"}
+
+
+def test_a_state_mismatch_names_the_objective_it_came_from():
+  """Resuming a workdir trained with another objective: the refusal names both objectives and the way on
+  (init_from in a new workdir), not the optimizer keys; a clip_norm switch names clip_norm."""
+  import configs
+  from train.rundir import runconfig
+  saved = json.loads(configs.load("tiny").to_json_best_effort())
+  wanted = {"params/head": (((4,), "float32"))}
+  dpo = configs.load("tiny", **{"train.objective": "dpo"})
+  with pytest.raises(configs.ConfigError) as e:
+    runconfig.check_state_layout(wanted, {}, "ckpt/5", cause=runconfig.layout_cause(dpo, saved))
+  assert "train.objective='lm'" in str(e.value) and "asks for 'dpo'" in str(e.value)
+  assert "init_from" in str(e.value) and "clip_norm" not in str(e.value)
+  unclipped = configs.load("tiny", **{"train.clip_norm": 0.0})
+  assert runconfig.layout_cause(unclipped, saved).startswith("train.clip_norm changed")

@@ -58,14 +58,21 @@ def run_in_workdir(run, config, args) -> int:
   config or workdir (loop.SetupError / WorkdirError), 1 training failed (loop.TrainingError); errors on stderr."""
   from train.core import loop  # pylint: disable=g-import-not-at-top
   workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
+  existed = os.path.exists(workdir)
   try:
     run(config, workdir, args.overrides)
   except (loop.SetupError, loop.WorkdirError) as e:
     print(f"error: {e}", file=sys.stderr)
+    if not existed and os.path.isdir(workdir) and not os.listdir(workdir):
+      os.rmdir(workdir)  # a refused start leaves nothing behind, not even the directory it made
     return 2
   except loop.TrainingError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
+  except KeyboardInterrupt:  # the second Ctrl-C: stop at once, in one line
+    print(f"interrupted: a second SIGINT stopped the run at once; {workdir} keeps its last complete checkpoint, "
+          "and the same command resumes from it", file=sys.stderr)
+    return 130
   return 0
 
 

@@ -68,6 +68,8 @@ def check_workdir(workdir: str) -> None:
                        "I/O); use a local or mounted path (NFS, or the bucket mounted with gcsfuse)")
   path = os.path.abspath(workdir)
   fix = "choose another --workdir or fix the permissions"
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise WorkdirError(f"workdir {path} is a file, not a directory; choose another --workdir")
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as e:
@@ -445,8 +447,9 @@ def _check_state_layout(trainer, checkpoint_dir: str, step: int) -> None:
   from train.rundir import runconfig  # pylint: disable=g-import-not-at-top
   checkpointer = ckpt_lib.Checkpointer(checkpoint_dir, read_only=True)
   try:
+    cause = runconfig.layout_cause(trainer.config, checkpointer.metadata(step).get("config", {}))
     runconfig.check_state_layout(runconfig.layout(trainer.abstract_state()), checkpointer.state_layout(step),
-                                 f"{checkpoint_dir}/{step}")
+                                 f"{checkpoint_dir}/{step}", cause=cause)
   except configs.ConfigError as e:
     raise SetupError(str(e)) from None
   finally:

@@ -44,13 +44,18 @@ def abstract_devices(tpu: hardware.TpuSlice) -> list:
 
   Raises NoTpuCompiler naming the fix when libtpu is missing or rejects the topology.
   """
-  install = "pip install -c constraints.txt libtpu (or the project's `tpu` extra: pip install -e '.[tpu]')"
+  install = ("pip install -c constraints.txt libtpu (or the project's `tpu` extra: pip install -c constraints.txt "
+             "-e '.[tpu]')")
   if not _libtpu_installed():
     raise NoTpuCompiler(f"ahead-of-time compilation for {tpu.topology} needs the TPU compiler, which is not "
                         f"installed: {install}")
   from jax.experimental import topologies
   # Compile-only use never owns TPU chips, so several processes (pytest workers, a search) may load libtpu.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from train.__main__ import _accelerator_present  # pylint: disable=g-import-not-at-top
+  if not _accelerator_present():  # a CPU host: libtpu's start-up would warn that it finds no TPU host to join
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v4-8")
   try:
     return list(topologies.get_topology_desc(platform="tpu", topology_name=tpu.topology,
                                              **tpu.topology_kwargs()).devices)

@@ -99,6 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, flag) is not None and getattr(args, flag) < (0 if flag == "num_fewshot" else 1):
       print(f"error: --{flag}={getattr(args, flag)} is out of range", file=sys.stderr)
       return 2
+  if args.log_samples and not args.output:
+    print("error: --log_samples adds each document's samples to the results JSON, which only --output writes; "
+          "give --output FILE (or drop --log_samples)", file=sys.stderr)
+    return 2
   try:
     specs = tasks_lib.parse_specs(args.tasks)
     for name, path in specs:  # every task file is read (and checked) before the model is loaded

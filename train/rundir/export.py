@@ -15,6 +15,7 @@ Exit codes: 0 written, 2 bad arguments or run directory (nothing written).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -28,8 +29,9 @@ def _nested(path: tuple, leaf: Any) -> dict:
 
 
 def export(workdir: str, output: str, step: int | None = None, dtype: str | None = None,
-           max_shard_size: int | str = "5GB") -> str:
-  """Writes the Hugging Face directory `output` for `workdir`'s checkpoint `step` (default latest); returns it.
+           max_shard_size: int | str = "5GB") -> tuple[str, int]:
+  """Writes the Hugging Face directory `output` for `workdir`'s checkpoint `step` (default latest); returns
+  (output, the step written).
 
   dtype: stored dtype (default: the run's param_dtype); max_shard_size: bytes per weight file (int or "5GB").
   """
@@ -66,7 +68,7 @@ def export(workdir: str, output: str, step: int | None = None, dtype: str | None
   finally:
     checkpointer.close()
   write_tokenizer(output, tokenizer, config, meta)
-  return output
+  return output, step
 
 
 def write_tokenizer(directory: str, tokenizer: str, config, meta: dict[str, Any]) -> None:
@@ -86,6 +88,7 @@ def write_tokenizer(directory: str, tokenizer: str, config, meta: dict[str, Any]
   from data import hf_tokenizer  # pylint: disable=g-import-not-at-top
   from data import hf_tokenizer_load  # pylint: disable=g-import-not-at-top
   from train.core import loop  # pylint: disable=g-import-not-at-top
+  write_generation_config(directory, tokenizer, config, meta)
   if os.path.isdir(tokenizer):
     for name in hf_tokenizer_load.FILES:
       if os.path.isfile(os.path.join(tokenizer, name)):
@@ -96,6 +99,21 @@ def write_tokenizer(directory: str, tokenizer: str, config, meta: dict[str, Any]
   hf_tokenizer.write(tokenizer, directory, model_max_length=config.model.max_seq_len)
   shutil.copyfile(tokenizer, os.path.join(directory, "tokenizer.model"))
   chat.write_chat_template(directory, meta.get(loop.CHAT_TEMPLATE_KEY) or chat.MESHLM_JINJA)
+
+
+def write_generation_config(directory: str, tokenizer: str, config, meta: dict[str, Any]) -> None:
+  """generation_config.json: transformers' `generate` stops where meshlm's chat does, at the run's chat template's
+  end-of-turn id as well as EOS (`eos_token_id` lists both), and starts prompts with BOS."""
+  from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from train.core import loop  # pylint: disable=g-import-not-at-top
+  from train.rundir import chat as run_chat  # pylint: disable=g-import-not-at-top
+  tok = tokenizer_lib.load(tokenizer)
+  stops = list(dict.fromkeys(int(i) for i in run_chat.template_for_run(config, tok, meta.get(loop.CHAT_TEMPLATE_KEY))
+                             .stop_ids()))
+  body = {"bos_token_id": int(tok.bos_id), "eos_token_id": stops if len(stops) > 1 else stops[0],
+          "pad_token_id": int(getattr(tok, "pad_id", 0))}
+  with open(os.path.join(directory, "generation_config.json"), "w") as f:
+    json.dump(body, f, indent=1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -121,11 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: --max_shard_size: {e}", file=sys.stderr)
     return 2
   try:
-    out = export(args.workdir, args.output, args.step, args.dtype, args.max_shard_size)
+    out, step = export(args.workdir, args.output, args.step, args.dtype, args.max_shard_size)
   except (restore.RunError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(f"wrote {out} (step {args.step if args.step is not None else 'latest'} of {args.workdir})")
+  print(f"wrote {out}: step {step} of {args.workdir}")
   return 0
 
 

@@ -30,15 +30,20 @@ class GenerateError(ValueError):
   """An argument, run directory or model directory that cannot be used; the message names it and the fix."""
 
 
+def add_source_arguments(p: argparse.ArgumentParser) -> None:
+  """--workdir RUN | --hf DIR and --step: where `load` reads the model (train.generate's and train.serve's)."""
+  src = p.add_mutually_exclusive_group(required=True)
+  src.add_argument("--workdir", help="meshlm run directory (holding checkpoints/)")
+  src.add_argument("--hf", help="Hugging Face model directory (a family docs/hf.md lists) with its tokenizer")
+  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+
+
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog="python -m train.generate", description="Generate text from a meshlm run or a Hugging Face directory.",
       epilog="Mesh and model overrides: --config.SECTION.KEY=VALUE (e.g. --config.mesh.tensor=2). Exit codes: 0 "
              "done, 2 bad arguments or directory.")
-  src = p.add_mutually_exclusive_group(required=True)
-  src.add_argument("--workdir", help="meshlm run directory (holding checkpoints/)")
-  src.add_argument("--hf", help="Hugging Face model directory (a family docs/hf.md lists) with its tokenizer")
-  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+  add_source_arguments(p)
   p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
   p.add_argument("--chat", action="store_true",
                  help="multi-turn chat: read one user turn per line from stdin, print each answer (the run's chat "
@@ -232,6 +237,10 @@ def run(args, overrides: Sequence[tuple[str, str]]) -> dict[str, Any]:
   else:
     prompts = [tokenizer_lib.prompt_ids(tokenizer, tokenizer.encode(text)) for text in args.prompt]
 
+  for p in prompts:  # before the prompt is echoed: a refused run prints nothing but its error
+    if len(p) + args.max_new_tokens > model.cfg.max_seq_len:
+      raise GenerateError(f"prompt of {len(p)} tokens + max_new_tokens={args.max_new_tokens} exceeds "
+                          f"model.max_seq_len={model.cfg.max_seq_len}; shorten the prompt or lower --max_new_tokens")
   stream = len(prompts) == 1 and not args.json
   detok = detokenize.Detokenizer(tokenizer)
   if stream:

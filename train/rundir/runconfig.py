@@ -204,10 +204,32 @@ def layout(abstract_state: Any) -> dict[str, tuple[tuple[int, ...], str]]:
           for k, v in ocp.tree.to_flat_dict(abstract_state).items()}
 
 
-def check_state_layout(wanted: dict[str, Any], saved: dict[str, Any], where: str, limit: int = 4) -> None:
+def layout_cause(config: ml_collections.ConfigDict, saved_config: dict[str, Any]) -> str:
+  """Why a resumed run's train state differs from its checkpoint's, from the two configs: another train.objective
+  (its own state: reward head, value head, frozen models), else the keys that shape the optimizer or the dtypes
+  that differ, else the general advice."""
+  saved_train, saved_model = saved_config.get("train", {}), saved_config.get("model", {})
+  if saved_train.get("objective", config.train.objective) != config.train.objective:
+    return (f"the checkpoint was trained with train.objective={saved_train['objective']!r} and this run asks for "
+            f"{config.train.objective!r}: train the new objective in a new --workdir, starting from this one with "
+            "--config.train.init_from=<this workdir>")
+  changed = [f"train.{k}" for k in ("clip_norm", "weight_decay")
+             if (saved_train.get(k, config.train[k]) > 0) != (config.train[k] > 0)]
+  changed += ["model.param_dtype"] if saved_model.get("param_dtype", config.model.param_dtype) != \
+      config.model.param_dtype else []
+  if changed:
+    return (f"{', '.join(changed)} changed (the optimizer's parts change when train.clip_norm or train.weight_decay "
+            "switches between 0 and > 0, the dtypes with model.param_dtype); resume with the checkpoint's settings "
+            "(its config.json) or start a new --workdir")
+  return ("resume with the checkpoint's settings (its config.json) or start a new --workdir")
+
+
+def check_state_layout(wanted: dict[str, Any], saved: dict[str, Any], where: str, limit: int = 4,
+                       cause: str | None = None) -> None:
   """Raises ConfigError when the train state this config builds (`wanted`, from `layout`) is not the one saved in
   the checkpoint (`saved`, from Checkpointer.state_layout): leaves missing on either side or of another shape or
-  dtype, a few of each named. Restoring such a checkpoint would otherwise fail deep inside orbax."""
+  dtype, a few of each named, then `cause` (`layout_cause`). Restoring such a checkpoint would otherwise fail deep
+  inside orbax."""
   problems = []
   missing = sorted(set(wanted) - set(saved))
   extra = sorted(set(saved) - set(wanted))
@@ -220,7 +242,8 @@ def check_state_layout(wanted: dict[str, Any], saved: dict[str, Any], where: str
   for k in changed[:limit]:
     problems.append(f"{k}: checkpoint {saved[k][0]} {saved[k][1]}, this config {wanted[k][0]} {wanted[k][1]}")
   if problems:
-    raise ConfigError(f"the train state saved in {where} does not fit this config:\n  " + "\n  ".join(problems)
-                      + "\nthe optimizer's parts change when train.clip_norm or train.weight_decay switches between 0 "
+    cause = cause or ("the optimizer's parts change when train.clip_norm or train.weight_decay switches between 0 "
                       "and > 0, and the dtypes with model.param_dtype; resume with the checkpoint's settings (its "
                       "config.json) or start a new --workdir")
+    raise ConfigError(f"the train state saved in {where} does not fit this config:\n  " + "\n  ".join(problems)
+                      + f"\n{cause}")

@@ -22,10 +22,7 @@ def _parser() -> argparse.ArgumentParser:
                               "run or a Hugging Face directory.",
                               epilog="Mesh and model overrides: --config.SECTION.KEY=VALUE. Exit codes: 0 shut "
                                      "down, 2 bad arguments or directory.")
-  src = p.add_mutually_exclusive_group(required=True)
-  src.add_argument("--workdir", help="meshlm run directory (holding checkpoints/)")
-  src.add_argument("--hf", help="Hugging Face model directory with its tokenizer")
-  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+  generate_cli.add_source_arguments(p)
   p.add_argument("--host", default="127.0.0.1", help="address to listen on")
   p.add_argument("--port", type=int, default=8000, help="TCP port")
   p.add_argument("--served_model_name", default=None, help="the model id clients name (default: the directory's)")
