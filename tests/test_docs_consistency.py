@@ -55,3 +55,13 @@ def test_what_the_docs_examples_write_in_the_checkout_is_ignored_by_git():
     assert path.split("/")[0] in docs, path
   out = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=REPO, capture_output=True, text=True)
   assert sorted(out.stdout.split()) == sorted(written), out
+
+
+def test_the_simulated_multi_process_example_runs_a_few_steps():
+  """docs/parallel.md's two-process example on one machine sets its step count (the config's default is a full
+  training run, minutes of two processes for an example)."""
+  text = _read("docs/parallel.md")
+  block = text[text.index("### Simulated on one CPU machine"):].split("```")[1]
+  assert "python -m train.step" in block and "--config.distributed.num_processes=2" in block
+  steps = re.search(r"--config\.train\.steps=(\d+)", block)
+  assert steps and int(steps.group(1)) <= 10

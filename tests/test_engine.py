@@ -131,18 +131,17 @@ def test_speculative_greedy_equals_plain_greedy(model):
 
 def test_a_draft_model_proposes_and_greedy_stays_plain_greedy(model):
   """A smaller meshlm model drafting 3 tokens per step (verified by the target in one call): the tokens are plain
-  greedy decoding's; the target drafting for itself has every draft accepted."""
+  greedy decoding's although the draft proposes tokens the target refuses."""
   rng = np.random.default_rng(6)
   prompts = [[int(t) for t in rng.integers(1, 256, size=n)] for n in (4, 19, 11)]
   want = generate_lib.generate(model, prompts, 14)
   small = Transformer(configs.load("tiny", **{**SMALL, "model.num_layers": 1, "model.d_model": 16,
                                               "model.mlp_dim": 32, "model.layer_types": ()}).model,
                       rngs=nnx.Rngs(7))
-  for draft in (small, model):
-    engine = engine_lib.Engine(model, max_seqs=3, page_size=8, chunk=8, speculative=3, draft=draft)
-    assert engine.generate(prompts, 14) == want
-    drafted, accepted = engine.stats["drafted"], engine.stats["accepted"]
-    assert drafted > 0 and (accepted == drafted if draft is model else accepted < drafted), (drafted, accepted)
+  engine = engine_lib.Engine(model, max_seqs=3, page_size=8, chunk=8, speculative=3, draft=small)
+  assert engine.generate(prompts, 14) == want
+  drafted, accepted = engine.stats["drafted"], engine.stats["accepted"]
+  assert 0 < drafted and accepted < drafted, (drafted, accepted)  # its drafts are checked, some refused
   with pytest.raises(ValueError, match="speculative >= 1"):
     engine_lib.Engine(model, draft=small)
 

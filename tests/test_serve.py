@@ -61,7 +61,7 @@ def server(run):  # noqa: F811
   port = _free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   proc = subprocess.Popen([sys.executable, "-m", "train.serve", "--workdir", workdir, "--port", str(port),
-                           "--max_seqs", "8", "--served_model_name", "tiny"], env=env, stdout=subprocess.PIPE,
+                           "--max_seqs", "8", "--served_model_name", "tiny", "--no_warmup"], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
   lines = []
   threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()

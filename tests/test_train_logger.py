@@ -59,3 +59,15 @@ def test_plot_writes_png(tmp_path):
   assert img.shape[0] > 100 and img.shape[1] > 300
   assert img[..., :3].std() > 0.05  # something was drawn
   assert plot_lib.main([str(tmp_path / "missing")]) == 2
+
+
+def test_plot_draws_the_post_training_metrics_a_run_logged():
+  """A DPO run's reward accuracy and KL, an SFT run's held-out exact match: each gets its panel, and a pretraining
+  run's metrics none of them."""
+  dpo = [{"step": 1, "loss": 0.69, "reward_accuracy": 0.5, "kl": 0.0},
+         {"step": 2, "eval_loss": 0.6, "eval_reward_accuracy": 0.7, "eval_kl": 0.1, "eval_exact_match": 0.4}]
+  titles = [title for title, _, _ in plot_lib.panels(dpo)]
+  assert titles == ["loss", "held-out exact match", "reward accuracy", "KL to reference"]
+  grpo = [{"step": 1, "loss": 0.1, "reward_mean": 0.3, "kl_k3": 0.01}]
+  assert [t for t, _, _ in plot_lib.panels(grpo)] == ["loss", "reward", "KL to reference"]
+  assert [t for t, _, _ in plot_lib.panels([{"step": 1, "loss": 3.0, "lr": 1e-3}])] == ["loss", "learning rate"]

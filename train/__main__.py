@@ -15,11 +15,14 @@ from typing import Sequence
 from train.core import hostmem
 
 
+def _accelerator_devices() -> bool:
+  """Whether this host has TPU or GPU device files."""
+  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or glob.glob("/dev/nvidia[0-9]*"))
+
+
 def _accelerator_present() -> bool:
   """Whether this host looks like it has a TPU or GPU, judged without initialising JAX."""
-  if any(k.startswith(("TPU_", "CLOUD_TPU")) for k in os.environ):
-    return True
-  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or glob.glob("/dev/nvidia[0-9]*"))
+  return any(k.startswith(("TPU_", "CLOUD_TPU")) for k in os.environ) or _accelerator_devices()
 
 
 def _default_platform() -> None:

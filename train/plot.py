@@ -1,5 +1,5 @@
-"""`python -m train.plot WORKDIR [--out FILE]`: a PNG of training and eval loss, learning rate and tokens/s (and,
-for `python -m train.rl` runs, reward and KL to the reference).
+"""`python -m train.plot WORKDIR [--out FILE]`: a PNG of training and eval loss, learning rate and tokens/s, and for
+post-training runs held-out exact match, reward accuracy, reward and KL to the reference.
 
 Reads WORKDIR/metrics.jsonl (written by `python -m train` or `python -m train.rl`) and writes WORKDIR/metrics.png
 by default; panels without any data in the run are left out.
@@ -17,9 +17,16 @@ PANELS = (  # (title, [(metric key, legend label), ...], y scale)
     ("loss", [("loss", "train"), ("eval_loss", "eval")], "linear"),
     ("learning rate", [("lr", "lr")], "linear"),
     ("tokens / s", [("tokens_per_sec", "tokens/s")], "linear"),
+    ("held-out exact match", [("eval_exact_match", "all families")], "linear"),
+    ("reward accuracy", [("reward_accuracy", "train"), ("eval_reward_accuracy", "eval")], "linear"),
     ("reward", [("reward_mean", "train rollouts"), ("eval_reward_mean", "eval")], "linear"),
-    ("KL to reference (nats / completion)", [("kl", "kl")], "linear"),
+    ("KL to reference", [("kl", "kl"), ("kl_k3", "kl (k3, per token)"), ("eval_kl", "eval")], "linear"),
 )
+
+
+def panels(records: Sequence[dict]) -> list[tuple]:
+  """The PANELS with data in these metrics records (the loss panel when none has)."""
+  return [p for p in PANELS if any(series(records, key)[0] for key, _ in p[1])] or list(PANELS[:1])
 
 
 def series(records: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
@@ -39,9 +46,9 @@ def plot(workdir: str, out: str | None = None) -> str:
     raise FileNotFoundError(f"no metrics in {os.path.join(workdir, logger.METRICS_FILE)}: run "
                             f"`python -m train --workdir={workdir}` first")
   out = out or os.path.join(workdir, "metrics.png")
-  panels = [p for p in PANELS if any(series(records, key)[0] for key, _ in p[1])] or PANELS[:1]
-  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
-  for ax, (title, keys, scale) in zip(axes[0], panels):
+  shown = panels(records)
+  fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 3.6), squeeze=False)
+  for ax, (title, keys, scale) in zip(axes[0], shown):
     for key, label in keys:
       steps, values = series(records, key)
       if steps:

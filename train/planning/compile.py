@@ -52,8 +52,8 @@ def abstract_devices(tpu: hardware.TpuSlice) -> list:
   from jax.experimental import topologies
   # Compile-only use never owns TPU chips, so several processes (pytest workers, a search) may load libtpu.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  from train.__main__ import _accelerator_present  # pylint: disable=g-import-not-at-top
-  if not _accelerator_present():  # a CPU host: libtpu's start-up would warn that it finds no TPU host to join
+  from train.__main__ import _accelerator_devices  # pylint: disable=g-import-not-at-top
+  if not _accelerator_devices():  # a CPU host: libtpu's start-up would warn that it finds no TPU host to join
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v4-8")
   try:

@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="draft tokens verified per step (0 = off): n-gram prompt lookup, or the --draft_* model's")
   p.add_argument("--draft_workdir", default=None, help="a smaller meshlm run drafting for --speculative")
   p.add_argument("--draft_hf", default=None, help="a smaller Hugging Face model drafting for --speculative")
+  p.add_argument("--no_warmup", action="store_true",
+                 help="start without compiling every engine program first (a faster start; the first requests of "
+                      "each shape wait for their compilation)")
   p.add_argument("--shutdown_timeout", type=float, default=30.0,
                  help="seconds in-flight requests get to finish after SIGTERM before they are cancelled")
   return p
@@ -75,8 +78,9 @@ def build(args, overrides: Sequence[tuple[str, str]]):
   engine = engine_lib.Engine(model, max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                              chunk=args.chunk, max_len=args.max_len, speculative=args.speculative, draft=draft)
   scope = lambda: parallel.activate(mesh, rules)  # pylint: disable=unnecessary-lambda-assignment
-  with scope():
-    engine.warmup()  # every program the engine can call, compiled before serving
+  if not args.no_warmup:
+    with scope():
+      engine.warmup()  # every program the engine can call, compiled before serving
   worker = worker_lib.Worker(engine, max_queue=args.max_queue, scope=scope)
   name = args.served_model_name or os.path.basename(os.path.normpath(args.workdir or args.hf))
 
