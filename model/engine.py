@@ -617,11 +617,11 @@ def _choose(logits_V: np.ndarray, r: Request) -> tuple[int, float]:
   temperature = r.temperature or 1.0
   logp_V = _log_softmax(logits_V / temperature)
   penalized_V = logits_V
-  if r.repetition_penalty != 1.0:
+  if r.repetition_penalty != 1.0:  # model.generate's penalty over the ids in the prompt and output
     seen_V = np.zeros(logits_V.shape, bool)
     seen_V[np.asarray(r.sequence)] = True
-    p = r.repetition_penalty
-    penalized_V = np.where(seen_V, np.where(logits_V < 0, logits_V * p, logits_V / p), logits_V)
+    penalized_V = np.asarray(generate_lib.penalize_repeats(jnp.asarray(logits_V[None], jnp.float32),
+                                                           jnp.asarray(seen_V[None]), r.repetition_penalty))[0]
   if not r.temperature:
     token = int(np.argmax(penalized_V))
   else:

@@ -123,7 +123,7 @@ class Worker:
       try:
         pending.rid = self.engine.add(prompt, max_new_tokens, **settings)
       except ValueError as e:  # checked at submit; kept for a race with a config change
-        self._finish(ticket, pending, [], f"error: {e}")
+        self._finish(pending, [], f"error: {e}")
         return
       self._pending[ticket] = pending
     elif kind == "cancel" and ticket in self._pending:
@@ -139,12 +139,11 @@ class Worker:
       pending.shown += len(new)
       if request.done:
         del self._pending[ticket]
-        self._finish(ticket, pending, new, "stop" if request.tokens[-1] in request.stop_ids else "length")
+        self._finish(pending, new, "stop" if request.tokens[-1] in request.stop_ids else "length")
       elif new:
         pending.sink(new, None)
 
-  def _finish(self, ticket: int, pending: _Pending, tokens: list[int], reason: str) -> None:
-    del ticket
+  def _finish(self, pending: _Pending, tokens: list[int], reason: str) -> None:
     try:
       pending.sink(tokens, reason)
     finally:
@@ -159,4 +158,4 @@ class Worker:
       del self._pending[ticket]
       if pending.rid is not None:
         self.engine.cancel(pending.rid)
-      self._finish(ticket, pending, [], reason)
+      self._finish(pending, [], reason)
