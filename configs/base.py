@@ -38,9 +38,21 @@ def get_config() -> ml_collections.ConfigDict:
   t.schedule = "cosine"  # cosine (linear warmup + cosine) | wsd (warmup-stable-decay) | constant (after warmup)
   t.warmup_steps = 100  # linear warmup from 0 to lr
   t.decay_fraction = 0.2  # wsd: fraction of the steps spent in the final decay
-  t.b1 = 0.9  # AdamW beta1
-  t.b2 = 0.95  # AdamW beta2
+  t.optimizer = "adamw"  # adamw | muon | adafactor | lion | schedule_free_adamw (train/core/optimizer.py)
+  t.opt_state_dtype = "float32"  # float32 | bfloat16: the optimizer's per-parameter state between steps
+  t.b1 = 0.9  # AdamW beta1 (lion: the update's interpolation; schedule_free_adamw: its y interpolation)
+  t.b2 = 0.95  # AdamW beta2 (lion: the momentum's decay, 0.99 in its paper)
   t.eps = 1e-8  # AdamW epsilon
+  t.muon_momentum = 0.95  # muon: momentum of the matrices' gradients
+  t.muon_nesterov = True  # muon: Nesterov momentum
+  t.muon_ns_steps = 5  # muon: Newton-Schulz iterations
+  t.muon_ns_coeffs = (3.4445, -4.775, 2.0315)  # muon: (a, b, c) of a X + b X X^T X + c (X X^T)^2 X, or one triple per step
+  t.muon_rms = 0.2  # muon: update RMS matched to AdamW's, scale muon_rms * sqrt(max(fan_in, fan_out)); 0 = sqrt(max(1, fan_out / fan_in))
+  t.adafactor_decay_rate = 0.8  # adafactor: second-moment decay 1 - (t + 1)^-rate
+  t.adafactor_clip = 1.0  # adafactor: clip each update to this block RMS; 0 disables
+  t.adafactor_momentum = 0.0  # adafactor: EMA of the updates (0 = none, as in its paper)
+  t.adafactor_min_dim_to_factor = 128  # adafactor: factor the second moment of matrices with both sides >= this
+  t.schedule_free_weight_lr_power = 2.0  # schedule_free_adamw: average weights lr^power
   t.weight_decay = 0.1  # decoupled weight decay
   t.decay_exclude = ("norm", "bias", "embedding")  # parameter-path substrings without weight decay (unembed decays)
   t.clip_norm = 1.0  # global-norm gradient clipping threshold; 0 disables

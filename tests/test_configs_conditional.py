@@ -50,6 +50,17 @@ CASES = {
     "train.eval_generations": (64, {}, _CHAT),
     "train.eval_tasks": ("mc:/tmp/mc.jsonl", {"train.eval_every": 0}, {}),
     "train.eval_tasks_limit": (10, {}, {"train.eval_tasks": "mc:/tmp/mc.jsonl"}),
+    **{f"train.{k}": (v, {}, {"train.optimizer": "muon"}) for k, v in (
+        ("muon_momentum", 0.9), ("muon_nesterov", False), ("muon_ns_steps", 6),
+        ("muon_ns_coeffs", (2.0, -1.5, 0.5)), ("muon_rms", 0.3))},
+    **{f"train.{k}": (v, {}, {"train.optimizer": "adafactor"}) for k, v in (
+        ("adafactor_decay_rate", 0.5), ("adafactor_clip", 0.0), ("adafactor_momentum", 0.9),
+        ("adafactor_min_dim_to_factor", 64))},
+    "train.schedule_free_weight_lr_power": (1.0, {}, {"train.optimizer": "schedule_free_adamw",
+                                                      "train.schedule": "constant"}),
+    "train.b1": (0.8, {"train.optimizer": "adafactor"}, {"train.optimizer": "lion"}),
+    "train.b2": (0.99, {"train.optimizer": "adafactor"}, {"train.optimizer": "lion"}),
+    "train.eps": (1e-6, {"train.optimizer": "lion"}, {"train.optimizer": "muon"}),
     "train.decay_fraction": (0.5, {}, {"train.schedule": "wsd"}),
     "train.min_lr_ratio": (0.0, {"train.schedule": "constant"}, {}),
     "rl.kl_target": (6.0, {}, {"rl.algorithm": "ppo", "train.objective": "ppo"}),

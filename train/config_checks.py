@@ -72,6 +72,24 @@ _EVAL_ROWS = (
          needs=("command",)),
 )
 
+def _optimizer_is(*kinds):
+  return lambda c, f: c.train.optimizer in kinds
+
+
+_OPTIMIZER_ROWS = (
+    *(_row(f"train.{k}", "train.optimizer=muon", _optimizer_is("muon"))
+      for k in ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_coeffs", "muon_rms")),
+    *(_row(f"train.{k}", "train.optimizer=adafactor", _optimizer_is("adafactor"))
+      for k in ("adafactor_decay_rate", "adafactor_clip", "adafactor_momentum", "adafactor_min_dim_to_factor")),
+    _row("train.schedule_free_weight_lr_power", "train.optimizer=schedule_free_adamw",
+         _optimizer_is("schedule_free_adamw")),
+    *(_row(f"train.{k}", "train.optimizer is adamw, muon, lion or schedule_free_adamw",
+           _optimizer_is("adamw", "muon", "lion", "schedule_free_adamw"), "adafactor has no first or second "
+           "moment decay of its own (train.adafactor_*)") for k in ("b1", "b2")),
+    _row("train.eps", "train.optimizer is adamw, muon or schedule_free_adamw",
+         _optimizer_is("adamw", "muon", "schedule_free_adamw"), "lion's sign update and adafactor have no epsilon"),
+)
+
 validate.conditional(
     *(_row(f"train.{k}", "mesh.stage > 1", _stages, "pipeline parallelism (docs/pipeline.md)", needs=("stage",))
       for k in _PIPELINE),
@@ -109,6 +127,7 @@ validate.conditional(
     *(_row(f"train.{k}", "train.objective=mlm", lambda c, f: c.train.objective == "mlm")
       for k in ("mlm_rate", "mlm_mask_fraction", "mlm_random_fraction")),
     *_EVAL_ROWS,
+    *_OPTIMIZER_ROWS,
     _row("train.decay_fraction", "train.schedule='wsd'", lambda c, f: c.train.schedule == "wsd"),
     _row("train.min_lr_ratio", "train.schedule is 'cosine' or 'wsd'", lambda c, f: c.train.schedule != "constant",
          "the constant schedule never decays"),
@@ -127,3 +146,14 @@ validate.conditional(
       for k in ("eval_prompts", "eval_best_of")),
     _row("log.wandb_project", "log.wandb=True", lambda c, f: c.log.wandb, "nothing is logged to Weights & Biases"),
 )
+
+
+def _optimizer(config):
+  """train.optimizer's choices and the keys it constrains (train/core/optimizer.py check), before anything runs."""
+  if "train" not in config or "optimizer" not in config.train:
+    return
+  from train.core import optimizer  # jax and optax: imported when a train config is checked, not before
+  optimizer.check(config.train)
+
+
+validate.register("train.optimizer", _optimizer)

@@ -1,9 +1,26 @@
-"""AdamW with global-norm clipping, a weight-decay mask and the learning-rate schedules (optax).
+"""The optimizers (train.optimizer), global-norm clipping, the weight-decay mask and the learning-rate schedules,
+all through optax.
 
-The transformation returned by `make` yields the update for a learning rate of 1: clip -> Adam -> + decoupled
-weight decay. The step multiplies it by -schedule(step), with `step` the train state's counter, so the learning
-rate is a function of the step (it keeps advancing over skipped non-finite steps) and the reported lr is
-exactly the one applied. With a constant schedule this is `optax.chain(clip, optax.adamw(lr, mask=...))`.
+The transformation returned by `make` yields the update for a learning rate of 1 (a unit update u): clip -> the
+optimizer's direction -> + decoupled weight decay. The step applies params - schedule(step) * u, with `step` the
+train state's counter, so the learning rate is a function of the step (it keeps advancing over skipped non-finite
+steps) and the reported lr is exactly the one applied. With a constant schedule adamw is
+`optax.chain(clip, optax.adamw(lr, mask=...))`. Sign conventions differ between optax's aliases: `optax.adafactor`
+and `optax.contrib.muon` end in a descent step (scale(-lr)); here their directions are built without it.
+
+  adamw               Adam direction m_hat / (sqrt(v_hat) + eps) (Loshchilov & Hutter 2019)
+  lion                sign(b1 m + (1 - b1) g), then m <- b2 m + (1 - b2) g (Chen et al. 2023, "Symbolic Discovery
+                      of Optimization Algorithms"; the paper's b2 = 0.99, train.b2's default is AdamW's 0.95)
+  adafactor           g / sqrt(factored second moment) clipped to block RMS train.adafactor_clip (Shazeer & Stern
+                      2018); matrices keep row and column means instead of a full second moment
+  muon                matrices: Newton-Schulz-orthogonalised (Nesterov) momentum, scaled by
+                      train.muon_rms * sqrt(max(fan_in, fan_out)) so its RMS matches AdamW's and one lr serves both
+                      (Liu et al. 2025, "Muon is Scalable for LLM Training"), or with train.muon_rms=0 by
+                      sqrt(max(1, fan_out / fan_in)) (Jordan 2024); embeddings, output projection, norms, biases
+                      and objective heads: the AdamW direction
+  schedule_free_adamw Defazio et al. 2024, "The Road Less Scheduled": the update includes the learning rate
+                      (`brings_lr`); the train state keeps the averaged parameters x (what evaluation and export
+                      see) and the step takes the gradient at y = b1 x + (1 - b1) z (`gradient_point`)
 """
 from __future__ import annotations
 
@@ -15,6 +32,30 @@ import jax.numpy as jnp
 import optax
 
 SCHEDULES = ("cosine", "wsd", "constant")
+OPTIMIZERS = ("adamw", "muon", "adafactor", "lion", "schedule_free_adamw")
+STATE_DTYPES = ("float32", "bfloat16")
+
+
+def check(train_cfg) -> None:
+  """ValueError naming the key for an unknown optimizer or state dtype, or a schedule-free run with a schedule."""
+  if train_cfg.optimizer not in OPTIMIZERS:
+    raise ValueError(f"config.train.optimizer={train_cfg.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+  if train_cfg.opt_state_dtype not in STATE_DTYPES:
+    raise ValueError(f"config.train.opt_state_dtype={train_cfg.opt_state_dtype!r} is not one of "
+                     f"{', '.join(STATE_DTYPES)}")
+  if train_cfg.optimizer == "schedule_free_adamw" and train_cfg.schedule != "constant":
+    raise ValueError(f"config.train.schedule={train_cfg.schedule!r} with train.optimizer=schedule_free_adamw: "
+                     "schedule-free averaging replaces the decay; set train.schedule=constant (warmup_steps "
+                     "still applies)")
+  coeffs = tuple(train_cfg.muon_ns_coeffs)
+  if train_cfg.optimizer == "muon" and (len(coeffs) % 3 or not coeffs or len(coeffs) // 3 > train_cfg.muon_ns_steps):
+    raise ValueError(f"config.train.muon_ns_coeffs={coeffs} must be one (a, b, c) triple, or up to "
+                     f"train.muon_ns_steps={train_cfg.muon_ns_steps} triples flattened (one per iteration)")
+
+
+def brings_lr(train_cfg) -> bool:
+  """Whether `make`'s update already includes the learning rate and sign (schedule-free)."""
+  return train_cfg.optimizer == "schedule_free_adamw"
 
 
 def horizon(train_cfg) -> int:
@@ -71,25 +112,187 @@ def decay_mask(params: Any, exclude: Sequence[str]) -> Any:
       lambda path, _: not any(s in path_name(path) for s in exclude), params)
 
 
-def make(train_cfg, lr_multipliers: Any = None) -> optax.GradientTransformation:
-  """clip_by_global_norm(clip_norm) -> scale_by_adam(b1, b2, eps) [-> lr_multipliers] -> add_decayed_weights(
-  weight_decay, mask).
+def make(train_cfg, lr_multipliers: Any = None, muon_dims: Any = None) -> optax.GradientTransformation:
+  """clip_by_global_norm(clip_norm) -> the train.optimizer direction [-> lr_multipliers] -> add_decayed_weights(
+  weight_decay, mask), with its state kept in train.opt_state_dtype.
 
-  The result is the unit-learning-rate AdamW update; multiply by -schedule(step) (train.step does).
-  `lr_multipliers` (muP, model/mup.py: a pytree of floats that is a prefix of the parameters) scale the Adam
-  direction per parameter and not the decay term, so a parameter with learning rate lr * m still decays by
-  lr * weight_decay per step (the `mup` package's MuAdamW multiplies weight_decay by 1/m for the same effect).
+  The result is the unit-learning-rate update; multiply by -schedule(step) (train.step does), except for
+  schedule_free_adamw whose update already is the step (`brings_lr`). `lr_multipliers` (muP, model/mup.py: a
+  pytree of floats that is a prefix of the parameters) scale the direction per parameter and not the decay term, so
+  a parameter with learning rate lr * m still decays by lr * weight_decay per step (the `mup` package's MuAdamW
+  multiplies weight_decay by 1/m for the same effect). `muon_dims` (muon only): a prefix tree of the parameters,
+  `optax.contrib.MuonDimensionNumbers` where Muon applies and None where AdamW does (`muon_dimension_numbers`).
   """
+  check(train_cfg)
   parts = []
   if train_cfg.clip_norm > 0:
     parts.append(optax.clip_by_global_norm(float(train_cfg.clip_norm)))
-  parts.append(optax.scale_by_adam(b1=float(train_cfg.b1), b2=float(train_cfg.b2), eps=float(train_cfg.eps)))
+  kind = train_cfg.optimizer
+  if kind == "schedule_free_adamw":
+    parts.append(_schedule_free(train_cfg, lr_multipliers))
+    return _state_in(optax.chain(*parts), train_cfg.opt_state_dtype)
+  parts.append(_direction(train_cfg, muon_dims))
   if lr_multipliers is not None and any(m != 1.0 for m in jax.tree.leaves(lr_multipliers)):
     parts.append(_scale_per_parameter(lr_multipliers))
   if train_cfg.weight_decay > 0:
-    exclude = tuple(train_cfg.decay_exclude)
-    parts.append(optax.add_decayed_weights(float(train_cfg.weight_decay), mask=lambda p: decay_mask(p, exclude)))
-  return optax.chain(*parts)
+    parts.append(_decay(train_cfg))
+  return _state_in(optax.chain(*parts), train_cfg.opt_state_dtype)
+
+
+def _decay(train_cfg) -> optax.GradientTransformation:
+  exclude = tuple(train_cfg.decay_exclude)
+  return optax.add_decayed_weights(float(train_cfg.weight_decay), mask=lambda p: decay_mask(p, exclude))
+
+
+def _adam(train_cfg) -> optax.GradientTransformation:
+  return optax.scale_by_adam(b1=float(train_cfg.b1), b2=float(train_cfg.b2), eps=float(train_cfg.eps))
+
+
+def _direction(train_cfg, muon_dims: Any) -> optax.GradientTransformation:
+  """The unit update of adamw, lion, adafactor or muon (module docstring), before decay."""
+  kind, t = train_cfg.optimizer, train_cfg
+  if kind == "adamw":
+    return _adam(t)
+  if kind == "lion":
+    return optax.scale_by_lion(b1=float(t.b1), b2=float(t.b2))
+  if kind == "adafactor":
+    parts = [optax.scale_by_factored_rms(factored=True, decay_rate=float(t.adafactor_decay_rate),
+                                         min_dim_size_to_factor=int(t.adafactor_min_dim_to_factor))]
+    if t.adafactor_clip > 0:
+      parts.append(optax.clip_by_block_rms(float(t.adafactor_clip)))
+    if t.adafactor_momentum > 0:
+      parts.append(optax.ema(float(t.adafactor_momentum), debias=False))
+    return optax.chain(*parts)
+  if muon_dims is None:
+    raise ValueError("train.optimizer=muon needs the parameters' dimension numbers (muon_dimension_numbers)")
+  return _muon(t, muon_dims)
+
+
+def _muon(t, muon_dims: Any) -> optax.GradientTransformation:
+  """Muon on the parameters with dimension numbers, the AdamW direction on the others (optax.contrib.muon's
+  partition, without its final descent step, and with plain Adam, not Nesterov Adam, beside Muon)."""
+  is_dims = lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)
+  labels = lambda params: jax.tree.map(lambda d, sub: jax.tree.map(lambda _: "adam" if d is None else "muon", sub),
+                                       muon_dims, params, is_leaf=is_dims)
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+
+  def dims_of_muon_leaves(updates):
+    # The muon branch sees optax.MaskedNode where AdamW applies; its dimension tree must have the same structure.
+    return jax.tree.map(lambda d, sub: jax.tree.map(lambda u: optax.MaskedNode() if masked(u) else d, sub,
+                                                    is_leaf=masked),
+                        muon_dims, updates, is_leaf=is_dims)
+
+  coeffs = tuple(float(c) for c in t.muon_ns_coeffs)
+  coeffs = coeffs if len(coeffs) == 3 else tuple(coeffs[i:i + 3] for i in range(0, len(coeffs), 3))
+  muon = optax.chain(
+      optax.contrib.scale_by_muon(ns_coeffs=coeffs, ns_steps=int(t.muon_ns_steps), beta=float(t.muon_momentum),
+                                  nesterov=bool(t.muon_nesterov), weight_dimension_numbers=dims_of_muon_leaves),
+      _scale_by_shape(dims_of_muon_leaves, float(t.muon_rms)))
+  return optax.partition({"muon": muon, "adam": _adam(t)}, labels)
+
+
+def _scale_by_shape(dims_fn: Callable[[Any], Any], rms: float) -> optax.GradientTransformation:
+  """An orthogonalised update (singular values ~1, RMS ~1/sqrt(max(fan_in, fan_out))) times
+  rms * sqrt(max(fan_in, fan_out)), so its RMS is `rms` (Liu et al. 2025, eq. 4), or with rms = 0 times
+  sqrt(max(1, fan_out / fan_in)) (Jordan 2024); fan_in / fan_out: the products of the reduction / output axes."""
+  is_dims = lambda x: isinstance(x, (optax.contrib.MuonDimensionNumbers, optax.MaskedNode))
+  def fans(u, d):
+    axes_ = lambda a: (a,) if isinstance(a, int) else tuple(a)
+    return (math.prod(u.shape[i] for i in axes_(d.reduction_axis)),
+            math.prod(u.shape[i] for i in axes_(d.output_axis)))
+  def scale(u, d):
+    if isinstance(d, optax.MaskedNode):
+      return u
+    fan_in, fan_out = fans(u, d)
+    return u * (rms * math.sqrt(max(fan_in, fan_out)) if rms > 0 else math.sqrt(max(1.0, fan_out / fan_in)))
+  def update(updates, state, params=None):
+    del params
+    return jax.tree.map(lambda d, u: scale(u, d), dims_fn(updates), updates, is_leaf=is_dims), state
+  return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def _schedule_free(t, lr_multipliers: Any) -> optax.GradientTransformation:
+  """optax.contrib.schedule_free around Adam without momentum (optax's schedule_free_adamw) with meshlm's decay
+  mask, muP multipliers and learning-rate schedule (constant after warmup; its update includes -lr)."""
+  lr_fn = schedule(t)
+  base = [optax.scale_by_rms(decay=float(t.b2), eps=float(t.eps), eps_in_sqrt=False, bias_correction=True)]
+  if lr_multipliers is not None and any(m != 1.0 for m in jax.tree.leaves(lr_multipliers)):
+    base.append(_scale_per_parameter(lr_multipliers))
+  if t.weight_decay > 0:
+    base.append(_decay(t))
+  base.append(optax.scale_by_learning_rate(lr_fn))
+  return optax.contrib.schedule_free(optax.chain(*base), learning_rate=lr_fn, b1=float(t.b1),
+                                     weight_lr_power=float(t.schedule_free_weight_lr_power))
+
+
+def _state_in(tx: optax.GradientTransformation, dtype: str) -> optax.GradientTransformation:
+  """`tx` with its per-parameter state (float arrays of rank >= 1) stored in `dtype` between steps and updated in
+  float32; scalars (counts, schedule-free's weight sums) stay as they are."""
+  if dtype == "float32":
+    return tx
+  store, compute = jnp.dtype(dtype), jnp.float32
+  def cast(tree, to):
+    return jax.tree.map(lambda x: x.astype(to) if (hasattr(x, "dtype") and x.ndim and jnp.issubdtype(
+        x.dtype, jnp.floating)) else x, tree)
+  def init(params):
+    return cast(tx.init(params), store)
+  def update(updates, state, params=None):
+    updates, state = tx.update(updates, cast(state, compute), params)
+    return updates, cast(state, store)
+  return optax.GradientTransformation(init, update)
+
+
+# ---- Muon's matrices ------------------------------------------------------------------------------------------
+BATCHED_AXES = ("layers", "experts")  # model.axes.LAYERS / EXPERTS: a stack of independent matrices
+
+
+def muon_dimension_numbers(names: Sequence[Any] | None) -> Any:
+  """Muon's view of a parameter with logical axes `names` as a batch of matrices, or None (AdamW).
+
+  The layer and expert axes are batch axes. Embeddings and the output projection (a vocab axis), norms, biases and
+  the router (one axis left) are None. A kernel applied as x @ W has its input axes first: q/k/v [D, H, K] ->
+  reduction D, output (H, K); o [H, K, D] (three axes ending in embed) -> reduction (H, K), output D; MLP and
+  expert gate/up [D, F] -> D, F; down [F, D] -> F, D.
+  """
+  if not names or "vocab" in names:
+    return None
+  axes_ = [i for i, n in enumerate(names) if n not in BATCHED_AXES]
+  if len(axes_) < 2:
+    return None
+  if len(axes_) > 2 and names[axes_[-1]] == "embed":
+    return optax.contrib.MuonDimensionNumbers(reduction_axis=tuple(axes_[:-1]), output_axis=(axes_[-1],))
+  return optax.contrib.MuonDimensionNumbers(reduction_axis=(axes_[0],), output_axis=tuple(axes_[1:]))
+
+
+# ---- schedule-free's two sequences ------------------------------------------------------------------------------
+def _schedule_free_state(opt_state: Any):
+  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.contrib.ScheduleFreeState))
+           if isinstance(s, optax.contrib.ScheduleFreeState)]
+  return found[0] if found else None
+
+
+def gradient_point(params: Any, opt_state: Any) -> Any:
+  """Where the step takes the gradient: schedule-free's y = b1 x + (1 - b1) z from the averaged parameters x the
+  state keeps; `params` itself for every other optimizer (and for frozen parameters)."""
+  sf = _schedule_free_state(opt_state)
+  if sf is None:
+    return params
+  b1 = sf.b1
+  return jax.tree.map(lambda x, z: x if isinstance(z, optax.MaskedNode) else
+                      (b1 * x + (1.0 - b1) * z.astype(x.dtype)).astype(x.dtype), params, sf.z,
+                      is_leaf=lambda n: isinstance(n, optax.MaskedNode))
+
+
+def averaged(point: Any, opt_state: Any) -> Any:
+  """The inverse of `gradient_point` after an update: schedule-free's x = (y - (1 - b1) z) / b1
+  (optax.contrib.schedule_free_eval_params); `point` itself for every other optimizer."""
+  sf = _schedule_free_state(opt_state)
+  if sf is None:
+    return point
+  b1 = sf.b1
+  return jax.tree.map(lambda y, z: y if isinstance(z, optax.MaskedNode) else
+                      ((y - (1.0 - b1) * z.astype(y.dtype)) / b1).astype(y.dtype), point, sf.z,
+                      is_leaf=lambda n: isinstance(n, optax.MaskedNode))
 
 
 def _scale_per_parameter(multipliers: Any) -> optax.GradientTransformation:
@@ -110,8 +313,11 @@ def with_frozen(tx: optax.GradientTransformation, freeze: Sequence[str]) -> opta
   return optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
 
 
-def apply_lr(params: Any, updates: Any, lr: jax.Array) -> Any:
-  """params - lr * updates, leaf by leaf, in the parameters' dtype."""
+def apply_lr(params: Any, updates: Any, lr: jax.Array, included: bool = False) -> Any:
+  """params - lr * updates, leaf by leaf, in the parameters' dtype; params + updates when the update already
+  includes the learning rate (`included`: `brings_lr`)."""
+  if included:
+    return jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
   return jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
 
 

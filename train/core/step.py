@@ -106,15 +106,26 @@ def _tree_add(a, b):
   return jax.tree.map(jnp.add, a, b)
 
 
-def _follow_params(opt_state, param_shardings, default):
+def _follow_params(opt_state, param_shardings, default, params):
   """Shardings for an optimizer state: a leaf whose key path ends with a parameter's path (Adam's mu/nu, also
-  inside masked / multi-transform states) takes that parameter's sharding; counters and the like `default`."""
-  by_path = {tuple(path): s for path, s in jax.tree_util.tree_leaves_with_path(param_shardings)}
+  inside masked / multi-transform states) and has its shape takes that parameter's sharding; one with the shape
+  less one axis (Adafactor's factored row / column moments) the sharding less that axis; counters, Adafactor's
+  (1,) placeholders and the like `default`."""
+  by_path = {tuple(path): (s, p.shape) for (path, s), p in zip(jax.tree_util.tree_leaves_with_path(param_shardings),
+                                                                 jax.tree.leaves(params))}
   def lookup(path, leaf):
     for i in range(len(path)):
-      s = by_path.get(tuple(path[i:]))
-      if s is not None and len(s.spec) <= len(leaf.shape):
+      found = by_path.get(tuple(path[i:]))
+      if found is None:
+        continue
+      s, shape = found
+      if tuple(leaf.shape) == tuple(shape):
         return s
+      spec = tuple(s.spec) + (None,) * (len(shape) - len(s.spec))
+      for axis in range(len(shape)):
+        if len(leaf.shape) == len(shape) - 1 and tuple(leaf.shape) == tuple(shape[:axis] + shape[axis + 1:]):
+          return NamedSharding(s.mesh, PartitionSpec(*(spec[:axis] + spec[axis + 1:])))
+      return default
     return default
   return jax.tree_util.tree_map_with_path(lookup, opt_state)
 
@@ -157,7 +168,7 @@ class Trainer:
       raise ValueError(f"config.train.router_bias_update_rate={t.router_bias_update_rate} with mesh.stage > 1: the "
                        "pipeline averages its stages' expert loads, so no per-layer load reaches the score-bias "
                        "update; use mesh.stage=1 or router_bias_update_rate=0")
-    self.tx = optimizer_lib.with_frozen(optimizer_lib.make(t), tuple(t.freeze))
+    optimizer_lib.check(t)
     self.lr_fn = optimizer_lib.schedule(t)
     self.loss_scaling = optimizer_lib.uses_loss_scaling(config)
     self._replicated = parallel.sharding.replicated(mesh)
@@ -235,8 +246,7 @@ class Trainer:
                        f"{jax.tree.map(lambda x: x.shape, rest)}")
     model_params = nnx.to_pure_dict(abstract_params)
     rules_lib.check_divisible(param_specs, model_params, self.mesh)
-    if mup_lib.enabled(self.config.model):
-      self.tx = self._mup_optimizer(abstract_params)
+    self.tx = self._optimizer(abstract_params)
     if self.lora_rank and not lora_lib.kernels(model_params, self.lora_targets):
       raise ValueError(f"config.train.lora_targets={self.lora_targets!r} matches no parameter of the model")
     # QLoRA: every projection kernel of the frozen base is stored quantized, adapted or not (as the QLoRA paper
@@ -281,18 +291,35 @@ class Trainer:
           lambda p, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, p)), specs, params,
           is_leaf=is_spec)
 
-  def _mup_optimizer(self, abstract_params) -> optax.GradientTransformation:
-    """The optimizer with muP's per-parameter learning-rate multipliers (1 for objective heads)."""
+  def _optimizer(self, abstract_params) -> optax.GradientTransformation:
+    """train.optimizer over the trainable parameters: under muP with its per-parameter learning-rate multipliers
+    (1 for objective heads), for Muon with each model matrix's dimension numbers (objective heads on AdamW)."""
     config, t = self.config, self.config.train
-    if self.lora_rank:
-      raise ValueError("config.train.lora_rank > 0 with model.parametrization='mup': muP's learning-rate "
-                       "multipliers are defined for the model's own weights; fine-tune LoRA under sp")
-    multipliers = jax.tree.map(lambda v: mup_lib.lr_multiplier(config.model, v.get_metadata().get(
-        "out_sharding")), abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    multipliers = nnx.to_pure_dict(multipliers)
-    if self.objective.extra_params:
-      multipliers = {"model": multipliers, **{name: 1.0 for name in self.objective.extra_params}}
-    return optimizer_lib.with_frozen(optimizer_lib.make(t, multipliers), tuple(t.freeze))
+    names = nnx.to_pure_dict(jax.tree.map(lambda v: v.get_metadata().get("out_sharding"), abstract_params,
+                                          is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    with_extras = lambda tree, extra: ({"model": tree, **{name: extra for name in self.objective.extra_params}}
+                                       if self.objective.extra_params else tree)
+    multipliers = muon_dims = None
+    if t.optimizer == "muon":
+      if self.lora_rank or mup_lib.enabled(config.model):
+        raise ValueError("config.train.optimizer=muon orthogonalises the model's own matrices with its own width "
+                         "scaling (train.muon_rms); it is not combined with "
+                         + ("LoRA adapters (train.lora_rank > 0)" if self.lora_rank else
+                            "muP's Adam learning-rate multipliers (model.parametrization='mup')")
+                         + "; use adamw there")
+      muon_dims = with_extras(jax.tree.map(optimizer_lib.muon_dimension_numbers, names,
+                                           is_leaf=lambda x: x is None or isinstance(x, tuple)), None)
+    if t.optimizer == "schedule_free_adamw" and t.router_bias_update_rate:
+      raise ValueError("config.train.router_bias_update_rate > 0 with train.optimizer=schedule_free_adamw: the "
+                       "score biases are updated outside the optimizer, which schedule-free's averaged and "
+                       "gradient-point sequences would not see; use router_bias_update_rate=0 or another optimizer")
+    if mup_lib.enabled(config.model):
+      if self.lora_rank:
+        raise ValueError("config.train.lora_rank > 0 with model.parametrization='mup': muP's learning-rate "
+                         "multipliers are defined for the model's own weights; fine-tune LoRA under sp")
+      multipliers = with_extras(jax.tree.map(lambda n: mup_lib.lr_multiplier(config.model, n), names,
+                                             is_leaf=lambda x: x is None or isinstance(x, tuple)), 1.0)
+    return optimizer_lib.with_frozen(optimizer_lib.make(t, multipliers, muon_dims), tuple(t.freeze))
 
   def _place_state(self, key, param_specs, model_params) -> None:
     """The shardings of the model's parameters and of the whole train state, and their abstract values."""
@@ -310,7 +337,7 @@ class Trainer:
     frozen_specs = {**frozen_specs, **self._frozen_config_specs}
     trainable_shardings, frozen_shardings = to_sharding(trainable_specs), to_sharding(frozen_specs)
     abstract = jax.eval_shape(self._init_state, key)
-    opt_shardings = _follow_params(abstract["opt_state"], trainable_shardings, self._replicated)
+    opt_shardings = _follow_params(abstract["opt_state"], trainable_shardings, self._replicated, abstract["params"])
     self.state_shardings = {"params": trainable_shardings, "opt_state": opt_shardings,
                             "step": self._replicated, "rng": self._replicated}
     if frozen_specs:
@@ -603,7 +630,9 @@ class Trainer:
       scale = state["loss_scale"]["scale"] if self.loss_scaling else 1.0
       # lora_dropout's masks: a function of (seed, step) like the objective's, apart from its stream.
       key = jax.random.fold_in(jax.random.fold_in(state["rng"], step), LORA_DROPOUT_KEY) if self.lora_dropout else None
-      grads, sums = self._grads(params, frozen, batch, normalizer, scale, key)
+      # Schedule-free keeps the averaged parameters x in the state and takes the gradient at y (otherwise y = x).
+      point = optimizer_lib.gradient_point(params, state["opt_state"])
+      grads, sums = self._grads(point, frozen, batch, normalizer, scale, key)
       if self.loss_scaling:
         grads = jax.tree.map(lambda g: g / scale, grads)
       grads = jax.lax.with_sharding_constraint(grads, self.state_shardings["params"])
@@ -617,8 +646,9 @@ class Trainer:
 
       def update(operands):
         params, opt_state, grads = operands
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        params = optimizer_lib.apply_lr(params, updates, lr)
+        updates, opt_state = self.tx.update(grads, opt_state, point)
+        params = optimizer_lib.averaged(
+            optimizer_lib.apply_lr(point, updates, lr, optimizer_lib.brings_lr(self.config.train)), opt_state)
         if self.config.train.router_bias_update_rate:  # the biases have no gradient: their own rule, after the update
           params = model_lib.moe.update_score_bias(params, sums[LAYER_LOAD], self.config.train.router_bias_update_rate)
         return params, opt_state

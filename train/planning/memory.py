@@ -6,6 +6,8 @@ Units: bytes unless a name says otherwise. "Per token" means per token held by o
 """
 from __future__ import annotations
 
+import functools
+import json
 import math
 
 import ml_collections
@@ -59,11 +61,45 @@ def state_memory(params: float, precision: str = "fp32", *, zero_stage: int = 3,
   return out
 
 
+@functools.lru_cache(maxsize=64)
+def _state_ratio(model_json: str, train_json: str) -> float:
+  import jax
+  from flax import nnx
+  import model as model_lib
+  from train.core import optimizer as optimizer_lib
+  model_cfg = ml_collections.ConfigDict(json.loads(model_json))
+  train_cfg = ml_collections.ConfigDict(json.loads(train_json))
+  abstract = nnx.eval_shape(lambda: model_lib.Transformer(model_cfg, rngs=nnx.Rngs(params=jax.random.key(0))))
+  params = nnx.state(abstract, nnx.Param)
+  names = nnx.to_pure_dict(jax.tree.map(lambda v: v.get_metadata().get("out_sharding"), params,
+                                        is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  values = nnx.to_pure_dict(params)
+  dims = (jax.tree.map(optimizer_lib.muon_dimension_numbers, names, is_leaf=lambda x: x is None or isinstance(x, tuple))
+          if train_cfg.optimizer == "muon" else None)
+  state = jax.eval_shape(optimizer_lib.make(train_cfg, muon_dims=dims).init, values)
+  shapes = {tuple(x.shape) for x in jax.tree.leaves(values)}
+  nbytes = lambda leaves: sum(x.size * x.dtype.itemsize for x in leaves)
+  like_params = [x for x in jax.tree.leaves(state) if tuple(x.shape) in shapes]
+  other = [x for x in jax.tree.leaves(state) if tuple(x.shape) not in shapes]
+  return nbytes(like_params) / nbytes(jax.tree.leaves(values)), float(nbytes(other))
+
+
+def optimizer_state_ratio(config: ml_collections.ConfigDict) -> tuple[float, float]:
+  """(bytes of train.optimizer's parameter-shaped state per byte of the model's weights, bytes of the rest of its
+  state), in train.opt_state_dtype: optax's own init run on the abstract model (jax.eval_shape, nothing
+  allocated). The first follows the parameters' sharding; the rest (Adafactor's factored row and column moments,
+  counters) is counted whole on every device. adamw: (2, ~0) (m, v); lion: 1; muon: 1 on the matrices and 2
+  elsewhere; adafactor: 1 on vectors and unfactored leaves, rows + columns for factored matrices;
+  schedule_free_adamw: 2 (z and v); bfloat16 states of float32 weights halve the first."""
+  return _state_ratio(json.dumps(config.model.to_dict(), sort_keys=True, default=list),
+                      json.dumps(config.train.to_dict(), sort_keys=True, default=list))
+
+
 def meshlm_state(config: ml_collections.ConfigDict, params: float, sizes: dict[str, int]) -> dict:
-  """Per-device state as meshlm's train step holds it: weights, gradients and AdamW m, v all in
-  model.param_dtype, sharded over fsdp (ZeRO-3) and tensor, replicated over data; MoE expert weights are
-  split over the expert axis as well; the layer stack over the pipeline stages (embedding, output projection and
-  final norm are replicated over `stage`)."""
+  """Per-device state as meshlm's train step holds it: weights, gradients and the optimizer's state (AdamW: m, v)
+  in model.param_dtype (the state in train.opt_state_dtype: `optimizer_state_ratio`), sharded over fsdp (ZeRO-3)
+  and tensor, replicated over data; MoE expert weights are split over the expert axis as well; the layer stack
+  over the pipeline stages (embedding, output projection and final norm are replicated over `stage`)."""
   m = config.model
   precision = {"float32": "fp32"}.get(m.param_dtype, "bf16")
   expert = expert_params(m)
@@ -72,7 +108,11 @@ def meshlm_state(config: ml_collections.ConfigDict, params: float, sizes: dict[s
   share = (outside + stack / sizes.get("stage", 1)) / params  # of the model's parameters, one device's group
   if config.train.lora_rank:
     return _lora_state(config, params, share, sizes)
-  return state_memory(params * share, precision, zero_stage=3, fsdp=sizes["fsdp"], tensor=sizes["tensor"])
+  out = state_memory(params * share, precision, zero_stage=3, fsdp=sizes["fsdp"], tensor=sizes["tensor"])
+  ratio, unsharded = optimizer_state_ratio(config)
+  out["optimizer"] = out["weights"] * ratio + unsharded
+  out["total"] = out["weights"] + out["gradients"] + out["optimizer"]
+  return out
 
 
 def _lora_state(config: ml_collections.ConfigDict, params: float, share: float, sizes: dict[str, int]) -> dict:
