@@ -38,7 +38,7 @@ MODELS = {
 BATCH = {"50m": (16, 256), "tiny": (16, 128)}
 # Centres of the lr sweep: Muon with train.muon_rms=0.2 matches AdamW's update RMS (same centre); Lion's sign
 # update has RMS 1 (its paper: 3-10x smaller lr than AdamW); Adafactor's clipped update is about as large as Adam's.
-CENTRES = {"adamw": 3e-3, "muon": 3e-3, "adafactor": 3e-3, "lion": 3e-4, "schedule_free_adamw": 3e-3}
+CENTRES = {"adamw": 1e-3, "muon": 1e-3, "adafactor": 1e-3, "lion": 1e-4, "schedule_free_adamw": 1e-3}
 
 
 def _config(model, optimizer, lr, seed, steps):

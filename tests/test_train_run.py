@@ -258,3 +258,27 @@ def test_sigkill_resume_is_bit_exact_with_score_biases_and_mtp_heads(env, refere
   biases = [v for k, v in ocp.tree.to_flat_dict(_params(workdir, STEPS)).items() if k[-1] == "score_bias"]
   assert len(biases) == 2 and any(np.any(b != 0) for b in biases)
   assert "mtp_loss" in _train_lines(workdir)[STEPS]
+
+
+SCHEDULE_FREE = ["--config.train.optimizer=schedule_free_adamw", "--config.train.schedule=constant",
+                 "--config.train.opt_state_dtype=bfloat16"]
+
+
+def test_sigkill_resume_is_bit_exact_with_schedule_free_and_bfloat16_states(env, reference):
+  """The optimizer whose train state is the most unlike AdamW's (the averaged parameters x beside z, bfloat16
+  moments, weight sums): killed after its first checkpoint and resumed, every parameter equals an uninterrupted
+  run's."""
+  del reference  # it trains the shared tokenizer
+  want = env["root"] / "schedule_free_reference"
+  proc = _run(env, want, *MESH_222, *SCHEDULE_FREE)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  workdir = env["root"] / "schedule_free_sigkill"
+  proc = _start(env, workdir, *MESH_222, *SCHEDULE_FREE)
+  _wait_for(lambda: os.path.isdir(workdir / "checkpoints" / "4"), proc)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+  assert proc.returncode == -signal.SIGKILL and max(_train_lines(workdir), default=0) < STEPS
+  proc = _run(env, workdir, *MESH_222, *SCHEDULE_FREE)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "resumed from" in proc.stdout
+  _assert_same_run(workdir, want)

@@ -112,7 +112,8 @@ def decay_mask(params: Any, exclude: Sequence[str]) -> Any:
       lambda path, _: not any(s in path_name(path) for s in exclude), params)
 
 
-def make(train_cfg, lr_multipliers: Any = None, muon_dims: Any = None) -> optax.GradientTransformation:
+def make(train_cfg, lr_multipliers: Any = None, muon_dims: Any = None,
+         muon_layouts: Any = None) -> optax.GradientTransformation:
   """clip_by_global_norm(clip_norm) -> the train.optimizer direction [-> lr_multipliers] -> add_decayed_weights(
   weight_decay, mask), with its state kept in train.opt_state_dtype.
 
@@ -121,7 +122,9 @@ def make(train_cfg, lr_multipliers: Any = None, muon_dims: Any = None) -> optax.
   pytree of floats that is a prefix of the parameters) scale the direction per parameter and not the decay term, so
   a parameter with learning rate lr * m still decays by lr * weight_decay per step (the `mup` package's MuAdamW
   multiplies weight_decay by 1/m for the same effect). `muon_dims` (muon only): a prefix tree of the parameters,
-  `optax.contrib.MuonDimensionNumbers` where Muon applies and None where AdamW does (`muon_dimension_numbers`).
+  `optax.contrib.MuonDimensionNumbers` where Muon applies and None where AdamW does (`muon_dimension_numbers`);
+  `muon_layouts`: the same prefix tree with a sharding per Muon matrix stack in which each device holds whole
+  matrices (`muon_layout`), or None where the parameter's own layout is kept.
   """
   check(train_cfg)
   parts = []
@@ -131,7 +134,7 @@ def make(train_cfg, lr_multipliers: Any = None, muon_dims: Any = None) -> optax.
   if kind == "schedule_free_adamw":
     parts.append(_schedule_free(train_cfg, lr_multipliers))
     return _state_in(optax.chain(*parts), train_cfg.opt_state_dtype)
-  parts.append(_direction(train_cfg, muon_dims))
+  parts.append(_direction(train_cfg, muon_dims, muon_layouts))
   if lr_multipliers is not None and any(m != 1.0 for m in jax.tree.leaves(lr_multipliers)):
     parts.append(_scale_per_parameter(lr_multipliers))
   if train_cfg.weight_decay > 0:
@@ -148,7 +151,7 @@ def _adam(train_cfg) -> optax.GradientTransformation:
   return optax.scale_by_adam(b1=float(train_cfg.b1), b2=float(train_cfg.b2), eps=float(train_cfg.eps))
 
 
-def _direction(train_cfg, muon_dims: Any) -> optax.GradientTransformation:
+def _direction(train_cfg, muon_dims: Any, muon_layouts: Any = None) -> optax.GradientTransformation:
   """The unit update of adamw, lion, adafactor or muon (module docstring), before decay."""
   kind, t = train_cfg.optimizer, train_cfg
   if kind == "adamw":
@@ -165,10 +168,10 @@ def _direction(train_cfg, muon_dims: Any) -> optax.GradientTransformation:
     return optax.chain(*parts)
   if muon_dims is None:
     raise ValueError("train.optimizer=muon needs the parameters' dimension numbers (muon_dimension_numbers)")
-  return _muon(t, muon_dims)
+  return _muon(t, muon_dims, muon_layouts)
 
 
-def _muon(t, muon_dims: Any) -> optax.GradientTransformation:
+def _muon(t, muon_dims: Any, muon_layouts: Any = None) -> optax.GradientTransformation:
   """Muon on the parameters with dimension numbers, the AdamW direction on the others (optax.contrib.muon's
   partition, without its final descent step, and with plain Adam, not Nesterov Adam, beside Muon)."""
   is_dims = lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)
@@ -185,10 +188,67 @@ def _muon(t, muon_dims: Any) -> optax.GradientTransformation:
   coeffs = tuple(float(c) for c in t.muon_ns_coeffs)
   coeffs = coeffs if len(coeffs) == 3 else tuple(coeffs[i:i + 3] for i in range(0, len(coeffs), 3))
   muon = optax.chain(
+      _relayout(muon_layouts, dims_of_muon_leaves),
       optax.contrib.scale_by_muon(ns_coeffs=coeffs, ns_steps=int(t.muon_ns_steps), beta=float(t.muon_momentum),
                                   nesterov=bool(t.muon_nesterov), weight_dimension_numbers=dims_of_muon_leaves),
       _scale_by_shape(dims_of_muon_leaves, float(t.muon_rms)))
   return optax.partition({"muon": muon, "adam": _adam(t)}, labels)
+
+
+def _relayout(layouts: Any, dims_fn: Callable[[Any], Any]) -> optax.GradientTransformation:
+  """Moves each Muon matrix stack's gradient to its `muon_layout` (whole matrices per device) before the momentum
+  and the Newton-Schulz products, so the iteration runs locally instead of on matrices split over devices (where the
+  partitioner gathers the operands of every product); the parameter update returns to the parameters' layout."""
+  if layouts is None:
+    return optax.identity()
+  is_layout = lambda x: x is None or isinstance(x, jax.sharding.Sharding)
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  def move(sharding, sub):
+    if sharding is None:
+      return sub
+    return jax.tree.map(lambda u: u if masked(u) else jax.lax.with_sharding_constraint(u, sharding), sub,
+                        is_leaf=masked)
+  def update(updates, state, params=None):
+    del params
+    return jax.tree.map(move, layouts, updates, is_leaf=is_layout), state
+  return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def muon_layout(names: Sequence[Any] | None, shape: Sequence[int], sharding: jax.sharding.NamedSharding) -> Any:
+  """A sharding of a Muon matrix stack (logical axes `names`, `shape`, stored as `sharding`) in which each device
+  holds whole matrices: every mesh axis the parameter is split over moves onto its layer (or expert) axis, which
+  must divide evenly; None when none does (the stack keeps its layout) or nothing is split. Moving there and back
+  is two all-to-alls of the stack's shard (each device exchanges (n - 1) / n of it), against an all-gather of the
+  operands of every Newton-Schulz product when the matrices stay split."""
+  if muon_dimension_numbers(names) is None:
+    return None
+  spec = tuple(sharding.spec) + (None,) * (len(names) - len(sharding.spec))
+  used = tuple(a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry))
+  size = math.prod(sharding.mesh.shape[a] for a in used)
+  if size == 1:
+    return None
+  for i, name in enumerate(names):
+    if name in BATCHED_AXES and shape[i] % size == 0:
+      new = [None] * len(names)
+      new[i] = used if len(used) > 1 else used[0]
+      return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*new))
+  return None
+
+
+def place_muon_state(opt_state: Any, shardings: Any, layouts: Any) -> Any:
+  """`shardings` (of `opt_state`) with Muon's momentum of each matrix stack in its `muon_layout`, where it has
+  one: the momentum then meets the relaid gradient without moving, the Newton-Schulz products run on whole
+  matrices, and only the finished update returns to the parameters' layout."""
+  is_layout = lambda x: x is None or isinstance(x, jax.sharding.Sharding)
+  key = lambda k: str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+  wanted = {tuple(map(key, path)): s for path, s in jax.tree_util.tree_leaves_with_path(layouts, is_leaf=is_layout)
+            if s is not None}
+  def pick(path, sharding):
+    names = tuple(map(key, path))
+    if "muon" in names and "mu" in names:
+      return wanted.get(names[names.index("mu") + 1:], sharding)
+    return sharding
+  return jax.tree_util.tree_map_with_path(pick, shardings)
 
 
 def _scale_by_shape(dims_fn: Callable[[Any], Any], rms: float) -> optax.GradientTransformation:

@@ -246,7 +246,7 @@ class Trainer:
                        f"{jax.tree.map(lambda x: x.shape, rest)}")
     model_params = nnx.to_pure_dict(abstract_params)
     rules_lib.check_divisible(param_specs, model_params, self.mesh)
-    self.tx = self._optimizer(abstract_params)
+    self.tx = self._optimizer(abstract_params, param_specs)
     if self.lora_rank and not lora_lib.kernels(model_params, self.lora_targets):
       raise ValueError(f"config.train.lora_targets={self.lora_targets!r} matches no parameter of the model")
     # QLoRA: every projection kernel of the frozen base is stored quantized, adapted or not (as the QLoRA paper
@@ -291,7 +291,7 @@ class Trainer:
           lambda p, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, p)), specs, params,
           is_leaf=is_spec)
 
-  def _optimizer(self, abstract_params) -> optax.GradientTransformation:
+  def _optimizer(self, abstract_params, param_specs) -> optax.GradientTransformation:
     """train.optimizer over the trainable parameters: under muP with its per-parameter learning-rate multipliers
     (1 for objective heads), for Muon with each model matrix's dimension numbers (objective heads on AdamW)."""
     config, t = self.config, self.config.train
@@ -299,7 +299,7 @@ class Trainer:
                                           is_leaf=lambda x: isinstance(x, nnx.Variable)))
     with_extras = lambda tree, extra: ({"model": tree, **{name: extra for name in self.objective.extra_params}}
                                        if self.objective.extra_params else tree)
-    multipliers = muon_dims = None
+    multipliers = muon_dims = muon_layouts = None
     if t.optimizer == "muon":
       if self.lora_rank or mup_lib.enabled(config.model):
         raise ValueError("config.train.optimizer=muon orthogonalises the model's own matrices with its own width "
@@ -307,8 +307,13 @@ class Trainer:
                          + ("LoRA adapters (train.lora_rank > 0)" if self.lora_rank else
                             "muP's Adam learning-rate multipliers (model.parametrization='mup')")
                          + "; use adamw there")
-      muon_dims = with_extras(jax.tree.map(optimizer_lib.muon_dimension_numbers, names,
-                                           is_leaf=lambda x: x is None or isinstance(x, tuple)), None)
+      is_names = lambda x: x is None or isinstance(x, tuple)
+      muon_dims = with_extras(jax.tree.map(optimizer_lib.muon_dimension_numbers, names, is_leaf=is_names), None)
+      shapes = nnx.to_pure_dict(jax.tree.map(lambda v: v.shape, abstract_params,
+                                             is_leaf=lambda x: isinstance(x, nnx.Variable)))
+      muon_layouts = with_extras(jax.tree.map(
+          lambda n, shape, spec: optimizer_lib.muon_layout(n, shape, NamedSharding(self.mesh, spec)),
+          names, shapes, param_specs, is_leaf=is_names), None)
     if t.optimizer == "schedule_free_adamw" and t.router_bias_update_rate:
       raise ValueError("config.train.router_bias_update_rate > 0 with train.optimizer=schedule_free_adamw: the "
                        "score biases are updated outside the optimizer, which schedule-free's averaged and "
@@ -319,7 +324,8 @@ class Trainer:
                          "multipliers are defined for the model's own weights; fine-tune LoRA under sp")
       multipliers = with_extras(jax.tree.map(lambda n: mup_lib.lr_multiplier(config.model, n), names,
                                              is_leaf=lambda x: x is None or isinstance(x, tuple)), 1.0)
-    return optimizer_lib.with_frozen(optimizer_lib.make(t, multipliers, muon_dims), tuple(t.freeze))
+    self._muon_layouts = muon_layouts
+    return optimizer_lib.with_frozen(optimizer_lib.make(t, multipliers, muon_dims, muon_layouts), tuple(t.freeze))
 
   def _place_state(self, key, param_specs, model_params) -> None:
     """The shardings of the model's parameters and of the whole train state, and their abstract values."""
@@ -338,6 +344,8 @@ class Trainer:
     trainable_shardings, frozen_shardings = to_sharding(trainable_specs), to_sharding(frozen_specs)
     abstract = jax.eval_shape(self._init_state, key)
     opt_shardings = _follow_params(abstract["opt_state"], trainable_shardings, self._replicated, abstract["params"])
+    if self._muon_layouts is not None:
+      opt_shardings = optimizer_lib.place_muon_state(abstract["opt_state"], opt_shardings, self._muon_layouts)
     self.state_shardings = {"params": trainable_shardings, "opt_state": opt_shardings,
                             "step": self._replicated, "rng": self._replicated}
     if frozen_specs:
