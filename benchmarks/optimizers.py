@@ -4,7 +4,7 @@
 For each train.optimizer, trains the model on the built-in corpus (the tiny config's tokenizer trained once at the
 model's vocabulary, the same batches for every run) for `--steps` steps of batch x seq_len tokens (constant lr after
 10% warmup, the same for every optimizer so that the only difference is the update rule), at 3 learning rates (the
-optimizer's centre x 1/2, 1, 2; `--lrs` overrides) and `--seeds` seeds each; the tuned lr is the one with the lowest
+optimizer's centre x 1/2, 1, 2; `--factors` or `--lrs` override) and `--seeds` seeds each; the tuned lr is the one with the lowest
 mean final held-out loss. Prints one JSON object: per optimizer, the final eval loss per lr (mean and per seed),
 the tuned lr and its eval loss, the training throughput in tokens/s (steps after the first, excluding compile) and
 the optimizer state in bytes (the train state's own leaves), and each optimizer's eval-loss difference to AdamW's.
@@ -88,6 +88,8 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--seeds", type=int, default=2)
   p.add_argument("--eval_batches", type=int, default=8)
+  p.add_argument("--factors", type=float, nargs="+", default=[0.5, 1.0, 2.0],
+                 help="the lr grid: these multiples of each optimizer's centre (CENTRES)")
   p.add_argument("--lrs", type=float, nargs="+", default=None, help="one grid for every optimizer")
   args = p.parse_args(argv)
   load = os.getloadavg()[0]
@@ -95,7 +97,7 @@ def main(argv=None):
   batch, seq = BATCH[args.model]
   results = {}
   for optimizer in args.optimizers:
-    lrs = args.lrs or [CENTRES[optimizer] * f for f in (0.5, 1.0, 2.0)]
+    lrs = args.lrs or [CENTRES[optimizer] * f for f in args.factors]
     by_lr, speed, state_bytes = {}, [], 0
     for lr in lrs:
       c = _config(args.model, optimizer, lr, 0, args.steps)
