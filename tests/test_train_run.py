@@ -260,25 +260,32 @@ def test_sigkill_resume_is_bit_exact_with_score_biases_and_mtp_heads(env, refere
   assert "mtp_loss" in _train_lines(workdir)[STEPS]
 
 
-SCHEDULE_FREE = ["--config.train.optimizer=schedule_free_adamw", "--config.train.schedule=constant",
-                 "--config.train.opt_state_dtype=bfloat16"]
+OPTIMIZERS = {
+    "schedule_free_bf16": ["--config.train.optimizer=schedule_free_adamw", "--config.train.schedule=constant",
+                           "--config.train.opt_state_dtype=bfloat16"],
+    "muon": ["--config.train.optimizer=muon"],
+    "adafactor": ["--config.train.optimizer=adafactor"],
+    "lion": ["--config.train.optimizer=lion"],
+}
 
 
-def test_sigkill_resume_is_bit_exact_with_schedule_free_and_bfloat16_states(env, reference):
-  """The optimizer whose train state is the most unlike AdamW's (the averaged parameters x beside z, bfloat16
-  moments, weight sums): killed after its first checkpoint and resumed, every parameter equals an uninterrupted
-  run's."""
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_sigkill_resume_is_bit_exact_with_every_optimizer(env, reference, name):
+  """Each optimizer's own state (schedule-free's averaged parameters beside z with bfloat16 moments, Muon's
+  partitioned momentum, Adafactor's factored moments, Lion's single moment): killed after the first checkpoint and
+  resumed, every parameter equals an uninterrupted run's (AdamW: the tests above)."""
   del reference  # it trains the shared tokenizer
-  want = env["root"] / "schedule_free_reference"
-  proc = _run(env, want, *MESH_222, *SCHEDULE_FREE)
+  extra = OPTIMIZERS[name]
+  want = env["root"] / f"{name}_reference"
+  proc = _run(env, want, *MESH_222, *extra)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  workdir = env["root"] / "schedule_free_sigkill"
-  proc = _start(env, workdir, *MESH_222, *SCHEDULE_FREE)
+  workdir = env["root"] / f"{name}_sigkill"
+  proc = _start(env, workdir, *MESH_222, *extra)
   _wait_for(lambda: os.path.isdir(workdir / "checkpoints" / "4"), proc)
   proc.send_signal(signal.SIGKILL)
   proc.communicate(timeout=60)
   assert proc.returncode == -signal.SIGKILL and max(_train_lines(workdir), default=0) < STEPS
-  proc = _run(env, workdir, *MESH_222, *SCHEDULE_FREE)
+  proc = _run(env, workdir, *MESH_222, *extra)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "resumed from" in proc.stdout
   _assert_same_run(workdir, want)
