@@ -119,6 +119,18 @@ def _iterator_state(workdir, step):
     return json.load(f)
 
 
+def _kill_after_first_checkpoint_and_resume(env, workdir, *extra):
+  """SIGKILL once checkpoint 4 exists (before the last step), then rerun the same command to the end."""
+  proc = _start(env, workdir, *extra)
+  _wait_for(lambda: os.path.isdir(workdir / "checkpoints" / "4"), proc)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+  assert proc.returncode == -signal.SIGKILL and max(_train_lines(workdir), default=0) < STEPS
+  proc = _run(env, workdir, *extra)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "resumed from" in proc.stdout
+
+
 def _assert_same_run(workdir, reference):
   got, want = _train_lines(workdir), _train_lines(reference)
   assert sorted(got) == list(range(1, STEPS + 1))
@@ -245,14 +257,7 @@ def test_sigkill_resume_is_bit_exact_with_score_biases_and_mtp_heads(env, refere
   proc = _run(env, want, *MESH_222, *DEEPSEEK)
   assert proc.returncode == 0, proc.stderr[-3000:]
   workdir = env["root"] / "deepseek_sigkill"
-  proc = _start(env, workdir, *MESH_222, *DEEPSEEK)
-  _wait_for(lambda: os.path.isdir(workdir / "checkpoints" / "4"), proc)
-  proc.send_signal(signal.SIGKILL)
-  proc.communicate(timeout=60)
-  assert proc.returncode == -signal.SIGKILL and max(_train_lines(workdir), default=0) < STEPS
-  proc = _run(env, workdir, *MESH_222, *DEEPSEEK)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "resumed from" in proc.stdout
+  _kill_after_first_checkpoint_and_resume(env, workdir, *MESH_222, *DEEPSEEK)
   _assert_same_run(workdir, want)  # every parameter bit-equal, the biases and the head included
   # the biases moved (the sign rule can swing a layer's biases back to 0 on even steps: any layer or head counts)
   biases = [v for k, v in ocp.tree.to_flat_dict(_params(workdir, STEPS)).items() if k[-1] == "score_bias"]
@@ -280,12 +285,5 @@ def test_sigkill_resume_is_bit_exact_with_every_optimizer(env, reference, name):
   proc = _run(env, want, *MESH_222, *extra)
   assert proc.returncode == 0, proc.stderr[-3000:]
   workdir = env["root"] / f"{name}_sigkill"
-  proc = _start(env, workdir, *MESH_222, *extra)
-  _wait_for(lambda: os.path.isdir(workdir / "checkpoints" / "4"), proc)
-  proc.send_signal(signal.SIGKILL)
-  proc.communicate(timeout=60)
-  assert proc.returncode == -signal.SIGKILL and max(_train_lines(workdir), default=0) < STEPS
-  proc = _run(env, workdir, *MESH_222, *extra)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "resumed from" in proc.stdout
+  _kill_after_first_checkpoint_and_resume(env, workdir, *MESH_222, *extra)
   _assert_same_run(workdir, want)

@@ -188,14 +188,14 @@ def _muon(t, muon_dims: Any, muon_layouts: Any = None) -> optax.GradientTransfor
   coeffs = tuple(float(c) for c in t.muon_ns_coeffs)
   coeffs = coeffs if len(coeffs) == 3 else tuple(coeffs[i:i + 3] for i in range(0, len(coeffs), 3))
   muon = optax.chain(
-      _relayout(muon_layouts, dims_of_muon_leaves),
+      _relayout(muon_layouts),
       optax.contrib.scale_by_muon(ns_coeffs=coeffs, ns_steps=int(t.muon_ns_steps), beta=float(t.muon_momentum),
                                   nesterov=bool(t.muon_nesterov), weight_dimension_numbers=dims_of_muon_leaves),
       _scale_by_shape(dims_of_muon_leaves, float(t.muon_rms)))
   return optax.partition({"muon": muon, "adam": _adam(t)}, labels)
 
 
-def _relayout(layouts: Any, dims_fn: Callable[[Any], Any]) -> optax.GradientTransformation:
+def _relayout(layouts: Any) -> optax.GradientTransformation:
   """Moves each Muon matrix stack's gradient to its `muon_layout` (whole matrices per device) before the momentum
   and the Newton-Schulz products, so the iteration runs locally instead of on matrices split over devices (where the
   partitioner gathers the operands of every product); the parameter update returns to the parameters' layout."""
@@ -306,6 +306,23 @@ def _state_in(tx: optax.GradientTransformation, dtype: str) -> optax.GradientTra
 BATCHED_AXES = ("layers", "experts")  # model.axes.LAYERS / EXPERTS: a stack of independent matrices
 
 
+def logical_names(abstract_params: Any) -> Any:
+  """The pure-dict tree of each parameter's logical axis names (a tuple, or None) from an nnx.State of Params."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  return nnx.to_pure_dict(jax.tree.map(lambda v: v.get_metadata().get("out_sharding"), abstract_params,
+                                       is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def is_names(x: Any) -> bool:
+  """A leaf of `logical_names`' tree."""
+  return x is None or isinstance(x, tuple)
+
+
+def muon_dims_of(names: Any) -> Any:
+  """`muon_dimension_numbers` of every parameter in a `logical_names` tree."""
+  return jax.tree.map(muon_dimension_numbers, names, is_leaf=is_names)
+
+
 def muon_dimension_numbers(names: Sequence[Any] | None) -> Any:
   """Muon's view of a parameter with logical axes `names` as a batch of matrices, or None (AdamW).
 
@@ -331,28 +348,26 @@ def _schedule_free_state(opt_state: Any):
   return found[0] if found else None
 
 
+def _with_z(tree: Any, opt_state: Any, fn: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]) -> Any:
+  """fn(leaf, z, b1) per leaf with schedule-free's z (a frozen leaf, z masked, stays); `tree` without it."""
+  sf = _schedule_free_state(opt_state)
+  if sf is None:
+    return tree
+  masked = lambda n: isinstance(n, optax.MaskedNode)
+  return jax.tree.map(lambda a, z: a if masked(z) else fn(a, z.astype(a.dtype), sf.b1).astype(a.dtype), tree, sf.z,
+                      is_leaf=masked)
+
+
 def gradient_point(params: Any, opt_state: Any) -> Any:
   """Where the step takes the gradient: schedule-free's y = b1 x + (1 - b1) z from the averaged parameters x the
   state keeps; `params` itself for every other optimizer (and for frozen parameters)."""
-  sf = _schedule_free_state(opt_state)
-  if sf is None:
-    return params
-  b1 = sf.b1
-  return jax.tree.map(lambda x, z: x if isinstance(z, optax.MaskedNode) else
-                      (b1 * x + (1.0 - b1) * z.astype(x.dtype)).astype(x.dtype), params, sf.z,
-                      is_leaf=lambda n: isinstance(n, optax.MaskedNode))
+  return _with_z(params, opt_state, lambda x, z, b1: b1 * x + (1.0 - b1) * z)
 
 
 def averaged(point: Any, opt_state: Any) -> Any:
   """The inverse of `gradient_point` after an update: schedule-free's x = (y - (1 - b1) z) / b1
   (optax.contrib.schedule_free_eval_params); `point` itself for every other optimizer."""
-  sf = _schedule_free_state(opt_state)
-  if sf is None:
-    return point
-  b1 = sf.b1
-  return jax.tree.map(lambda y, z: y if isinstance(z, optax.MaskedNode) else
-                      ((y - (1.0 - b1) * z.astype(y.dtype)) / b1).astype(y.dtype), point, sf.z,
-                      is_leaf=lambda n: isinstance(n, optax.MaskedNode))
+  return _with_z(point, opt_state, lambda y, z, b1: (y - (1.0 - b1) * z) / b1)
 
 
 def _scale_per_parameter(multipliers: Any) -> optax.GradientTransformation:

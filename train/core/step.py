@@ -168,7 +168,6 @@ class Trainer:
       raise ValueError(f"config.train.router_bias_update_rate={t.router_bias_update_rate} with mesh.stage > 1: the "
                        "pipeline averages its stages' expert loads, so no per-layer load reaches the score-bias "
                        "update; use mesh.stage=1 or router_bias_update_rate=0")
-    optimizer_lib.check(t)
     self.lr_fn = optimizer_lib.schedule(t)
     self.loss_scaling = optimizer_lib.uses_loss_scaling(config)
     self._replicated = parallel.sharding.replicated(mesh)
@@ -295,8 +294,7 @@ class Trainer:
     """train.optimizer over the trainable parameters: under muP with its per-parameter learning-rate multipliers
     (1 for objective heads), for Muon with each model matrix's dimension numbers (objective heads on AdamW)."""
     config, t = self.config, self.config.train
-    names = nnx.to_pure_dict(jax.tree.map(lambda v: v.get_metadata().get("out_sharding"), abstract_params,
-                                          is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    names = optimizer_lib.logical_names(abstract_params)
     with_extras = lambda tree, extra: ({"model": tree, **{name: extra for name in self.objective.extra_params}}
                                        if self.objective.extra_params else tree)
     multipliers = muon_dims = muon_layouts = None
@@ -307,13 +305,12 @@ class Trainer:
                          + ("LoRA adapters (train.lora_rank > 0)" if self.lora_rank else
                             "muP's Adam learning-rate multipliers (model.parametrization='mup')")
                          + "; use adamw there")
-      is_names = lambda x: x is None or isinstance(x, tuple)
-      muon_dims = with_extras(jax.tree.map(optimizer_lib.muon_dimension_numbers, names, is_leaf=is_names), None)
+      muon_dims = with_extras(optimizer_lib.muon_dims_of(names), None)
       shapes = nnx.to_pure_dict(jax.tree.map(lambda v: v.shape, abstract_params,
                                              is_leaf=lambda x: isinstance(x, nnx.Variable)))
       muon_layouts = with_extras(jax.tree.map(
           lambda n, shape, spec: optimizer_lib.muon_layout(n, shape, NamedSharding(self.mesh, spec)),
-          names, shapes, param_specs, is_leaf=is_names), None)
+          names, shapes, param_specs, is_leaf=optimizer_lib.is_names), None)
     if t.optimizer == "schedule_free_adamw" and t.router_bias_update_rate:
       raise ValueError("config.train.router_bias_update_rate > 0 with train.optimizer=schedule_free_adamw: the "
                        "score biases are updated outside the optimizer, which schedule-free's averaged and "
@@ -323,7 +320,7 @@ class Trainer:
         raise ValueError("config.train.lora_rank > 0 with model.parametrization='mup': muP's learning-rate "
                          "multipliers are defined for the model's own weights; fine-tune LoRA under sp")
       multipliers = with_extras(jax.tree.map(lambda n: mup_lib.lr_multiplier(config.model, n), names,
-                                             is_leaf=lambda x: x is None or isinstance(x, tuple)), 1.0)
+                                             is_leaf=optimizer_lib.is_names), 1.0)
     self._muon_layouts = muon_layouts
     return optimizer_lib.with_frozen(optimizer_lib.make(t, multipliers, muon_dims, muon_layouts), tuple(t.freeze))
 

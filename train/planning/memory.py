@@ -62,7 +62,7 @@ def state_memory(params: float, precision: str = "fp32", *, zero_stage: int = 3,
 
 
 @functools.lru_cache(maxsize=64)
-def _state_ratio(model_json: str, train_json: str) -> float:
+def _state_ratio(model_json: str, train_json: str) -> tuple[float, float]:
   import jax
   from flax import nnx
   import model as model_lib
@@ -71,11 +71,8 @@ def _state_ratio(model_json: str, train_json: str) -> float:
   train_cfg = ml_collections.ConfigDict(json.loads(train_json))
   abstract = nnx.eval_shape(lambda: model_lib.Transformer(model_cfg, rngs=nnx.Rngs(params=jax.random.key(0))))
   params = nnx.state(abstract, nnx.Param)
-  names = nnx.to_pure_dict(jax.tree.map(lambda v: v.get_metadata().get("out_sharding"), params,
-                                        is_leaf=lambda x: isinstance(x, nnx.Variable)))
   values = nnx.to_pure_dict(params)
-  dims = (jax.tree.map(optimizer_lib.muon_dimension_numbers, names, is_leaf=lambda x: x is None or isinstance(x, tuple))
-          if train_cfg.optimizer == "muon" else None)
+  dims = optimizer_lib.muon_dims_of(optimizer_lib.logical_names(params)) if train_cfg.optimizer == "muon" else None
   state = jax.eval_shape(optimizer_lib.make(train_cfg, muon_dims=dims).init, values)
   shapes = {tuple(x.shape) for x in jax.tree.leaves(values)}
   nbytes = lambda leaves: sum(x.size * x.dtype.itemsize for x in leaves)
