@@ -144,13 +144,21 @@ def _cache_mask(B: int, T: int, S: int, index, start_B, window) -> jax.Array:
 
 def latent_cached_attention(q_nope_BTHN, q_rot_BTHR, latent_BSC, k_rot_BSR, w_uk_CHN, w_uv_CHV, index, start_B,
                             window=0, scale: float = 1.0, softcap: float = 0.0):
-  """Multi-head Latent Attention over a cache of latents (C = kv_lora_rank wide) and RoPE keys, without expanding
-  them into per-head keys and values (the absorbed form, DeepSeek-V2 sec. 2.1.3): the key of head h at slot s is
-  [latent_s @ w_uk_h, k_rot_s], so q.k = (q_nope_h @ w_uk_h^T) . latent_s + q_rot_h . k_rot_s, and the output
-  sum_s p_s (latent_s @ w_uv_h) = (sum_s p_s latent_s) @ w_uv_h. Scores are float32, times `scale` (the softmax
-  scale), masked as `cached_attention` masks them. Returns o_BTHV in q's dtype.
-  """
+  """Multi-head Latent Attention over a cache of latents (C = kv_lora_rank wide) and RoPE keys, masked as
+  `cached_attention` masks (`latent_masked_attention`). Returns o_BTHV in q's dtype."""
   mask_BTS = _cache_mask(q_nope_BTHN.shape[0], q_nope_BTHN.shape[1], latent_BSC.shape[1], index, start_B, window)
+  return latent_masked_attention(q_nope_BTHN, q_rot_BTHR, latent_BSC, k_rot_BSR, w_uk_CHN, w_uv_CHV, mask_BTS,
+                                 scale, softcap)
+
+
+def latent_masked_attention(q_nope_BTHN, q_rot_BTHR, latent_BSC, k_rot_BSR, w_uk_CHN, w_uv_CHV, mask_BTS,
+                            scale: float = 1.0, softcap: float = 0.0):
+  """Multi-head Latent Attention over latents [B, S, C] and RoPE keys [B, S, R] where mask_BTS (bool) is True,
+  without expanding them into per-head keys and values (the absorbed form, DeepSeek-V2 sec. 2.1.3): the key of
+  head h at slot s is [latent_s @ w_uk_h, k_rot_s], so q.k = (q_nope_h @ w_uk_h^T) . latent_s + q_rot_h . k_rot_s,
+  and the output sum_s p_s (latent_s @ w_uv_h) = (sum_s p_s latent_s) @ w_uv_h. Scores are float32, times `scale`
+  (the softmax scale). Returns o_BTHV in q's dtype.
+  """
   f32 = jnp.float32
   q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, w_uk_CHN, preferred_element_type=f32)
   s_BHTS = (jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC.astype(f32))

@@ -60,6 +60,7 @@ class Request:
   pages: list[int] = dataclasses.field(default_factory=list)
   hashes: list[int] = dataclasses.field(default_factory=list)  # of its full prompt pages, chained (prefix cache)
   drafts: list[int] = dataclasses.field(default_factory=list)  # proposed after its last token this step
+  mtp_next: int | None = None  # the multi-token head's guess at the token after its newest one (draft="mtp")
   preemptions: int = 0
   done: bool = False
 
@@ -75,17 +76,22 @@ class Request:
 
 
 def _forward(graphdef, state, k, v, tokens_ST, segment_ids_ST, positions_ST, table_SP, length_S, last_S,
-             seed_S, row_S, index_S, temperature_S, *, window: int, warps: tuple[int, float, float], kernel: str):
+             seed_S, row_S, index_S, temperature_S, *, window: int, warps: tuple[int, float, float], kernel: str,
+             hidden: bool):
   """One engine call: the model over [S, T] tokens into the paged cache -> (logits [S, window, V] float32 of each
-  row's tokens at indices last_S - window + 1 .. last_S (clipped at 0), each row's next token [S] and its
-  log-probability [S] picked on the device from the logits at last_S, the updated pools).
+  row's tokens at indices last_S - window + 1 .. last_S (clipped at 0), picks, the updated pools, and with `hidden`
+  the features before the final norm [S, T, D] (the multi-token head's input; else None)). picks: (each row's next
+  token [S] and its log-probability [S] picked on the device from the logits at last_S, and the argmax [S, window]
+  of every window position with its log-probability, what greedy verification of drafts needs).
 
   The pick is model.generate.choose's without a repetition penalty: the argmax where temperature_S is 0, else a
   draw from softmax(warp_logits(logits / temperature, *warps)) with the key fold_in(fold_in(PRNGKey(seed), row),
   index); log p under softmax(logits / temperature) (1 when greedy)."""
   model = nnx.merge(graphdef, state)
   cache = paged.PagedKVCache(k, v, table_SP, length_S, kernel=kernel)
-  x_STD, cache = model.features(tokens_ST, segment_ids_ST, positions_ST, cache=cache)
+  x_STD, cache = model.features(tokens_ST, segment_ids_ST, positions_ST, cache=cache, normed=not hidden)
+  h_STD = x_STD if hidden else None
+  x_STD = model.final_norm(x_STD) if hidden else x_STD
   index_SW = jnp.maximum(last_S[:, None] - window + 1 + jnp.arange(window)[None, :], 0)
   x_SWD = jnp.take_along_axis(x_STD, index_SW[:, :, None], axis=1)
   logits_SWV = model.logits(x_SWD)
@@ -97,32 +103,49 @@ def _forward(graphdef, state, k, v, tokens_ST, segment_ids_ST, positions_ST, tab
   drawn_S = jax.vmap(jax.random.categorical)(keys_S, generate_lib.warp_logits(scaled_SV, 1.0, *warps))
   token_S = jnp.where(greedy_S, jnp.argmax(last_SV, axis=-1), drawn_S).astype(jnp.int32)
   logp_S = jnp.take_along_axis(jax.nn.log_softmax(scaled_SV, axis=-1), token_S[:, None], axis=-1)[:, 0]
-  return logits_SWV, token_S, logp_S, cache.k, cache.v
+  best_SW = jnp.argmax(logits_SWV, axis=-1).astype(jnp.int32)
+  best_logp_SW = jnp.max(jax.nn.log_softmax(logits_SWV, axis=-1), axis=-1)
+  return logits_SWV, (token_S, logp_S, best_SW, best_logp_SW), cache.k, cache.v, h_STD
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_forward(window: int, warps: tuple[int, float, float] = (0, 1.0, 0.0), kernel: str = "xla"):
-  """`_forward` jitted once per logits window, warps and decode kernel: engines of the same shapes share their
-  compilations (callers pass all three positionally: the cache keys on how they are passed)."""
-  return jax.jit(functools.partial(_forward, window=window, warps=warps, kernel=kernel), donate_argnums=(2, 3))
+def _jitted_forward(window: int, warps: tuple[int, float, float] = (0, 1.0, 0.0), kernel: str = "xla",
+                    hidden: bool = False):
+  """`_forward` jitted once per logits window, warps, decode kernel and features output: engines of the same
+  shapes share their compilations (callers pass all four positionally: the cache keys on how they are passed)."""
+  return jax.jit(functools.partial(_forward, window=window, warps=warps, kernel=kernel, hidden=hidden),
+                 donate_argnums=(2, 3))
+
+
+@functools.partial(jax.jit, donate_argnums=(2, 3))
+def _mtp_forward(graphdef, state, k, v, h_STD, ahead_ST, segment_ids_ST, positions_ST, table_SP, length_S, last_S):
+  """The first multi-token head over one call's positions (`Transformer.mtp_step`, its one-layer pools k, v): the
+  entry of position j (h_j and the token at j + 1) written at slot j -> (the greedy guess [S] at the token two
+  places after position last_S of each row, the updated pools)."""
+  model = nnx.merge(graphdef, state)
+  x_STD, cache = model.mtp_step(h_STD, ahead_ST, segment_ids_ST, positions_ST,
+                                paged.PagedKVCache(k, v, table_SP, length_S))
+  x_S1D = jnp.take_along_axis(x_STD, last_S[:, None, None], axis=1)
+  return jnp.argmax(model.logits(x_S1D)[:, 0], axis=-1).astype(jnp.int32), cache.k, cache.v
 
 
 def decode_kernel(cfg, attention: str) -> str:
   """The paged cache's decode attention (`paged.PagedKVCache.kernel`) for engine attention="auto" | "xla" |
   "pallas": auto runs the Pallas TPU kernel on TPUs where it applies (no layer windowed: the kernel has no
   window) and the XLA gather elsewhere; "pallas" off TPU runs the kernel in interpret mode. ValueError naming the
-  reason where "pallas" cannot apply."""
+  reason where "pallas" cannot apply (sliding windows, MLA's latent cache)."""
   from model import splash as splash_lib  # pylint: disable=g-import-not-at-top
   if attention not in ("auto", "xla", "pallas"):
     raise ValueError(f"Engine: attention={attention!r} must be 'auto', 'xla' or 'pallas'")
   on_tpu = splash_lib.target_platform() == "tpu"
-  windowed = any(config_lib.layer_windows(cfg))
-  if attention == "pallas" and windowed:
-    raise ValueError("Engine: attention='pallas' (the paged decode kernel) has no sliding window, and this model "
-                     "has windowed layers; use attention='xla' or 'auto'")
+  windowed, latent = any(config_lib.layer_windows(cfg)), cfg.attention_type == "mla"
+  if attention == "pallas" and (windowed or latent):
+    raise ValueError("Engine: attention='pallas' (the paged decode kernel) has no sliding window and reads per-head "
+                     f"keys and values, and this model has {'windowed layers' if windowed else 'latent attention'}; "
+                     "use attention='xla' or 'auto'")
   if attention == "pallas":
     return "pallas" if on_tpu else "interpret"
-  return "pallas" if attention == "auto" and on_tpu and not windowed else "xla"
+  return "pallas" if attention == "auto" and on_tpu and not (windowed or latent) else "xla"
 
 
 def ngram_drafts(sequence: Sequence[int], n: int, k: int) -> list[int]:
@@ -153,6 +176,13 @@ class Engine:
     if prefill_seqs < 1:
       raise ValueError(f"Engine: prefill_seqs={prefill_seqs} (sequences prefilling per step) must be >= 1")
     self.prefill_seqs = min(prefill_seqs, max_seqs)
+    self.mtp = None  # the multi-token head's one-layer pools when it drafts (draft="mtp")
+    if isinstance(draft, str):
+      if draft != "mtp" or not cfg.mtp_depth or speculative != 1:
+        raise ValueError(f"Engine: draft={draft!r}: a draft is a smaller model or 'mtp', the model's first "
+                         "multi-token head proposing one token per step, which needs model.mtp_depth >= 1 (this "
+                         f"model: {cfg.mtp_depth}) and speculative=1 (got {speculative})")
+      draft, self.mtp = None, ()
     if speculative < 0 or (speculative and (ngram < 1 or speculative >= chunk)):
       raise ValueError(f"Engine: speculative={speculative} draft tokens need 1 <= speculative < chunk={chunk} and "
                        f"ngram={ngram} >= 1 (0 = no speculative decoding)")
@@ -189,6 +219,10 @@ class Engine:
     self.k, self.v = paged.pools(cfg, num_pages, page_size)
     # A draft model keeps its own pools under the same page tables: every call feeds it the target's tokens.
     self.draft = None if draft is None else (*nnx.split(draft), *paged.pools(draft.cfg, num_pages, page_size))
+    if self.mtp is not None:  # its entry at position j needs the token at j + 1: a page is shared (prefix cache)
+      # only between prompts that also agree on the token after it
+      self.mtp = paged.pools(cfg, num_pages, page_size, layers=1)
+    self._lookahead = int(self.mtp is not None)
     self.free = list(range(num_pages - 1, paged.SCRATCH, -1))  # a stack: page 1 first
     self.prefix_caching = prefix_caching
     self.refs: collections.Counter[int] = collections.Counter()  # page -> sequences holding it
@@ -293,19 +327,44 @@ class Engine:
     if self.draft is not None and any(self.slots[s].drafts for s in feed):
       self._propose(feed)
     arrays = self._arrays(feed, rows, capacity, width) + self._sampling(feed, rows, capacity)
-    logits, token_S, logp_S, self.k, self.v = _jitted_forward(self.speculative + 1, warps, self.kernel)(
-        self.graphdef, self.state, self.k, self.v, *arrays)
+    before = {s: self.slots[s].cached for s in feed}
+    logits, picks, self.k, self.v, h_STD = _jitted_forward(
+        self.speculative + 1, warps, self.kernel, self.mtp is not None)(self.graphdef, self.state, self.k, self.v,
+                                                                         *arrays)
     if self.draft is not None:  # the draft's pools take the same tokens (its next proposals attend to them)
       self._draft_call(arrays)
     self.stats["calls"] += 1
-    return self._advance(feed, rows, logits, token_S, logp_S, warps)
+    finished = self._advance(feed, rows, logits, picks, warps)
+    if self.mtp is not None:
+      self._mtp_call(feed, rows, arrays, before, h_STD)
+    return finished
 
   def _draft_call(self, arrays) -> tuple[jax.Array, jax.Array]:
     """The draft model over one call's arrays into its pools; returns its greedy picks and their log-probs [S]."""
     graphdef, state, k, v = self.draft
-    _, token_S, logp_S, k, v = _jitted_forward(1, (0, 1.0, 0.0), "xla")(graphdef, state, k, v, *arrays)
+    _, picks, k, v, _ = _jitted_forward(1, (0, 1.0, 0.0), "xla")(graphdef, state, k, v, *arrays)
     self.draft = (graphdef, state, k, v)
-    return token_S, logp_S
+    return picks[:2]
+
+  def _mtp_call(self, feed: dict[int, int], rows: dict[int, int], arrays, before: dict[int, int], h_STD) -> None:
+    """The multi-token head after a call: the entries of the positions whose keys now stand (from `before[s]`, the
+    tokens cached before the call, to r.cached - 1; the token after each is known, the last one's being the token
+    just picked), and each running sequence's guess at the token after its newest (`mtp_next`)."""
+    tokens, segments, positions, table, length, _ = arrays[:6]
+    ahead, real = np.zeros_like(tokens), np.zeros_like(segments)
+    last = np.zeros((tokens.shape[0],), np.int32)
+    running = [s for s in feed if self.slots[s] is not None]  # finished ones gave their pages back
+    for s in running:
+      r, i, c = self.slots[s], rows[s], before[s]
+      n = r.cached - c
+      ahead[i, :n] = r.sequence[c + 1:c + 1 + n]
+      real[i, :n], last[i] = 1, n - 1
+    guess_S, *self.mtp = _mtp_forward(self.graphdef, self.state, *self.mtp, h_STD, ahead, real, positions, table,
+                                      length, last)
+    guess_S = np.asarray(guess_S)
+    for s in running:  # a guess only where the newest token is the one after the last cached (not mid-prompt)
+      r = self.slots[s]
+      r.mtp_next = int(guess_S[rows[s]]) if r.cached == len(r.sequence) - 1 else None
 
   def _propose(self, feed: dict[int, int]) -> None:
     """Fills the drafts of the sequences that verify this step: the draft model's greedy tokens, one [S, 1] call
@@ -373,9 +432,10 @@ class Engine:
 
   # ---- pages: the free list, reference counts and the prefix cache -------------------------------------
   def _hash(self, r: Request, j: int) -> int:
-    """The chained hash of request r's j-th full prompt page (its tokens and every page before it)."""
+    """The chained hash of request r's j-th full prompt page (its tokens, with MTP drafts the token after it, and
+    every page before it)."""
     previous = r.hashes[j - 1] if j else 0
-    return hash((previous, tuple(r.prompt[j * self.page_size:(j + 1) * self.page_size])))
+    return hash((previous, tuple(r.prompt[j * self.page_size:(j + 1) * self.page_size + self._lookahead])))
 
   def _reuse_prefix(self, r: Request) -> None:
     """Pages already holding r's leading full prompt pages, shared by reference (the last prompt token is always
@@ -394,7 +454,7 @@ class Engine:
 
   def _register(self, r: Request) -> None:
     """Makes r's newly completed full prompt pages findable by later requests with the same prefix."""
-    while (len(r.hashes) + 1) * self.page_size <= min(r.cached, len(r.prompt)):
+    while (len(r.hashes) + 1) * self.page_size <= min(r.cached, len(r.prompt) - self._lookahead):
       h, page = self._hash(r, len(r.hashes)), r.pages[len(r.hashes)]
       if page == paged.SCRATCH:  # freed by the window before it was complete: the chain ends here
         return
@@ -441,6 +501,8 @@ class Engine:
     drafting = n == 1 and r.tokens and room > 0 and r.plain
     if self.draft is not None:
       r.drafts = [-1] * room if drafting else []  # the draft model fills them in (`_propose`)
+    elif self.mtp is not None:
+      r.drafts = [r.mtp_next] if drafting and r.mtp_next is not None else []
     else:
       r.drafts = ngram_drafts(r.sequence, self.ngram, room) if drafting else []
     return n + len(r.drafts)
@@ -450,6 +512,7 @@ class Engine:
     request = self.slots[s]
     self._release(s)
     request.cached, request.preemptions, request.hashes = 0, request.preemptions + 1, []
+    request.mtp_next = None
     self.stats["preemptions"] += 1
     self.waiting.appendleft(request)
 
@@ -499,10 +562,13 @@ class Engine:
         zeros, vector = np.zeros((capacity, width), np.int32), np.zeros((capacity,), np.int32)
         arrays = (zeros, zeros, zeros, np.zeros((capacity, P), np.int32), vector, vector, vector, vector, vector,
                   np.zeros((capacity,), np.float32))
-        *_, self.k, self.v = _jitted_forward(self.speculative + 1, (0, 1.0, 0.0), self.kernel)(
-            self.graphdef, self.state, self.k, self.v, *arrays)
+        _, _, self.k, self.v, h_STD = _jitted_forward(self.speculative + 1, (0, 1.0, 0.0), self.kernel,
+                                                    self.mtp is not None)(self.graphdef, self.state, self.k, self.v,
+                                                                          *arrays)
         if self.draft is not None:
           self._draft_call(arrays)
+        if self.mtp is not None:
+          self._mtp_call({}, {}, arrays, {}, h_STD)
 
   def _arrays(self, feed: dict[int, int], rows: dict[int, int], capacity: int,
               width: int) -> tuple[np.ndarray, ...]:
@@ -523,16 +589,16 @@ class Engine:
       length[i], last[i] = r.cached, n - 1
     return tokens, segments, positions, table, length, last
 
-  def _advance(self, feed: dict[int, int], rows: dict[int, int], logits_SWV: jax.Array, token_S: jax.Array,
-               logp_S: jax.Array, warps: tuple[int, float, float]) -> list[Request]:
+  def _advance(self, feed: dict[int, int], rows: dict[int, int], logits_SWV: jax.Array, picks,
+               warps: tuple[int, float, float]) -> list[Request]:
     """Counts the fed tokens as cached (of drafts, the accepted ones); a sequence now fully cached takes its next
-    tokens (the device's pick, or `verify` on the host for drafts, repetition penalties and other warps);
-    finished ones leave."""
+    tokens (the device's pick; greedy drafts against the device's argmaxes; `verify` on the host for sampled
+    drafts, repetition penalties and other warps); finished ones leave."""
     ready = [s for s, n in feed.items() if self.slots[s].cached + n == len(self.slots[s].sequence) +
              len(self.slots[s].drafts)]
     host = [s for s in ready if not self._on_device(self.slots[s], warps)]
     logits = np.asarray(jax.device_get(logits_SWV), np.float64) if host else None
-    picked = jax.device_get((token_S, logp_S)) if len(host) < len(ready) else None
+    token_S, logp_S, best_SW, best_logp_SW = jax.device_get(picks) if len(host) < len(ready) else (None,) * 4
     finished = []
     for s, n in feed.items():
       r = self.slots[s]
@@ -541,11 +607,14 @@ class Engine:
         if self.window:
           self._forget_old(r)
         continue
-      m = len(r.drafts)
+      m, i = len(r.drafts), rows[s]
       if s in host:
-        new, logps = verify(logits[rows[s], logits.shape[1] - 1 - m:], r)
+        new, logps = verify(logits[i, logits.shape[1] - 1 - m:], r)
+      elif m:
+        tail = slice(best_SW.shape[1] - 1 - m, None)
+        new, logps = greedy_accept(best_SW[i, tail], best_logp_SW[i, tail], r.drafts)
       else:
-        new, logps = [int(picked[0][rows[s]])], [float(picked[1][rows[s]])]
+        new, logps = [int(token_S[i])], [float(logp_S[i])]
       r.cached += n - m + len(new) - 1  # the fed tokens whose keys stand: the last one and the accepted drafts
       self.stats["drafted"] += m
       self.stats["accepted"] += len(new) - 1 if m else 0
@@ -568,10 +637,23 @@ class Engine:
 
   @staticmethod
   def _on_device(r: Request, warps: tuple[int, float, float]) -> bool:
-    """Whether the device's pick is r's next token: no drafts to verify, no repetition penalty, and (sampled)
-    the call's warps."""
-    return not r.drafts and r.repetition_penalty == 1.0 and (not r.temperature or
-                                                             (r.top_k, r.top_p, r.min_p) == warps)
+    """Whether the device's picks give r's next tokens: no repetition penalty, and either greedy (drafts checked
+    against the argmaxes) or sampled without drafts and with the call's warps."""
+    if r.repetition_penalty != 1.0:
+      return False
+    return not r.temperature or (not r.drafts and (r.top_k, r.top_p, r.min_p) == warps)
+
+
+def greedy_accept(best_M: np.ndarray, best_logp_M: np.ndarray, drafts: list[int]) -> tuple[list[int], list[float]]:
+  """(new tokens, their log-probabilities) of a greedy request from the argmax [m + 1] (and its log-probability)
+  at its last token and its m drafts: the drafts while each equals the argmax, then the argmax where one differs
+  (or after the last), as `verify` decides from the logits."""
+  new = []
+  for i, d in enumerate(drafts + [None]):
+    new.append(int(best_M[i]))
+    if new[-1] != d:
+      break
+  return new, [float(best_logp_M[i]) for i in range(len(new))]
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:

@@ -71,8 +71,10 @@ def zeros(cfg, start_B: jax.Array, length: int) -> KVCache:
 
 def is_empty(cache: KVCache) -> bool:
   """True when `cache.index` is known at trace time to be 0 (a fresh `zeros` cache); False when it is traced
-  (unknown) or a nonzero number. Selects the prefill path, never the result: both paths compute the same values."""
-  return isinstance(cache.index, (int, np.integer)) and int(cache.index) == 0
+  (unknown) or a nonzero number, and for the engine's paged cache (no index). Selects the prefill path, never the
+  result: both paths compute the same values."""
+  index = getattr(cache, "index", None)
+  return isinstance(index, (int, np.integer)) and int(index) == 0
 
 
 def advance(cache: KVCache, length: int) -> KVCache:

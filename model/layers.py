@@ -224,7 +224,8 @@ class LatentAttention(nnx.Module):
   def __call__(self, x_BLD, segment_ids_BL, cos, sin, window, cache: kv_cache.KVCache | None = None,
                prefix_BL=None, branch_BL=None, order_L=None):
     """As `Attention.__call__`: -> y_BLD, or (y_BLD, the layer's updated cache of latents and RoPE keys)."""
-    if cache is not None:
+    paged_cache = isinstance(cache, paged.PagedKVCache)
+    if cache is not None and not paged_cache:
       kv_cache.check_room(cache, x_BLD.shape[1])
     dt, (N, R, V, C) = self.dtype, self.dims
     if hasattr(self, "q"):
@@ -237,16 +238,20 @@ class LatentAttention(nnx.Module):
     cos_BLF, sin_BLF = rope.for_window(cos, sin, window)
     q_nope_BLHN, q_rot_BLHR = q_BLHK[..., :N], self._rotate(q_BLHK[..., N:], cos_BLF, sin_BLF)
     k_rot_BL1R = self._rotate(ckv_BLX[..., None, C:], cos_BLF, sin_BLF)
-    cached = cache is not None and not kv_cache.is_empty(cache)
-    if cache is not None:
-      cache = kv_cache.write(cache, latent_BLC[:, :, None], k_rot_BL1R)
     kv_b = _value(self.kv_b, dt)
-    if cached:
-      scale = self.score_multiplier / math.sqrt(N + R)
+    scale = self.score_multiplier / math.sqrt(N + R)
+    if paged_cache:  # the engine's pages hold the latents and RoPE keys (model/paged.py)
+      cache = paged.write(cache, latent_BLC[:, :, None], k_rot_BL1R, segment_ids_BL)
+      o_BLHV = paged.latent_attend(q_nope_BLHN, q_rot_BLHR, cache, kv_b[..., :N], kv_b[..., N:], window, scale,
+                                   self.softcap)
+    elif cache is not None and not kv_cache.is_empty(cache):  # decided at trace time (see kv_cache)
+      cache = kv_cache.write(cache, latent_BLC[:, :, None], k_rot_BL1R)
       o_BLHV = attention_lib.latent_cached_attention(q_nope_BLHN, q_rot_BLHR, cache.k[:, :, 0], cache.v[:, :, 0],
                                                      kv_b[..., :N], kv_b[..., N:], cache.index, cache.start, window,
                                                      scale, self.softcap)
     else:
+      if cache is not None:
+        cache = kv_cache.write(cache, latent_BLC[:, :, None], k_rot_BL1R)
       o_BLHV = self._expanded(q_nope_BLHN, q_rot_BLHR, latent_BLC, k_rot_BL1R, kv_b, segment_ids_BL, window,
                               prefix_BL, branch_BL, cache is None, order_L)
     o_BLHV = remat.tag(axes.constrain(o_BLHV, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTN_CONTEXT)
@@ -355,7 +360,8 @@ class MultiTokenHead(nnx.Module):
   order), then one transformer block (MoE when the
   model has experts) and its own final norm; the model's output projection turns it into the logits of token
   t_{i+d+1}. `head(h_BLD, e_BLD, segment_ids_BL, cos, sin, window) -> (h_BLD for the next depth, normed x_BLD, the
-  block's MoE statistics ({} when dense))`.
+  block's MoE statistics ({} when dense))`; with a `cache` (the block's one layer: the engine's MTP drafts), the
+  updated cache in place of the statistics.
   """
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
@@ -365,11 +371,15 @@ class MultiTokenHead(nnx.Module):
     self.norm = Norm(cfg, rngs=rngs)
     self.dtype = DTYPES[cfg.dtype]
 
-  def __call__(self, h_BLD, e_BLD, segment_ids_BL, cos, sin, window):
+  def __call__(self, h_BLD, e_BLD, segment_ids_BL, cos, sin, window, cache=None):
     proj = _value(self.proj, self.dtype)
     x_BLD = (jnp.einsum("bld,de->ble", self.enorm(e_BLD), proj[0])
              + jnp.einsum("bld,de->ble", self.hnorm(h_BLD), proj[1]))
-    x_BLD, stats = self.block(axes.constrain(x_BLD, (BATCH, LENGTH, EMBED)), segment_ids_BL, cos, sin, window)
+    x_BLD = axes.constrain(x_BLD, (BATCH, LENGTH, EMBED))
+    if cache is None:
+      x_BLD, stats = self.block(x_BLD, segment_ids_BL, cos, sin, window)
+    else:
+      x_BLD, stats = self.block(x_BLD, segment_ids_BL, cos, sin, window, cache)
     return x_BLD, self.norm(x_BLD), stats
 
 

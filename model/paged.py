@@ -3,10 +3,15 @@
 `PagedKVCache` is a plain pytree the transformer threads through its layer scan like `model.kv_cache.KVCache`:
 
   k, v     [G, layers, N, page, K]  the pools: N pages of `page` slots per layer and kv head (page 0 is scratch:
-                                     padding tokens write there and no real sequence owns it); compute dtype
+                                     padding tokens write there and no real sequence owns it); compute dtype.
+                                     Multi-head Latent Attention keeps its compressed form as model.kv_cache does:
+                                     k the latent [1, layers, N, page, kv_lora_rank], v the RoPE key [1, ...,
+                                     qk_rope_head_dim] (`latent_attend` attends without expanding them)
   table    int32 [S, P]              page ids of each of S sequence slots, in order (position p of sequence s lives
                                      in page table[s, p // page] at offset p % page); unused entries 0
   length   int32 [S]                 tokens of each sequence cached before this call
+  first    int                       slots below it are never visible (1 for the multi-token head's pools, whose
+                                     slot p holds the entry of position p - 1: model/engine.py)
 
 A call feeds [S, T] tokens with segment ids (1 real, 0 padding) and positions = length[s] + t for the real ones:
 a decode step (one real token per running sequence) or chunks of prompts (chunked prefill). Every real token's
@@ -30,6 +35,7 @@ import jax.numpy as jnp
 
 from model import attention as attention_lib
 from model import axes
+from model import kv_cache
 from model.axes import BATCH, HEAD_DIM, HEADS, KV_HEADS, LAYERS
 from model.config import DTYPES
 
@@ -45,19 +51,24 @@ class PagedKVCache(NamedTuple):
   # "xla" (the gather), or for decode calls (one token per sequence, no window): "pallas", the TPU paged-attention
   # kernel, or "interpret", the same kernel in Pallas' TPU interpret mode (any backend; tests)
   kernel: str = "xla"
+  first: int = 0
 
   # the pools' logical axes: kv heads split like the model's; pages never (any sequence may own any page)
   NAMES = (KV_HEADS, LAYERS, None, None, HEAD_DIM)
 
 
-def pools(cfg, num_pages: int, page: int) -> tuple[jax.Array, jax.Array]:
-  """Empty k, v pools [G, layers, num_pages, page, K] in the compute dtype (MLA is not paged: ValueError)."""
-  if cfg.attention_type == "mla":
-    raise ValueError("model.attention_type='mla': the paged engine keeps per-head keys and values; decode MLA "
-                     "models with model.generate (its latent cache)")
-  shape = (cfg.num_kv_heads, cfg.num_layers, num_pages, page, cfg.head_dim)
-  k = jnp.zeros(shape, DTYPES[cfg.dtype])
-  return axes.constrain(k, PagedKVCache.NAMES), axes.constrain(jnp.zeros_like(k), PagedKVCache.NAMES)
+def names(pool: jax.Array) -> tuple:
+  """A pool's logical axes: NAMES, with a single kv head (MQA, MLA's latent) never split over the mesh."""
+  return PagedKVCache.NAMES if pool.shape[0] > 1 else (None, *PagedKVCache.NAMES[1:])
+
+
+def pools(cfg, num_pages: int, page: int, layers: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """Empty k, v pools [G, layers, num_pages, page, K] in the compute dtype, per `model.kv_cache.dims` (MLA: the
+  latent and the RoPE key); `layers` defaults to model.num_layers."""
+  (gk, kk), (gv, kv_) = kv_cache.dims(cfg)
+  lead = (layers or cfg.num_layers, num_pages, page)
+  k, v = jnp.zeros((gk, *lead, kk), DTYPES[cfg.dtype]), jnp.zeros((gv, *lead, kv_), DTYPES[cfg.dtype])
+  return axes.constrain(k, names(k)), axes.constrain(v, names(v))
 
 
 def write(layer: PagedKVCache, k_STGK: jax.Array, v_STGK: jax.Array, segment_ids_ST: jax.Array) -> PagedKVCache:
@@ -78,19 +89,35 @@ def attend(q_STHK: jax.Array, layer: PagedKVCache, window=0, softcap: float = 0.
   the sequence's pages (written already: `write` first); `window` > 0 also hides positions q - j >= window.
   Scores float32 [S, H, T, P * page]; the arithmetic of `model.attention.cached_attention`. A decode call with
   `layer.kernel` set runs the Pallas kernel instead (`_kernel_attend`; the engine sets it only without windows)."""
-  S, T = q_STHK.shape[:2]
-  if layer.kernel != "xla" and T == 1:
+  if layer.kernel != "xla" and q_STHK.shape[1] == 1:
     return _kernel_attend(q_STHK, layer, softcap)
-  G, P, page = layer.k.shape[0], layer.table.shape[1], layer.k.shape[3]
-  # [G, S, P, page, K] gathered where the pool lies, then heads-major [S, G, X, K] for the products
-  gather = lambda pool: pool[:, layer.layer, layer.table].reshape(G, S, P * page, -1).transpose(1, 0, 2, 3)  # noqa: E731
+  return attention_lib.masked_attention(q_STHK, _gather(layer.k, layer), _gather(layer.v, layer),
+                                        _visible(layer, q_STHK.shape[1], window), softcap=softcap, heads_major=True)
+
+
+def latent_attend(q_nope_STHN, q_rot_STHR, layer: PagedKVCache, w_uk_CHN, w_uv_CHV, window=0, scale: float = 1.0,
+                  softcap: float = 0.0) -> jax.Array:
+  """`attend` for Multi-head Latent Attention: the sequences' latents [S, X, C] and RoPE keys [S, X, R] gathered
+  from their pages, attended in the absorbed form of `model.attention.latent_masked_attention` -> o_STHV."""
+  latent_SXC, k_rot_SXR = _gather(layer.k, layer)[:, 0], _gather(layer.v, layer)[:, 0]
+  return attention_lib.latent_masked_attention(q_nope_STHN, q_rot_STHR, latent_SXC, k_rot_SXR, w_uk_CHN, w_uv_CHV,
+                                               _visible(layer, q_nope_STHN.shape[1], window), scale, softcap)
+
+
+def _gather(pool: jax.Array, layer: PagedKVCache) -> jax.Array:
+  """[S, G, P * page, K]: each sequence's pages of this layer's pool in order, gathered where the pool lies and
+  then laid heads-major for the products."""
+  G, page, S, P = pool.shape[0], pool.shape[3], *layer.table.shape
+  return pool[:, layer.layer, layer.table].reshape(G, S, P * page, -1).transpose(1, 0, 2, 3)
+
+
+def _visible(layer: PagedKVCache, T: int, window) -> jax.Array:
+  """bool [S, T, P * page]: the query at slot length[s] + t sees slots `first` .. its own (inside the window)."""
   q_pos_ST = layer.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-  key_pos_X = jnp.arange(P * page, dtype=jnp.int32)
-  visible_STX = key_pos_X[None, None, :] <= q_pos_ST[:, :, None]
+  key_pos_X = jnp.arange(layer.table.shape[1] * layer.k.shape[3], dtype=jnp.int32)
+  visible_STX = (key_pos_X[None, None, :] <= q_pos_ST[:, :, None]) & (key_pos_X >= layer.first)[None, None, :]
   window = jnp.asarray(window)
-  visible_STX &= (window <= 0) | (q_pos_ST[:, :, None] - key_pos_X[None, None, :] < window)
-  return attention_lib.masked_attention(q_STHK, gather(layer.k), gather(layer.v), visible_STX, softcap=softcap,
-                                        heads_major=True)
+  return visible_STX & ((window <= 0) | (q_pos_ST[:, :, None] - key_pos_X[None, None, :] < window))
 
 
 def _kernel_attend(q_S1HK: jax.Array, layer: PagedKVCache, softcap: float) -> jax.Array:

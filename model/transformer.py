@@ -94,8 +94,9 @@ class Transformer(nnx.Module):
   def features(self, tokens_BL: jax.Array, segment_ids_BL: jax.Array | None = None,
                positions_BL: jax.Array | None = None, cache: kv_cache.KVCache | None = None, *,
                return_aux: bool = False, prefix_BL: jax.Array | None = None, branch_BL: jax.Array | None = None,
-               mtp: bool = False):
-    """The final-normed residual stream x_BLD; with a `cache` (model.kv_cache), (x_BLD, cache advanced by L);
+               mtp: bool = False, normed: bool = True):
+    """The final-normed residual stream x_BLD (`normed=False`: before the final norm, what the multi-token heads
+    take); with a `cache` (model.kv_cache), (x_BLD, cache advanced by L);
     with return_aux (no cache), (x_BLD, MoE statistics as in __call__). With a cache the L tokens go to slots
     [index, index + L) and attend to the row's cached slots and to each other causally (a whole prompt, a chunk
     of one, or a decode step: model/layers.py Attention); segment ids then default to 1 from the row's
@@ -137,9 +138,10 @@ class Transformer(nnx.Module):
 
     if cache is not None:
       x_BLD, cache = self._cached_layers(apply_block, x_BLD, windows, cache)
+      x_BLD = self.final_norm(x_BLD) if normed else x_BLD
       if isinstance(cache, paged.PagedKVCache):  # the engine advances each sequence's length itself
-        return self.final_norm(x_BLD), cache
-      return self.final_norm(x_BLD), cache._replace(index=cache.index + tokens_BL.shape[1])
+        return x_BLD, cache
+      return x_BLD, cache._replace(index=cache.index + tokens_BL.shape[1])
     if self.cfg.scan_layers:
       unit, prefix = config_lib.layers_per_unit(self.cfg), config_lib.dense_prefix(self.cfg)
       if prefix:
@@ -179,7 +181,7 @@ class Transformer(nnx.Module):
       aux[MTP_FEATURES], mtp_loads = self._mtp(x_BLD, tokens_BL, segment_ids_BL, cos, sin, windows[-1])
       if moe_lib.LAYER_LOAD in aux:  # the heads' MoE blocks have score biases too: their loads follow the layers'
         aux[moe_lib.LAYER_LOAD] = jnp.concatenate([aux[moe_lib.LAYER_LOAD], mtp_loads])
-    x_BLD = self.final_norm(x_BLD)
+    x_BLD = self.final_norm(x_BLD) if normed else x_BLD
     return (x_BLD, aux) if return_aux else x_BLD
 
   def _context_order(self, length: int):
@@ -219,6 +221,16 @@ class Transformer(nnx.Module):
       outs.append(out_BLD)
       loads += [stats["moe_expert_load"]] if stats else []
     return jnp.stack(outs), jnp.stack(loads) if loads else None
+
+  def mtp_step(self, h_STD, ahead_ST, segment_ids_ST, positions_ST, cache: paged.PagedKVCache):
+    """The first multi-token head over a paged cache of its own (one layer: the engine's MTP drafts): h_STD the
+    main model's features before the final norm at positions_ST, ahead_ST the tokens one place ahead of them ->
+    (its normed features x_STD, whose logits predict the tokens two places ahead, the updated cache)."""
+    cos, sin = rope.tables(self.cfg, positions_ST)
+    window = config_lib.layer_windows(self.cfg)[-1]
+    _, x_STD, cache = self.mtp[0](h_STD, self.embed(ahead_ST), segment_ids_ST, cos, sin, window,
+                                  cache._replace(layer=jnp.int32(0)))
+    return x_STD, cache._replace(layer=None)
 
   def _stack(self, split_layers, windows_U, x_BLD, segment_ids_BL, cos, sin, prefix_BL=None, branch_BL=None,
              order_L=None):
@@ -299,8 +311,8 @@ class Transformer(nnx.Module):
                                       (state, by_unit(jnp.asarray(windows[lo:hi], jnp.int32)),
                                        by_unit(jnp.arange(lo, hi, dtype=jnp.int32))))
       cache = cache._replace(k=k, v=v)
-    return x_BLD, cache._replace(k=axes.constrain(cache.k, cache.NAMES), v=axes.constrain(cache.v, cache.NAMES),
-                                 layer=None)
+    return x_BLD, cache._replace(k=axes.constrain(cache.k, paged.names(cache.k)),
+                                 v=axes.constrain(cache.v, paged.names(cache.v)), layer=None)
 
   def _cached_layers(self, apply_block, x_BLD, windows, cache):
     """The layer stack with each layer's slice of the cache as scan input and its update as scan output."""

@@ -254,3 +254,82 @@ def test_ahead_of_time_tpu_compile_of_a_decode_step_holds_the_paged_kernel():
   hlo = compiled.as_text()
   kernels = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
   assert len(kernels) == 1 and "%paged_attention" in kernels[0]  # one layer's program, scanned
+
+
+def _deepseek_style(mtp_depth: int):
+  """Multi-head latent attention (q LoRA, interleaved RoPE), a dense first layer then sigmoid-routed dropless MoE
+  layers with a shared expert, and `mtp_depth` multi-token heads: DeepSeek-V3's layout at toy size."""
+  c = configs.load("tiny_moe")
+  c.model.update(vocab_size=256, d_model=32, num_layers=3, num_heads=4, num_kv_heads=4, head_dim=8, mlp_dim=32,
+                 expert_mlp_dim=16, num_experts=4, experts_per_token=2, max_seq_len=96, num_shared_experts=1,
+                 router="sigmoid", first_dense_layers=1, capacity_factor=0.0, attention_type="mla",
+                 q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                 rope_interleave=True, mtp_depth=mtp_depth)
+  return Transformer(c.model, rngs=nnx.Rngs(3))
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+  return _deepseek_style(mtp_depth=1)
+
+
+def test_latent_attention_pages_hold_the_latents_and_give_one_pass_logits(deepseek):
+  """MLA's pages hold the latent (kv_lora_rank) and the RoPE key (qk_rope_head_dim) per slot, not per-head keys;
+  a 29-token prompt fed in chunks of 5, 11 and 13 over scattered pages gives the one-shot forward's logits (1e-5)."""
+  k, v = paged.pools(deepseek.cfg, 10, 4)
+  assert k.shape == (1, 3, 10, 4, 16) and v.shape == (1, 3, 10, 4, 4)
+  tokens = np.random.default_rng(1).integers(1, 256, size=(1, 29)).astype(np.int32)
+  want = np.asarray(deepseek(jnp.asarray(tokens)))[0]
+  table, got, start = jnp.asarray([[7, 2, 9, 4, 1, 8, 3, 6]], jnp.int32), [], 0
+  for n in (5, 11, 13):
+    cache = paged.PagedKVCache(k, v, table, jnp.asarray([start], jnp.int32))
+    x, cache = deepseek.features(jnp.asarray(tokens[:, start:start + n]), jnp.ones((1, n), jnp.int32),
+                                 jnp.arange(start, start + n, dtype=jnp.int32)[None], cache=cache)
+    got.append(np.asarray(deepseek.logits(x))[0])
+    k, v, start = cache.k, cache.v, start + n
+  np.testing.assert_allclose(np.concatenate(got), want, rtol=0, atol=1e-5)
+
+
+def _stepped(engine, prompts, max_new_tokens):
+  """Every prompt's tokens, and per prompt {sequence length: the multi-token head's guess at the token after the
+  newest} read after every step."""
+  requests = [engine.live[engine.add(p, max_new_tokens)] for p in prompts]
+  guesses = [{} for _ in prompts]
+  while engine.busy():
+    engine.step()
+    for i, r in enumerate(requests):
+      if r.mtp_next is not None and not r.done:
+        guesses[i][len(r.sequence)] = r.mtp_next
+  return [r.tokens for r in requests], guesses
+
+
+def test_the_multi_token_head_drafts_what_it_predicts(deepseek):
+  """draft='mtp' on the DeepSeek-style model, prompts behind a shared 16-token prefix (prefix caching on) in a pool
+  short enough to preempt: greedy tokens equal model.generate's, and every draft the head made equals the argmax
+  of the multi-token head's logits in one training-style forward over the finished sequences (position L - 2
+  predicts token L: Transformer(mtp=True), causal, so the right padding changes nothing before it)."""
+  from model import transformer as transformer_lib
+  rng = np.random.default_rng(12)
+  system = [int(t) for t in rng.integers(1, 256, size=16)]
+  prompts = [system + [int(t) for t in rng.integers(1, 256, size=n)] for n in (3, 12, 1, 9)]
+  want = generate_lib.generate(deepseek, prompts, 8)
+  engine = engine_lib.Engine(deepseek, max_seqs=2, page_size=8, chunk=8, speculative=1, draft="mtp", num_pages=8,
+                             max_len=40)
+  tokens, guesses = _stepped(engine, prompts, 8)
+  assert tokens == want
+  assert engine.stats["drafted"] > 0 and engine.stats["prefix_hit_tokens"] > 0 and engine.stats["preemptions"] > 0
+  finished = [p + t for p, t in zip(prompts, tokens)]
+  padded = np.asarray([s + [0] * (40 - len(s)) for s in finished], np.int32)
+  _, aux = deepseek(jnp.asarray(padded), return_aux=True, mtp=True)
+  predicted = np.argmax(np.asarray(deepseek.logits(aux[transformer_lib.MTP_FEATURES][0])), axis=-1)
+  for row, seen in enumerate(guesses):
+    assert seen and all(predicted[row, L - 2] == g for L, g in seen.items()), (row, seen, predicted[row])
+
+
+def test_mtp_drafts_are_refused_where_they_cannot_act(deepseek, model):
+  with pytest.raises(ValueError, match="mtp_depth >= 1"):
+    engine_lib.Engine(model, speculative=1, draft="mtp")
+  with pytest.raises(ValueError, match="speculative=1"):
+    engine_lib.Engine(deepseek, speculative=2, draft="mtp")
+  with pytest.raises(ValueError, match="latent attention"):
+    engine_lib.Engine(deepseek, attention="pallas")

@@ -180,3 +180,12 @@ def test_detokenizer_deltas_concatenate_to_the_decoding(run):  # noqa: F811
   deltas = [detok.push([i]) for i in ids] + [detok.flush()]
   assert "".join(deltas) == tok.decode(ids) == text
   assert not any("\ufffd" in d for d in deltas)
+
+
+def test_mtp_drafts_are_refused_with_the_reason(run, capsys):  # noqa: F811
+  """--draft_mtp drafts one token per step, from a model that has multi-token heads: exit 2 naming which is wrong."""
+  from train.serve import main as serve_main
+  assert serve_main.main(["--workdir", run[0], "--draft_mtp", "--speculative", "2"]) == 2
+  assert "--speculative 1" in capsys.readouterr().err
+  assert serve_main.main(["--workdir", run[0], "--draft_mtp", "--speculative", "1", "--no_warmup"]) == 2
+  assert "model.mtp_depth >= 1 (this model: 0)" in capsys.readouterr().err

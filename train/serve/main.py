@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="draft tokens verified per step (0 = off): n-gram prompt lookup, or the --draft_* model's")
   p.add_argument("--draft_workdir", default=None, help="a smaller meshlm run drafting for --speculative")
   p.add_argument("--draft_hf", default=None, help="a smaller Hugging Face model drafting for --speculative")
+  p.add_argument("--draft_mtp", action="store_true",
+                 help="the model's own first multi-token head drafts (model.mtp_depth >= 1; one token per step: "
+                      "--speculative 1)")
   p.add_argument("--no_warmup", action="store_true",
                  help="start without compiling every engine program first (a faster start; the first requests of "
                       "each shape wait for their compilation)")
@@ -49,8 +52,11 @@ def _check(args) -> None:
     raise generate_cli.GenerateError("--step applies to --workdir runs only")
   if not 0 <= args.port < 65536:
     raise generate_cli.GenerateError(f"--port={args.port} must be in [0, 65535]")
-  if args.draft_workdir and args.draft_hf:
-    raise generate_cli.GenerateError("give one of --draft_workdir and --draft_hf")
+  if sum(map(bool, (args.draft_workdir, args.draft_hf, args.draft_mtp))) > 1:
+    raise generate_cli.GenerateError("give one of --draft_workdir, --draft_hf and --draft_mtp")
+  if args.draft_mtp and args.speculative != 1:
+    raise generate_cli.GenerateError(f"--draft_mtp drafts one token per step; set --speculative 1 (got "
+                                     f"{args.speculative})")
   if (args.draft_workdir or args.draft_hf) and args.speculative < 1:
     raise generate_cli.GenerateError("a draft model drafts --speculative tokens per step; set --speculative >= 1")
   if args.max_queue < 0 or args.shutdown_timeout < 0:
@@ -68,7 +74,7 @@ def build(args, overrides: Sequence[tuple[str, str]]):
   config, tokenizer, saved_template, model, mesh, rules = generate_cli.load(args.workdir, args.hf, args.step,
                                                                             overrides)
   template = chat.template_for_run(config, tokenizer, saved_template)
-  draft = None
+  draft = "mtp" if args.draft_mtp else None
   if args.draft_workdir or args.draft_hf:
     mesh_overrides = [(k, v) for k, v in overrides if k.startswith("mesh.")]  # the model keys are the target's
     _, draft_tokenizer, _, draft, _, _ = generate_cli.load(args.draft_workdir, args.draft_hf, None, mesh_overrides)
