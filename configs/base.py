@@ -92,6 +92,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.dpo_beta = 0.1  # dpo: KL strength beta (implicit reward = beta * log(pi / pi_ref))
   t.dpo_loss = "sigmoid"  # dpo loss: sigmoid (DPO) | ipo (IPO, squared) | hinge (SLiC, max(0, 1 - beta*h))
   t.dpo_label_smoothing = 0.0  # dpo sigmoid loss: probability eps that a label is flipped (conservative DPO); 0 = off
+  t.dpo_rpo_alpha = 0.0  # dpo: weight of the chosen answer's mean token NLL in the loss (RPO, Pang 2024); 0 = off
   t.distill_teacher = ""  # distill: the frozen teacher, a meshlm run or Hugging Face directory (the student's vocab)
   t.distill_teacher_recipe = ""  # distill, no distill_teacher: a config whose run WORKDIR/../NAME is made/reused as it
   t.distill_loss = "forward_kl"  # distill, per token: forward_kl KL(p_T||p_S) | reverse_kl KL(p_S||p_T) | jsd

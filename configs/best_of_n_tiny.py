@@ -10,7 +10,7 @@ from configs import sft_tiny
 def get_config():
   c = sft_tiny.get_config()
   c.train.update(objective="sft", base_recipe="sft_tiny", batch_size=16, seq_len=32, lr=3e-4, schedule="constant",
-                 warmup_steps=0, weight_decay=0.0, eval_every=0, eval_generations=0)
+                 warmup_steps=0, weight_decay=0.0, eval_every=0, eval_generations=64)
   c.rl.update(algorithm="best_of_n", iterations=8, prompts_per_iteration=16, samples_per_prompt=8,
               max_new_tokens=8, epochs=2, eval_every=2, eval_prompts=64, eval_best_of=8)
   c.checkpoint.update(every=5, async_save=False)

@@ -9,7 +9,7 @@ from configs import sft_tiny
 def get_config():
   c = sft_tiny.get_config()
   c.train.update(objective="grpo", base_recipe="sft_tiny", batch_size=16, seq_len=32, lr=3e-4, schedule="constant",
-                 warmup_steps=0, weight_decay=0.0, z_loss=0.0, eval_every=0, eval_generations=0)
+                 warmup_steps=0, weight_decay=0.0, z_loss=0.0, eval_every=0, eval_generations=64)
   c.rl.update(algorithm="grpo", iterations=40, prompts_per_iteration=8, samples_per_prompt=4, max_new_tokens=8,
               kl_coef=0.04, epochs=1, eval_every=5, eval_prompts=64)
   c.checkpoint.update(every=10, async_save=False)

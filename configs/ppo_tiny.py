@@ -9,7 +9,7 @@ from configs import sft_tiny
 def get_config():
   c = sft_tiny.get_config()
   c.train.update(objective="ppo", base_recipe="sft_tiny", batch_size=16, seq_len=32, lr=3e-4, schedule="constant",
-                 warmup_steps=0, weight_decay=0.0, z_loss=0.0, eval_every=0, eval_generations=0)
+                 warmup_steps=0, weight_decay=0.0, z_loss=0.0, eval_every=0, eval_generations=64)
   c.rl.update(algorithm="ppo", iterations=20, prompts_per_iteration=32, samples_per_prompt=1, max_new_tokens=8,
               kl_coef=0.05, epochs=2, vf_coef=0.1, eval_every=5, eval_prompts=64)
   c.checkpoint.update(every=10, async_save=False)

@@ -329,9 +329,12 @@ class EvalItem:
 
 
 def eval_items(data_config, per_family: int, eval_fraction: float | None = None, plan=None) -> list[EvalItem]:
-  """Held-out prompts with reference answers from the chat sources' eval split: up to `per_family` per family
-  (a record's "family", else its source name), in a fixed order. `plan`: the run's parsed config.data
-  (data/plan.py DataPlan; resolved from `data_config` when None)."""
+  """Held-out prompts with reference answers from the chat and preference sources' eval split: up to `per_family`
+  per family (a record's "family", else its source name), in a fixed order. A conversation's reference is its
+  last assistant turn; a preference pair's is the chosen completion's (the prompt and the chosen turns before it
+  are the context). `plan`: the run's parsed config.data (data/plan.py DataPlan; resolved from `data_config` when
+  None)."""
+  from data import preference  # pylint: disable=g-import-not-at-top  (data.preference imports this module)
   if plan is None:
     from data import plan as plan_lib  # pylint: disable=g-import-not-at-top  (data.plan reads the sources)
     plan = plan_lib.resolve(data_config)
@@ -339,12 +342,17 @@ def eval_items(data_config, per_family: int, eval_fraction: float | None = None,
   fraction = data_config.eval_fraction if eval_fraction is None else eval_fraction
   items: dict[str, list[EvalItem]] = {}
   for spec, src in zip(specs, srcs):
-    if not is_chat_source(spec):
+    pairs = sources_lib.is_preference_source(spec)
+    if not (is_chat_source(spec) or pairs):
       continue
     for i in sources_lib.source_split(src, fraction, "eval"):
       try:
         record = json.loads(src[int(i)])
-        messages = parse_record(record)
+        if pairs:
+          prompt, chosen, _, _ = preference.parse_pair(record)
+          messages = prompt + chosen
+        else:
+          messages = parse_record(record)
       except (json.JSONDecodeError, ChatError):
         continue
       last = max(j for j, m in enumerate(messages) if m["role"] == "assistant")

@@ -20,15 +20,17 @@ def _objective_mixture(config) -> None:
 
 
 def source_kinds(data_config) -> set[str] | None:
-  """The kinds of data.sources' items ("chat" also for builtin:instruct), or None if the spec does not parse
-  (the data pipeline reports that, naming the key)."""
+  """The kinds of data.sources' items ("chat" also for builtin:instruct, "preference" also for
+  builtin:preference), or None if the spec does not parse (the data pipeline reports that, naming the key)."""
   from data import chat  # pylint: disable=g-import-not-at-top
   from data import plan  # pylint: disable=g-import-not-at-top
   try:
     specs = plan.parse(data_config.sources, tuple(data_config.weights))  # shared with the run's data plan
   except ValueError:
     return None
-  return {"chat" if chat.is_chat_source(s) else s.kind for s in specs}
+  from data import sources  # pylint: disable=g-import-not-at-top
+  return {"chat" if chat.is_chat_source(s) else "preference" if sources.is_preference_source(s) else s.kind
+          for s in specs}
 
 
 def _has_source(*kinds: str):

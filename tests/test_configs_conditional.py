@@ -39,6 +39,7 @@ CASES = {
     "train.dpo_beta": (0.5, {}, {"train.objective": "dpo"}),
     "train.dpo_loss": ("ipo", {}, {"train.objective": "dpo"}),
     "train.dpo_label_smoothing": (0.1, {}, {"train.objective": "dpo"}),
+    "train.dpo_rpo_alpha": (0.5, {}, {"train.objective": "dpo"}),
     "train.reward_center": (0.01, {}, {"train.objective": "reward"}),
     **{f"train.{k}": (v, {}, _DISTILL) for k, v in (
         ("distill_teacher", "runs/tiny"), ("distill_teacher_recipe", "tiny"), ("distill_loss", "reverse_kl"),
@@ -164,8 +165,11 @@ def test_facts_known_later_are_checked_then():
   assert validate.check_conditional(staged, stage=2, platform="cpu") == []
   chat = _load(**_CHAT, **{"train.eval_generations": 8})
   assert validate.check_conditional(chat, stage=1, platform="cpu") == []  # rows without those facts skipped
+  assert validate.check_conditional(chat, command="rl") == []  # train.rl evaluates every rl.eval_every iterations
+  idle = _load(**_CHAT, **{"train.eval_generations": 8, "rl.eval_every": 0})
+  assert validate.check_conditional(idle, stage=1, platform="cpu") == []  # python -m train evaluates
   with pytest.raises(configs.ConfigError, match="train.eval_generations=8 has no effect unless"):
-    validate.check_conditional(chat, command="rl")
+    validate.check_conditional(idle, command="rl")
 
 
 def test_xla_overlap_off_tpu_and_gpu_is_a_warning_naming_the_key():
@@ -199,15 +203,20 @@ def test_the_trainer_refuses_pipeline_keys_without_stages():
     step_lib.Trainer(config, mesh_lib.make_mesh(config.mesh, jax.devices("cpu")[:1]))
 
 
-def test_train_rl_refuses_train_evaluation_keys():
-  """grpo_tiny with chat data and train.eval_every on: python -m train would evaluate generations, train.rl not."""
+def test_train_rl_answers_held_out_chat_prompts_only_when_it_evaluates():
+  """grpo_tiny (chat data in data.sources): train.rl answers train.eval_generations held-out prompts at each of its
+  evaluations, so the key acts with rl.eval_every > 0 and is refused with rl.eval_every=0; train.eval_tasks never
+  acts there (train.rl runs no benchmark tasks)."""
   from train.core import loop  # pylint: disable=g-import-not-at-top
   from train.rl import loop as rl_loop  # pylint: disable=g-import-not-at-top
-  config = configs.load("grpo_tiny", **{"train.eval_every": 10, "train.eval_generations": 8})
+  rl_loop._check_rl(configs.load("grpo_tiny", **{"train.eval_generations": 8}))  # pylint: disable=protected-access
+  config = configs.load("grpo_tiny", **{"rl.eval_every": 0, "train.eval_every": 10, "train.eval_generations": 8})
   assert validate.check(config) == []
   with pytest.raises(loop.SetupError, match="train.eval_generations=8 has no effect unless"):
     rl_loop._check_rl(config)  # pylint: disable=protected-access
-  rl_loop._check_rl(configs.load("grpo_tiny"))  # pylint: disable=protected-access
+  with pytest.raises(loop.SetupError, match="train.eval_tasks=.* has no effect unless"):
+    tasks = configs.load("grpo_tiny", **{"train.eval_tasks": "mc:/tmp/mc.jsonl"})
+    rl_loop._check_rl(tasks)  # pylint: disable=protected-access
 
 
 def test_a_key_only_the_config_file_set_is_a_warning_when_another_override_idles_it():
@@ -237,7 +246,7 @@ def _cli(module, *args):
 
 
 @pytest.mark.parametrize("module,args,needle", [
-    ("train", ["--config=dpo_tiny", "--config.train.eval_generations=64"], "train.eval_generations=64 has no effect"),
+    ("train", ["--config.train.eval_generations=64"], "train.eval_generations=64 has no effect"),
     ("train", ["--config.train.pipeline_remat=true"], "train.pipeline_remat=True has no effect unless mesh.stage > 1"),
     ("train.rl", ["--config=grpo_tiny", "--config.rl.kl_target=6.0"],
      "rl.kl_target=6.0 has no effect unless rl.algorithm=ppo"),

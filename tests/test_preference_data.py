@@ -127,3 +127,25 @@ def test_preference_sources_do_not_mix_with_text(tok, tmp_path):
   path.write_text(json.dumps(PAIRS[0]) + "\n")
   with pytest.raises(ValueError, match="mixes preference sources"):
     pipeline.make_iterator(_config(tok, f"preference:{path},builtin:prose"), tok, process_index=0, process_count=1)
+
+
+def test_held_out_generation_items_come_from_preference_pairs_with_the_correct_answer():
+  """train.eval_generations on a preference run (DPO): the held-out pairs' prompts with the chosen answer as the
+  reference, per family; for the built-in task that is the correct answer, checked here from the prompt itself
+  for reversal (the letters reversed) and addition (the sum)."""
+  c = configs.load("dpo_tiny")
+  items = chat.eval_items(c.data, per_family=8)
+  families = {item.family for item in items}
+  assert {"addition", "reversal"} <= families and len(items) == 8 * len(families)
+  checked = 0
+  for item in items:
+    question = item.messages[-1]["content"]
+    if item.family == "reversal":
+      letters = question.split(":")[-1].split()
+      assert item.answer.split() == letters[::-1], (question, item.answer)
+      checked += 1
+    elif item.family == "addition":
+      a, b = map(int, re.findall(r"\d+", question)[:2])
+      assert item.answer == str(a + b), (question, item.answer)
+      checked += 1
+  assert checked == 16

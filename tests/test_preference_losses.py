@@ -132,3 +132,33 @@ def test_dpo_objective_reaches_the_optimum_from_sampled_hard_labels():
 
   theta = _minimise(loss, jnp.asarray(ref, jnp.float32), steps=1500)
   assert _tv(theta[1:], _optimum(ref[1:])) < 0.05
+
+
+def test_rpo_adds_the_chosen_answers_mean_token_nll():
+  """train.dpo_rpo_alpha = a adds a x (1/N) sum_pairs -log pi(chosen) / |chosen| (Pang et al. 2024) to the DPO
+  loss: the objective's loss with a = 0.7 minus its loss with a = 0 equals that term from a NumPy log-softmax over
+  the tabular policy's logits, with chosen completions of 1 and 2 tokens."""
+  rng = np.random.default_rng(7)
+  V, n = 6, 5
+  theta, ref = rng.normal(size=V), rng.normal(size=V)
+  lengths = np.array([1, 2, 1, 2, 2])
+  batch = {"margin": np.zeros((n, 3), np.float32)}
+  for side in ("chosen", "rejected"):
+    targets = rng.integers(1, V, size=(n, 3)).astype(np.int32)
+    mask = (np.arange(3)[None, :] < lengths[:, None]).astype(np.float32)
+    batch.update({f"{side}_inputs": np.zeros((n, 3), np.int32), f"{side}_targets": targets,
+                  f"{side}_segment_ids": np.ones((n, 3), np.int32),
+                  f"{side}_positions": np.tile(np.arange(3), (n, 1)).astype(np.int32), f"{side}_loss_mask": mask})
+  logp = theta - np.log(np.sum(np.exp(theta)))
+  chosen_logp = np.sum(logp[batch["chosen_targets"]] * batch["chosen_loss_mask"], axis=1)
+  want = 0.7 * np.mean(-chosen_logp / lengths)
+  batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  losses = {}
+  for alpha in (0.0, 0.7):
+    objective = dpo.DirectPreference(configs.load("tiny", **{"train.objective": "dpo", "train.dpo_rpo_alpha": alpha}))
+    sums = objective.sums(_Tabular(jnp.asarray(theta, jnp.float32)), batch, {},
+                          {"reference": _Tabular(jnp.asarray(ref, jnp.float32))})
+    losses[alpha] = float(objective.loss(sums) / objective.normalizer(batch))
+    metrics = objective.metrics(sums, objective.normalizer(batch))
+  np.testing.assert_allclose(losses[0.7] - losses[0.0], want, rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["nll"]), want / 0.7, rtol=1e-5)

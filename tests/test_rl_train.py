@@ -64,7 +64,7 @@ def _config(base, algorithm, **overrides):
             "data.tokenizer": base["tokenizer"], "rl.prompts": base["prompts"], "rl.reward": "py:rl_testing:length", "rl.iterations": 3,
             "rl.prompts_per_iteration": 4, "rl.samples_per_prompt": 4 if algorithm != "ppo" else 2,
             "rl.max_new_tokens": 6, "rl.eval_every": 3, "rl.eval_prompts": 4, "checkpoint.every": 1,
-            "checkpoint.keep": 5, "log.progress": False, "log.tensorboard": False}
+            "checkpoint.keep": 5, "log.progress": False, "log.tensorboard": False, "train.eval_generations": 0}
   if algorithm == "best_of_n":
     values.update({"rl.prompts_per_iteration": 8, "rl.eval_best_of": 3})
   values.update(overrides)
@@ -74,7 +74,7 @@ def _config(base, algorithm, **overrides):
 @pytest.fixture(scope="module")
 def grpo_run(base):
   workdir = str(base["root"] / "runs" / "grpo")
-  summary = rl.run(_config(base, "grpo"), workdir)
+  summary = rl.run(_config(base, "grpo", **{"train.eval_generations": 2}), workdir)
   return {"workdir": workdir, "summary": summary, "records": _records(workdir)}
 
 
@@ -92,6 +92,11 @@ def test_grpo_run_logs_rewards_kl_and_consistent_logprobs(grpo_run):
   assert train[0]["kl"] == pytest.approx(0.0, abs=1e-5)  # the policy starts as the reference
   assert any(r["kl"] > 1e-6 for r in train[1:])  # and moves away from it
   assert grpo_run["summary"]["iteration"] == 3
+  # train.eval_generations=2: what the run keeps of the SFT families it does not train, at every evaluation
+  for r in evals:
+    families = [r[f"eval_exact_match/{f}"] for f in ("addition", "conversion", "reversal", "sorting")]
+    assert all(v in (0.0, 0.5, 1.0) for v in families)  # 2 held-out prompts per family
+    assert r["eval_exact_match"] == pytest.approx(np.mean(families))
 
 
 @pytest.mark.slow

@@ -46,14 +46,18 @@ def _loss_scaling(config, facts):
 
 
 def _evaluates(config, facts, needs_tasks=False, needs_chat=False):
-  """Whether `python -m train`'s evaluations run (train.rl has its own, on rl.* keys), with eval tasks / chat data."""
-  if facts.get("command") == "rl" or config.train.eval_every == 0:
+  """Whether the evaluations run, with eval tasks / chat data: `python -m train`'s every train.eval_every steps;
+  train.rl's every rl.eval_every iterations, which answer held-out chat prompts (needs_chat) but run no tasks."""
+  rl = facts.get("command") == "rl"
+  if rl and (needs_tasks or not needs_chat or config.rl.eval_every == 0):
+    return False
+  if not rl and config.train.eval_every == 0:
     return False
   if needs_tasks and not config.train.eval_tasks:
     return False
   if needs_chat:
     kinds = data_checks.source_kinds(config.data)
-    return None if kinds is None else "chat" in kinds
+    return None if kinds is None else bool(kinds & {"chat", "preference"})
   return True
 
 
@@ -62,9 +66,9 @@ def _row(key, condition, acts, why="", **kw):
 
 
 _EVAL_ROWS = (
-    _row("train.eval_generations", "train.eval_every > 0 and data.sources has a chat source (python -m train; "
-         "train.rl evaluates with rl.eval_*)", lambda c, f: _evaluates(c, f, needs_chat=True),
-         "held-out prompts come from the chat sources' eval split", needs=("command",)),
+    _row("train.eval_generations", "data.sources has a chat or preference source and the run evaluates "
+         "(train.eval_every > 0; train.rl: rl.eval_every > 0)", lambda c, f: _evaluates(c, f, needs_chat=True),
+         "held-out prompts come from the chat and preference sources' eval split", needs=("command",)),
     _row("train.eval_tasks", "train.eval_every > 0 (python -m train; train.rl evaluates with rl.eval_*)",
          _evaluates, "the tasks run at each evaluation", needs=("command",)),
     _row("train.eval_tasks_limit", "train.eval_tasks is set and train.eval_every > 0 (python -m train)",
@@ -117,7 +121,7 @@ validate.conditional(
       for k in ("lora_alpha", "lora_targets", "lora_rslora", "lora_dropout", "lora_base_quant",
                 "lora_base_double_quant")),
     *(_row(f"train.{k}", "train.objective=dpo", lambda c, f: c.train.objective == "dpo")
-      for k in ("dpo_beta", "dpo_loss", "dpo_label_smoothing")),
+      for k in ("dpo_beta", "dpo_loss", "dpo_label_smoothing", "dpo_rpo_alpha")),
     _row("train.reward_center", "train.objective=reward", lambda c, f: c.train.objective == "reward"),
     *(_row(f"train.{k}", "train.objective=distill", lambda c, f: c.train.objective == "distill",
            "it configures knowledge distillation (train/objectives/distill.py)") for k in _DISTILL),

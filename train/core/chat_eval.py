@@ -22,8 +22,9 @@ def template_for(config, tokenizer, plan: plan_lib.DataPlan):
   return chat_lib.make_template(config.data, tokenizer)
 
 
-def eval_items(config, template, plan: plan_lib.DataPlan) -> list[chat_lib.EvalItem]:
-  """Up to config.train.eval_generations held-out prompts per task family of `plan`'s chat sources."""
+def eval_items(config, template, plan: plan_lib.DataPlan | None) -> list[chat_lib.EvalItem]:
+  """Up to config.train.eval_generations held-out prompts per task family of `plan`'s chat and preference sources
+  (`plan`: the run's parsed config.data, or None to parse it)."""
   del template  # the items are messages; they are rendered when generated
   return chat_lib.eval_items(config.data, per_family=config.train.eval_generations, plan=plan)
 

@@ -10,7 +10,12 @@ Per pair (chosen c, rejected r), with sequence log-probabilities summed over the
   ipo      l = (h - 1 / (2 beta))^2                                         (IPO, Azar et al. 2023, eq. 17, tau = beta)
   hinge    l = max(0, 1 - beta h)                                           (SLiC-HF, Zhao et al. 2023, as TRL's hinge)
 
-loss = (1/N) sum_pairs l, N = pairs in the global batch (no z-loss: `loss` is the preference loss alone).
+loss = (1/N) sum_pairs [l + alpha nll(c)], N = pairs in the global batch, where nll(c) = -log pi(c) / |c| is the
+chosen completion's mean per-token negative log-likelihood and alpha = train.dpo_rpo_alpha (RPO: Pang et al. 2024,
+"Iterative Reasoning Preference Optimization", eq. 3; TRL's rpo_alpha averages over the batch's chosen tokens
+instead of per pair); 0 leaves the preference loss alone (no z-loss). The NLL term keeps the chosen answers likely:
+the sigmoid loss alone only widens the margin and can lower both sides' likelihood, moving probability to tokens
+neither answer has (Pal et al. 2024, Smaug / DPOP), which costs greedy answers. `nll` is logged.
 Implicit rewards (TRL's): chosen_reward = beta [log pi(c) - log pi_ref(c)], rejected_reward likewise,
 reward_margin = chosen_reward - rejected_reward = beta h, reward_accuracy = fraction of pairs with margin > 0
 (exactly 0 at the first step, where the policy is the reference and every margin is 0).
@@ -63,9 +68,10 @@ class DirectPreference(base.Objective):
   name = "dpo"
   batch_keys = pairs.BATCH_KEYS
   frozen_models = (REFERENCE,)
-  sum_keys = ("loss_sum", "pairs", "correct", "chosen", "rejected", "kl")
-  metric_keys = ("loss", "reward_accuracy", "chosen_reward", "rejected_reward", "reward_margin", "kl", "pairs")
-  eval_keys = ("loss_sum", "pairs", "correct", "chosen", "rejected", "kl")
+  sum_keys = ("loss_sum", "pairs", "correct", "chosen", "rejected", "kl", "nll")
+  metric_keys = ("loss", "reward_accuracy", "chosen_reward", "rejected_reward", "reward_margin", "kl", "nll",
+                 "pairs")
+  eval_keys = ("loss_sum", "pairs", "correct", "chosen", "rejected", "kl", "nll")
 
   def __init__(self, config):
     super().__init__(config)
@@ -96,9 +102,12 @@ class DirectPreference(base.Objective):
                           t.dpo_label_smoothing)
     chosen_B, rejected_B = t.dpo_beta * (policy_c - reference_c), t.dpo_beta * (policy_r - reference_r)
     kl = jnp.sum(jax.lax.stop_gradient(token_kl(logits_2BLV, reference_logits_2BLV)) * mask_2BL)
-    return {"loss_sum": jnp.sum(losses_B), "pairs": jnp.asarray(losses_B.shape[0], jnp.float32),
+    tokens_c, _ = pairs.split(jnp.sum(mask_2BL, axis=1))
+    nll_B = -policy_c / jnp.maximum(tokens_c, 1.0) * (tokens_c > 0)  # padding pairs have no tokens: 0
+    return {"loss_sum": jnp.sum(losses_B + t.dpo_rpo_alpha * nll_B),
+            "pairs": jnp.asarray(losses_B.shape[0], jnp.float32),
             "correct": jnp.sum((chosen_B > rejected_B).astype(jnp.float32)), "chosen": jnp.sum(chosen_B),
-            "rejected": jnp.sum(rejected_B), "kl": kl, **moe}
+            "rejected": jnp.sum(rejected_B), "kl": kl, "nll": jnp.sum(nll_B), **moe}
 
   def normalizer(self, batch):
     return pairs.pair_count(batch)
@@ -110,17 +119,19 @@ class DirectPreference(base.Objective):
     chosen, rejected = sums["chosen"] / normalizer, sums["rejected"] / normalizer
     return {"loss": sums["loss_sum"] / normalizer, "reward_accuracy": sums["correct"] / normalizer,
             "chosen_reward": chosen, "rejected_reward": rejected, "reward_margin": chosen - rejected,
-            "kl": sums["kl"] / (2.0 * normalizer), "pairs": sums["pairs"]}
+            "kl": sums["kl"] / (2.0 * normalizer), "nll": sums["nll"] / normalizer, "pairs": sums["pairs"]}
 
   def eval_sums(self, model, batch, extras, frozen):
     sums = self.sums(model, batch, extras, frozen)
     return {k: sums[k] for k in self.eval_keys}
 
   def eval_metrics(self, sums):
-    """Held-out `metrics` with an eval_ prefix: eval_loss, eval_reward_accuracy, eval_reward_margin, eval_kl."""
+    """Held-out `metrics` with an eval_ prefix: eval_loss, eval_reward_accuracy, eval_reward_margin, eval_kl,
+    eval_nll."""
     if sums["pairs"] == 0:
       raise ValueError("the eval batches hold no pairs; raise data.eval_fraction or set train.eval_every=0")
     n = sums["pairs"]
     return {"eval_loss": sums["loss_sum"] / n, "eval_reward_accuracy": sums["correct"] / n,
             "eval_chosen_reward": sums["chosen"] / n, "eval_rejected_reward": sums["rejected"] / n,
-            "eval_reward_margin": (sums["chosen"] - sums["rejected"]) / n, "eval_kl": sums["kl"] / (2 * n)}
+            "eval_reward_margin": (sums["chosen"] - sums["rejected"]) / n, "eval_kl": sums["kl"] / (2 * n),
+            "eval_nll": sums["nll"] / n}

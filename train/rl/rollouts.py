@@ -62,6 +62,7 @@ class Session:
     self.state = None
     self.kl_coef = float(config.rl.kl_coef)
     self.bad_rewards = 0
+    self.chat_items = None  # train.eval_generations' held-out chat prompts, read at the first evaluation
 
   # ---- rollouts ---------------------------------------------------------------------------------------
   def sample(self, conversations, repeats: int, seed: int) -> dict[str, Any]:
@@ -239,7 +240,9 @@ class Session:
   def evaluate(self) -> dict[str, float]:
     """eval_reward_mean: one sample (temperature rl.temperature) for each of the first rl.eval_prompts held-out
     prompts, the same seed at every evaluation; with rl.eval_best_of = K also eval_best_of_n_reward_mean, the
-    mean over prompts of the best of K samples' reward."""
+    mean over prompts of the best of K samples' reward; with train.eval_generations, the greedy exact match on the
+    held-out prompts of data.sources' chat and preference sources (eval_exact_match, and per family: what the run
+    keeps of the skills it does not train)."""
     r = self.config.rl
     prompts = self.prompts["eval"][:r.eval_prompts]
     roll = self.sample(prompts, 1, seed_for(r.seed, _EVAL, 0))
@@ -248,4 +251,15 @@ class Session:
       best = self.sample(prompts, r.eval_best_of, seed_for(r.seed, _EVAL, 1))["raw"].reshape(-1, r.eval_best_of)
       out["eval_best_of_n_reward_mean"] = float(np.mean(np.nanmax(np.where(np.isfinite(best), best, -np.inf),
                                                                   axis=1)))
+    if self.config.train.eval_generations:
+      out.update(self._exact_match())
     return out
+
+  def _exact_match(self) -> dict[str, float]:
+    import parallel  # pylint: disable=g-import-not-at-top
+    from train.core import chat_eval  # pylint: disable=g-import-not-at-top
+    if self.chat_items is None:
+      self.chat_items = chat_eval.eval_items(self.config, self.template, None)
+    with parallel.activate(self.mesh, self.trainer.rules):
+      return chat_eval.exact_match(self.trainer.model(self.state), self.tokenizer, self.template, self.chat_items,
+                                   self.config.train.eval_max_new_tokens)
