@@ -190,6 +190,7 @@ def get_config() -> ml_collections.ConfigDict:
   rl.max_bad_rewards = 20  # halt once this many rewards raised or were non-finite (each such rollout is dropped)
   rl.eval_every = 5  # iterations between held-out evaluations (eval_reward_mean); 0 = off
   rl.eval_prompts = 64  # held-out prompts sampled (temperature rl.temperature, one each) per evaluation
+  rl.ptx_coef = 0.0  # PPO-ptx: held-in conversations of data.sources' chat sources mixed into every update with this weight (Ouyang et al. 2022); 0 = off
   rl.eval_best_of = 0  # also report eval_best_of_n_reward_mean: the best of this many samples per held-out prompt; 0 = off
   rl.seed = 0  # rollout RNG: iteration i samples with a seed derived from (seed, i), so a resumed run repeats it
 

@@ -110,6 +110,7 @@ RANGES: dict[str, Range] = {
     "train.dpo_beta": _POSITIVE,
     "train.dpo_label_smoothing": Range(lo=0, hi=0.5, hi_open=True),
     "train.dpo_rpo_alpha": _AT_LEAST_0,
+    "rl.ptx_coef": _AT_LEAST_0,
     "train.distill_beta": _FRACTION,
     "train.distill_temperature": _POSITIVE,
     "train.distill_top_k": Range(lo=1, special=((0, "the whole vocabulary"),)),

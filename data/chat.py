@@ -328,12 +328,13 @@ class EvalItem:
   answer: str  # the last assistant turn's content
 
 
-def eval_items(data_config, per_family: int, eval_fraction: float | None = None, plan=None) -> list[EvalItem]:
+def eval_items(data_config, per_family: int, eval_fraction: float | None = None, plan=None,
+               split: str = "eval") -> list[EvalItem]:
   """Held-out prompts with reference answers from the chat and preference sources' eval split: up to `per_family`
   per family (a record's "family", else its source name), in a fixed order. A conversation's reference is its
   last assistant turn; a preference pair's is the chosen completion's (the prompt and the chosen turns before it
   are the context). `plan`: the run's parsed config.data (data/plan.py DataPlan; resolved from `data_config` when
-  None)."""
+  None). `split="train"` reads the training split instead (train.rl's rl.ptx_coef rows)."""
   from data import preference  # pylint: disable=g-import-not-at-top  (data.preference imports this module)
   if plan is None:
     from data import plan as plan_lib  # pylint: disable=g-import-not-at-top  (data.plan reads the sources)
@@ -345,7 +346,7 @@ def eval_items(data_config, per_family: int, eval_fraction: float | None = None,
     pairs = sources_lib.is_preference_source(spec)
     if not (is_chat_source(spec) or pairs):
       continue
-    for i in sources_lib.source_split(src, fraction, "eval"):
+    for i in sources_lib.source_split(src, fraction, split):
       try:
         record = json.loads(src[int(i)])
         if pairs:

@@ -73,6 +73,7 @@ CASES = {
     "rl.length_penalty": (0.1, {"rl.algorithm": "gkd"}, {}),
     "rl.missing_eos_penalty": (0.5, {"rl.algorithm": "gkd"}, {}),
     "rl.kl_coef": (0.1, _BEST_OF_N, {}),
+    "rl.ptx_coef": (1.0, {}, _CHAT),
     "rl.eval_prompts": (8, {"rl.eval_every": 0}, {}),
     "rl.eval_best_of": (4, {"rl.eval_every": 0}, {}),
     "log.wandb_project": ("other", {}, {"log.wandb": True}),
@@ -222,7 +223,8 @@ def test_train_rl_answers_held_out_chat_prompts_only_when_it_evaluates():
 def test_a_key_only_the_config_file_set_is_a_warning_when_another_override_idles_it():
   """A config file's rl.eval_prompts=4 made inert by --config.rl.eval_every=0 (the user's choice): a warning
   naming it; given on the command line too, it is refused."""
-  config = configs.load("grpo_tiny", **{"rl.eval_prompts": 4, "rl.eval_every": 0})  # as if the file set 4
+  # as if the file set 4 (its train.eval_generations would idle with rl.eval_every=0 too: left out here)
+  config = configs.load("grpo_tiny", **{"rl.eval_prompts": 4, "rl.eval_every": 0, "train.eval_generations": 0})
   warnings = validate.check(config, explicit=["rl.eval_every"])
   assert any(w.startswith("rl.eval_prompts=4 has no effect unless rl.eval_every > 0") for w in warnings), warnings
   with pytest.raises(configs.ConfigError, match="rl.eval_prompts=4 has no effect"):

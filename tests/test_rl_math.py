@@ -121,7 +121,8 @@ def setup():
            **{k: rng.normal(size=(B, L)).astype(np.float32) for k in ("advantages", "returns", "old_values")},
            "old_logp": -rng.random((B, L)).astype(np.float32)}
   config = ml_collections.ConfigDict({"model": {"d_model": D}, "train": {"grad_accum": 1}, "rl": {
-      "temperature": 0.7, "clip": 0.2, "value_clip": 0.3, "vf_coef": 0.5, "ent_coef": 0.01, "kl_coef": 0.1}})
+      "temperature": 0.7, "clip": 0.2, "value_clip": 0.3, "vf_coef": 0.5, "ent_coef": 0.01, "kl_coef": 0.1,
+      "ptx_coef": 0.0}})
   extras = {"value_head": rng.normal(size=(D,)).astype(np.float32), "value_bias": np.array([0.3], np.float32)}
   return config, batch, emb, w, w_ref, extras
 
@@ -170,3 +171,35 @@ def test_grpo_objective_loss_equals_numpy(setup):
   sums = objective.sums(_Linear(jnp.asarray(emb), jnp.asarray(w)), jbatch, {},
                         {"reference": _Linear(jnp.asarray(emb), jnp.asarray(w_ref))})
   np.testing.assert_allclose(objective.loss(sums) / objective.normalizer(jbatch), expect, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["ppo", "grpo"])
+def test_ptx_rows_add_their_nll_at_temperature_one(setup, name):
+  """rl.ptx_coef = 1.5 with SFT rows appended (loss_mask 0, ptx_mask 1 on their answer tokens): the loss is the
+  rollout rows' loss plus 1.5 x the SFT tokens' summed -log softmax(logits) (temperature 1, not rl.temperature)
+  over the rollout tokens T, and ptx_nll their mean; the rollout terms are unchanged by the extra rows."""
+  config, batch, emb, w, w_ref, extras = setup
+  rng = np.random.default_rng(9)
+  B, L = batch["inputs"].shape
+  sft = {"inputs": rng.integers(0, 7, (2, L)), "targets": rng.integers(0, 7, (2, L)),
+         "ptx_mask": (rng.random((2, L)) < 0.6).astype(np.float32)}
+  both = {k: np.concatenate([v, sft[k] if k in sft else np.zeros((2, L), v.dtype)])
+          for k, v in batch.items()}
+  both["segment_ids"][B:], both["positions"][B:] = 1, np.arange(L)
+  both["ptx_mask"] = np.concatenate([np.zeros((B, L), np.float32), sft["ptx_mask"]])
+  nll = -np.take_along_axis(_log_softmax(emb[sft["inputs"]] @ w), sft["targets"][..., None], -1)[..., 0]
+  ptx = (nll * sft["ptx_mask"]).sum()
+  losses = {}
+  for coef, rows in ((0.0, batch), (1.5, both)):
+    cfg = ml_collections.ConfigDict(config.to_dict())
+    cfg.rl.ptx_coef = coef
+    objective = ppo.ProximalPolicyOptimization(cfg) if name == "ppo" else grpo.GroupRelativePolicyOptimization(cfg)
+    keep = {k: v for k, v in rows.items() if k in objective.batch_keys}
+    jbatch = jax.tree.map(jnp.asarray, {**keep, **({"ptx_mask": np.zeros((B, L), np.float32)} if not coef else {})})
+    sums = objective.sums(_Linear(jnp.asarray(emb), jnp.asarray(w)), jbatch, extras,
+                          {"reference": _Linear(jnp.asarray(emb), jnp.asarray(w_ref))})
+    losses[coef] = float(objective.loss(sums) / objective.normalizer(jbatch))
+    if coef:
+      metrics = objective.metrics(sums, objective.normalizer(jbatch))
+  np.testing.assert_allclose(losses[1.5] - losses[0.0], 1.5 * ptx / batch["loss_mask"].sum(), rtol=1e-4)
+  np.testing.assert_allclose(float(metrics["ptx_nll"]), ptx / sft["ptx_mask"].sum(), rtol=1e-4)

@@ -64,7 +64,8 @@ def _config(base, algorithm, **overrides):
             "data.tokenizer": base["tokenizer"], "rl.prompts": base["prompts"], "rl.reward": "py:rl_testing:length", "rl.iterations": 3,
             "rl.prompts_per_iteration": 4, "rl.samples_per_prompt": 4 if algorithm != "ppo" else 2,
             "rl.max_new_tokens": 6, "rl.eval_every": 3, "rl.eval_prompts": 4, "checkpoint.every": 1,
-            "checkpoint.keep": 5, "log.progress": False, "log.tensorboard": False, "train.eval_generations": 0}
+            "checkpoint.keep": 5, "log.progress": False, "log.tensorboard": False, "train.eval_generations": 0,
+            "rl.ptx_coef": 0.0}
   if algorithm == "best_of_n":
     values.update({"rl.prompts_per_iteration": 8, "rl.eval_best_of": 3})
   values.update(overrides)
@@ -102,11 +103,12 @@ def test_grpo_run_logs_rewards_kl_and_consistent_logprobs(grpo_run):
 @pytest.mark.slow
 def test_ppo_run_trains_value_head_and_policy(base):
   workdir = str(base["root"] / "runs" / "ppo")
-  rl.run(_config(base, "ppo"), workdir)
+  rl.run(_config(base, "ppo", **{"rl.ptx_coef": 2.0}), workdir)  # with the recipe's held-in SFT rows
   train = [r for r in _records(workdir) if "reward_mean" in r]
   assert len(train) == 3
   for r in train:
     assert r["logp_diff"] <= 1e-4 and r["ratio_dev_first"] <= 1e-6 and r["nonfinite"] == 0
+    assert 0 < r["ptx_nll"] < 20  # their answers' mean token NLL, beside the rollout rows
     assert np.isfinite(r["explained_variance"]) and r["value_loss"] > 0 and 0 <= r["clip_frac"] <= 1
   state = _saved_state(workdir, 3)
   assert ("params", "value_head") in state and ("frozen", "reference", "embed", "embedding") in state
@@ -277,3 +279,32 @@ def test_greater_reward_and_prompt_files(tmp_path):
     rl_prompts.load(str(path), 0.5)
   with pytest.raises(ValueError, match="no such file"):
     rl_prompts.load(str(tmp_path / "missing.jsonl"), 0.5)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "best_of_n"])
+def test_ptx_rows_are_held_in_answers_appended_to_the_minibatch(base, algorithm):
+  """rl.ptx_coef = 1.5: each minibatch of B rollout rows gets B conversations of data.sources' chat sources from
+  their training split appended. On them the scored tokens are exactly the answer's tokens and the end-of-turn
+  marker (ptx_mask for PPO / GRPO, loss_mask = 1.5 for best-of-N's SFT objective); no rollout key is set."""
+  from data import chat as chat_lib
+  config = _config(base, algorithm, **{"rl.ptx_coef": 1.5})
+  tokenizer = tokenizer_lib.load(base["tokenizer"])
+  template = chat_lib.make_template(config.data, tokenizer)
+  session = rollouts.Session(config, None, None, tokenizer, template, None, None)
+  keys = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "old_logp", "advantages", "ptx_mask")
+  chunk = {k: np.full((8, 48), 7, np.float32 if k in ("loss_mask", "old_logp", "advantages", "ptx_mask") else
+                      np.int32) for k in keys}
+  out = session._with_ptx(chunk, 3, 0)  # pylint: disable=protected-access
+  assert all(v.shape == (16, 48) and np.all(v[:8] == 7) for v in out.values())
+  held_out = {item.messages[-1]["content"] for item in chat_lib.eval_items(config.data, per_family=10**6)}
+  for i in range(8, 16):
+    scored = out["ptx_mask"][i] if algorithm == "grpo" else out["loss_mask"][i] / 1.5
+    assert set(np.unique(scored)) <= {0.0, 1.0} and scored.any()
+    if algorithm == "grpo":
+      assert not out["loss_mask"][i].any() and not out["advantages"][i].any() and not out["old_logp"][i].any()
+    length = int(out["segment_ids"][i].sum())  # the conversation whose rendering the row holds
+    conversation = next(c for c in session.ptx_pool
+                        if template.render(c)[0][1:] == list(out["targets"][i][:length]))
+    assert conversation[-2]["content"] not in held_out
+    answer = tokenizer.encode(conversation[-1]["content"]) + [template.end_id]
+    assert list(out["targets"][i][scored > 0]) == answer

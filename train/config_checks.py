@@ -47,8 +47,11 @@ def _loss_scaling(config, facts):
 
 def _evaluates(config, facts, needs_tasks=False, needs_chat=False):
   """Whether the evaluations run, with eval tasks / chat data: `python -m train`'s every train.eval_every steps;
-  train.rl's every rl.eval_every iterations, which answer held-out chat prompts (needs_chat) but run no tasks."""
-  rl = facts.get("command") == "rl"
+  train.rl's every rl.eval_every iterations, which answer held-out chat prompts (needs_chat) but run no tasks.
+  Before the command is known (a config file on its own) a key acts if either command's evaluations use it."""
+  if "command" not in facts:
+    return any(_evaluates(config, {**facts, "command": c}, needs_tasks, needs_chat) for c in ("train", "rl"))
+  rl = facts["command"] == "rl"
   if rl and (needs_tasks or not needs_chat or config.rl.eval_every == 0):
     return False
   if not rl and config.train.eval_every == 0:
@@ -59,6 +62,11 @@ def _evaluates(config, facts, needs_tasks=False, needs_chat=False):
     kinds = data_checks.source_kinds(config.data)
     return None if kinds is None else bool(kinds & {"chat", "preference"})
   return True
+
+
+def _has_chat(config):
+  kinds = data_checks.source_kinds(config.data)
+  return None if kinds is None else "chat" in kinds
 
 
 def _row(key, condition, acts, why="", **kw):
@@ -146,6 +154,9 @@ validate.conditional(
     *(_row(f"rl.{k}", "rl.algorithm is ppo, grpo or best_of_n", lambda c, f: c.rl.algorithm != "gkd",
            "gkd trains on every completion whatever its reward (the shaped reward is only reported)")
       for k in ("length_penalty", "missing_eos_penalty")),
+    _row("rl.ptx_coef", "rl.algorithm is ppo, grpo or best_of_n and data.sources has a chat source",
+         lambda c, f: c.rl.algorithm != "gkd" and _has_chat(c),
+         "its rows are the chat sources' conversations, mixed into the policy updates"),
     *(_row(f"rl.{k}", "rl.eval_every > 0", lambda c, f: c.rl.eval_every > 0, "held-out evaluation is off")
       for k in ("eval_prompts", "eval_best_of")),
     _row("log.wandb_project", "log.wandb=True", lambda c, f: c.log.wandb, "nothing is logged to Weights & Biases"),

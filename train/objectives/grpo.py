@@ -32,6 +32,7 @@ class GroupRelativePolicyOptimization(base.Objective):
   def __init__(self, config):
     super().__init__(config)
     self.frozen_models = ("reference",) if config.rl.kl_coef > 0 else ()
+    policy.with_ptx(self)
 
   def _logp(self, model, batch):
     logits_BLV = model(batch["inputs"], batch["segment_ids"], batch["positions"]) / self.config.rl.temperature
@@ -49,20 +50,21 @@ class GroupRelativePolicyOptimization(base.Objective):
     total = lambda x_BL: jnp.sum(x_BL * mask_BL)
     return {"policy": total(pg_BL), "kl": total(kl_BL), "entropy": total(policy.entropy(logits_BLV)),
             "clipped": total(clipped_BL), "ratio_dev": total(jnp.abs(jnp.exp(logp_BL - batch["old_logp"]) - 1.0)),
-            "tokens": jnp.sum(mask_BL)}
+            "tokens": jnp.sum(mask_BL), **policy.ptx_sums(self, logits_BLV, batch)}
 
   def normalizer(self, batch):
     return jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
 
   def loss(self, sums):
-    return sums["policy"] + self.config.rl.kl_coef * sums["kl"]
+    r = self.config.rl
+    return sums["policy"] + r.kl_coef * sums["kl"] + (r.ptx_coef * sums["ptx"] if r.ptx_coef else 0.0)
 
   def metrics(self, sums, normalizer):
     """Means per completion token; kl_k3 = the k3 estimate of KL(policy || reference) (0 without a reference)."""
     mean = lambda k: sums[k] / normalizer
     return {"loss": self.loss(sums) / normalizer, "policy_loss": mean("policy"), "kl_k3": mean("kl"),
             "entropy": mean("entropy"), "clip_frac": mean("clipped"), "ratio_dev": mean("ratio_dev"),
-            "tokens": sums["tokens"]}
+            "tokens": sums["tokens"], **policy.ptx_metrics(self, sums)}
 
   def eval_sums(self, model, batch, extras, frozen):
     """Per-token rollout scores [B, L]: the policy's and the reference's log-probs (the policy's when beta=0)."""

@@ -11,6 +11,9 @@ tokens carry mask 1. Log-probabilities are natural logs of softmax(logits / temp
   divergence", 2020):  k1 = d,  k2 = d^2 / 2,  k3 = exp(-d) - 1 + d   (k3: unbiased, >= 0; GRPO's choice)
   GAE          delta_t = r_t + gamma V_{t+1} - V_t,  A_t = sum_l (gamma lam)^l delta_{t+l}   (Schulman et al. 2016)
   group advantages (GRPO, Shao et al. 2024): A_i = (r_i - mean_group r) / (std_group r + eps)
+  PPO-ptx (Ouyang et al. 2022, eq. 2): with rl.ptx_coef = gamma, rows of held-in SFT conversations ride along in
+               the batch (`ptx_mask` 1 on their assistant tokens, loss_mask 0) and the loss adds
+               gamma * sum_t ptx_mask_t (-log p_t) at temperature 1, divided by the same T as the policy terms
 """
 from __future__ import annotations
 
@@ -29,6 +32,31 @@ def kl_estimate(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3") -> jax.A
   if kind == "k3":
     return jnp.expm1(-d) + d
   raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2 or k3")
+
+
+def with_ptx(objective) -> None:
+  """Adds the PPO-ptx sums (`ptx`, `ptx_tokens`) and metric (`ptx_nll`, their mean per token) to a policy
+  objective when rl.ptx_coef > 0 (module docstring)."""
+  if objective.config.rl.ptx_coef:
+    objective.sum_keys = (*objective.sum_keys, "ptx", "ptx_tokens")
+    objective.metric_keys = (*objective.metric_keys, "ptx_nll")
+
+
+def ptx_sums(objective, logits_over_T_BLV, batch) -> dict[str, jax.Array]:
+  """{"ptx": the ptx tokens' summed negative log-likelihood at temperature 1, "ptx_tokens"} ({} when off)."""
+  from model import logprobs  # pylint: disable=g-import-not-at-top
+  r = objective.config.rl
+  if not r.ptx_coef:
+    return {}
+  mask_BL = batch["ptx_mask"].astype(jnp.float32)
+  logp_BL, _ = logprobs.token_logprobs(logits_over_T_BLV * r.temperature, batch["targets"])
+  return {"ptx": -jnp.sum(logp_BL * mask_BL), "ptx_tokens": jnp.sum(mask_BL)}
+
+
+def ptx_metrics(objective, sums) -> dict[str, jax.Array]:
+  if not objective.config.rl.ptx_coef:
+    return {}
+  return {"ptx_nll": sums["ptx"] / jnp.maximum(sums["ptx_tokens"], 1.0)}
 
 
 def clipped_policy_loss(logp_BL, old_logp_BL, adv_BL, clip: float) -> tuple[jax.Array, jax.Array]:

@@ -7,6 +7,7 @@ derived from (rl.seed, stream, i) (`seed_for`), so a resumed run repeats an unin
 """
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -17,7 +18,8 @@ import numpy as np
 
 from train.rl.rewards import reward_text
 
-_ROLLOUT, _EPOCHS, _EVAL, _TIES = range(4)  # seed streams
+_ROLLOUT, _EPOCHS, _EVAL, _TIES, _PTX = range(5)  # seed streams
+PTX_POOL = 1024  # held-in conversations per family read for rl.ptx_coef's rows
 
 
 def seed_for(base: int, stream: int, iteration: int, extra: int = 0) -> int:
@@ -43,6 +45,25 @@ def rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
   return batch
 
 
+def conversation_rows(template, conversations, seq_len: int, weight: float) -> dict[str, np.ndarray]:
+  """Training rows [N, seq_len] of whole conversations, encoded as the SFT pipeline encodes them
+  (data.chat.ChatEncoder: truncated at seq_len, loss on the assistant tokens), with loss_mask scaled by `weight`."""
+  from data import chat as chat_lib  # pylint: disable=g-import-not-at-top
+  encode = chat_lib.ChatEncoder(template, seq_len)
+  n = len(conversations)
+  batch = {k: np.zeros((n, seq_len), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+  batch["loss_mask"] = np.zeros((n, seq_len), np.float32)
+  for i, messages in enumerate(conversations):
+    row = encode(json.dumps({"messages": messages}), "rl.ptx_coef conversation")
+    if row is None:  # nothing left to learn from it (counted by the encoder): an empty row
+      continue
+    m = len(row["inputs"])
+    batch["inputs"][i, :m], batch["targets"][i, :m] = row["inputs"], row["targets"]
+    batch["segment_ids"][i, :m], batch["positions"][i, :m] = 1, np.arange(m)
+    batch["loss_mask"][i, :m] = weight * row["loss_mask"]
+  return batch
+
+
 def _scatter(values: Sequence[Sequence[float]], mask_BL: np.ndarray) -> np.ndarray:
   """Per-completion lists (e.g. the sampler's log-probs) placed on the masked positions of each row [N, L]."""
   out = np.zeros(mask_BL.shape, np.float32)
@@ -63,6 +84,7 @@ class Session:
     self.kl_coef = float(config.rl.kl_coef)
     self.bad_rewards = 0
     self.chat_items = None  # train.eval_generations' held-out chat prompts, read at the first evaluation
+    self.ptx_pool = None  # rl.ptx_coef's held-in conversations, read at the first update
 
   # ---- rollouts ---------------------------------------------------------------------------------------
   def sample(self, conversations, repeats: int, seed: int) -> dict[str, Any]:
@@ -133,7 +155,10 @@ class Session:
       order = np.random.default_rng(seed_for(r.seed, _EPOCHS, iteration, epoch)).permutation(n)
       for start in range(0, n, B):
         idx = order[start:start + B]
-        chunk = self._mine({k: v[idx] for k, v in full.items()})
+        chunk = {k: v[idx] for k, v in full.items()}
+        if r.ptx_coef:
+          chunk = self._with_ptx(chunk, iteration, epoch * n + start)
+        chunk = self._mine(chunk)
         self.state, metrics = self.trainer.step_fn(self.state, self.trainer.batch_to_device(chunk))
         collected.append(metrics)
     collected = jax.device_get(collected)
@@ -142,6 +167,29 @@ class Session:
     if "ratio_dev" in collected[0]:
       out["ratio_dev_first"] = float(collected[0]["ratio_dev"])
     return out
+
+  def _with_ptx(self, chunk, iteration: int, offset: int) -> dict[str, np.ndarray]:
+    """The minibatch with train.batch_size held-in conversations of data.sources' chat sources appended (PPO-ptx,
+    Ouyang et al. 2022 eq. 2): their assistant tokens carry loss_mask = rl.ptx_coef for best-of-N's SFT
+    objective, and `ptx_mask` = 1 for PPO / GRPO, whose objectives add rl.ptx_coef x their negative
+    log-likelihood; every other key is 0 on them (no advantage, no KL, no value target)."""
+    from data import chat as chat_lib  # pylint: disable=g-import-not-at-top
+    r, B = self.config.rl, self.config.train.batch_size
+    if self.ptx_pool is None:
+      items = chat_lib.eval_items(self.config.data, per_family=PTX_POOL, split="train")
+      if not items:
+        raise ValueError("rl.ptx_coef > 0 mixes in conversations of data.sources' chat sources, and they have "
+                         "none in their training split; add a chat source or set rl.ptx_coef=0")
+      self.ptx_pool = [item.messages + [{"role": "assistant", "content": item.answer}] for item in items]
+    pick = np.random.default_rng(seed_for(r.seed, _PTX, iteration, offset)).choice(len(self.ptx_pool), B)
+    sft = r.algorithm == "best_of_n"
+    extra = conversation_rows(self.template, [self.ptx_pool[i] for i in pick], self.config.train.seq_len,
+                              r.ptx_coef if sft else 0.0)
+    if not sft:
+      extra["ptx_mask"] = conversation_rows(self.template, [self.ptx_pool[i] for i in pick],
+                                            self.config.train.seq_len, 1.0)["loss_mask"]
+    shape = (B, chunk["inputs"].shape[1])
+    return {k: np.concatenate([v, extra[k] if k in extra else np.zeros(shape, v.dtype)]) for k, v in chunk.items()}
 
   # ---- iterations ----------------------------------------------------------------------------------------
   def _prompts_for(self, iteration: int):
