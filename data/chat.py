@@ -329,31 +329,28 @@ class EvalItem:
 
 
 def eval_items(data_config, per_family: int, eval_fraction: float | None = None, plan=None,
-               split: str = "eval") -> list[EvalItem]:
-  """Held-out prompts with reference answers from the chat and preference sources' eval split: up to `per_family`
-  per family (a record's "family", else its source name), in a fixed order. A conversation's reference is its
-  last assistant turn; a preference pair's is the chosen completion's (the prompt and the chosen turns before it
-  are the context). `plan`: the run's parsed config.data (data/plan.py DataPlan; resolved from `data_config` when
-  None). `split="train"` reads the training split instead (train.rl's rl.ptx_coef rows)."""
-  from data import preference  # pylint: disable=g-import-not-at-top  (data.preference imports this module)
+               split: str = "eval", parsers=None) -> list[EvalItem]:
+  """Held-out prompts with reference answers from the chat sources' eval split: up to `per_family` per family
+  (a record's "family", else its source name), in a fixed order; the reference is a conversation's last assistant
+  turn, the context everything before it. `plan`: the run's parsed config.data (data/plan.py DataPlan; resolved
+  from `data_config` when None). `split="train"` reads the training split instead (train.rl's rl.ptx_coef rows).
+  `parsers`: ((is_source(spec), record -> messages), ...) for other kinds of sources (data.preference.eval_items);
+  default the chat sources' `parse_record`."""
   if plan is None:
     from data import plan as plan_lib  # pylint: disable=g-import-not-at-top  (data.plan reads the sources)
     plan = plan_lib.resolve(data_config)
   specs, srcs = plan.specs, plan.open()
   fraction = data_config.eval_fraction if eval_fraction is None else eval_fraction
   items: dict[str, list[EvalItem]] = {}
+  parsers = parsers or ((is_chat_source, parse_record),)
   for spec, src in zip(specs, srcs):
-    pairs = sources_lib.is_preference_source(spec)
-    if not (is_chat_source(spec) or pairs):
+    parse = next((p for is_source, p in parsers if is_source(spec)), None)
+    if parse is None:
       continue
     for i in sources_lib.source_split(src, fraction, split):
       try:
         record = json.loads(src[int(i)])
-        if pairs:
-          prompt, chosen, _, _ = preference.parse_pair(record)
-          messages = prompt + chosen
-        else:
-          messages = parse_record(record)
+        messages = parse(record)
       except (json.JSONDecodeError, ChatError):
         continue
       last = max(j for j, m in enumerate(messages) if m["role"] == "assistant")

@@ -127,3 +127,16 @@ class PairEncoder:
 
 
 is_preference_source = sources_lib.is_preference_source  # whether a parsed mixture item holds preference pairs
+
+
+def _pair_messages(record: Any) -> list[dict[str, str]]:
+  prompt, chosen, _, _ = parse_pair(record)
+  return prompt + chosen
+
+
+def eval_items(data_config, per_family: int, plan=None) -> list[chat_lib.EvalItem]:
+  """`data.chat.eval_items` over the chat and the preference sources: a held-out pair's reference is its chosen
+  completion's last assistant turn (for the built-in task the correct answer), its context the prompt and the
+  chosen turns before it."""
+  parsers = ((chat_lib.is_chat_source, chat_lib.parse_record), (sources_lib.is_preference_source, _pair_messages))
+  return chat_lib.eval_items(data_config, per_family=per_family, plan=plan, parsers=parsers)

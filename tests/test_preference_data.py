@@ -134,7 +134,7 @@ def test_held_out_generation_items_come_from_preference_pairs_with_the_correct_a
   reference, per family; for the built-in task that is the correct answer, checked here from the prompt itself
   for reversal (the letters reversed) and addition (the sum)."""
   c = configs.load("dpo_tiny")
-  items = chat.eval_items(c.data, per_family=8)
+  items = preference.eval_items(c.data, per_family=8)
   families = {item.family for item in items}
   assert {"addition", "reversal"} <= families and len(items) == 8 * len(families)
   checked = 0

@@ -25,8 +25,9 @@ def template_for(config, tokenizer, plan: plan_lib.DataPlan):
 def eval_items(config, template, plan: plan_lib.DataPlan | None) -> list[chat_lib.EvalItem]:
   """Up to config.train.eval_generations held-out prompts per task family of `plan`'s chat and preference sources
   (`plan`: the run's parsed config.data, or None to parse it)."""
+  from data import preference  # pylint: disable=g-import-not-at-top
   del template  # the items are messages; they are rendered when generated
-  return chat_lib.eval_items(config.data, per_family=config.train.eval_generations, plan=plan)
+  return preference.eval_items(config.data, per_family=config.train.eval_generations, plan=plan)
 
 
 def exact_match(model, tokenizer, template, items: Sequence[chat_lib.EvalItem], max_new_tokens: int,
