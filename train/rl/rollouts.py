@@ -182,12 +182,11 @@ class Session:
                          "none in their training split; add a chat source or set rl.ptx_coef=0")
       self.ptx_pool = [item.messages + [{"role": "assistant", "content": item.answer}] for item in items]
     pick = np.random.default_rng(seed_for(r.seed, _PTX, iteration, offset)).choice(len(self.ptx_pool), B)
-    sft = r.algorithm == "best_of_n"
-    extra = conversation_rows(self.template, [self.ptx_pool[i] for i in pick], self.config.train.seq_len,
-                              r.ptx_coef if sft else 0.0)
-    if not sft:
-      extra["ptx_mask"] = conversation_rows(self.template, [self.ptx_pool[i] for i in pick],
-                                            self.config.train.seq_len, 1.0)["loss_mask"]
+    extra = conversation_rows(self.template, [self.ptx_pool[i] for i in pick], self.config.train.seq_len, 1.0)
+    if r.algorithm == "best_of_n":
+      extra["loss_mask"] = r.ptx_coef * extra["loss_mask"]
+    else:
+      extra["ptx_mask"], extra["loss_mask"] = extra["loss_mask"], np.zeros_like(extra["loss_mask"])
     shape = (B, chunk["inputs"].shape[1])
     return {k: np.concatenate([v, extra[k] if k in extra else np.zeros(shape, v.dtype)]) for k, v in chunk.items()}
 
