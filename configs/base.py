@@ -165,8 +165,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   rl = c.rl = ml_collections.ConfigDict()  # reinforcement learning (`python -m train.rl`, docs/post-training.md)
   rl.algorithm = "grpo"  # ppo | grpo | best_of_n (rejection-sampling fine-tuning) | gkd (on-policy distillation); sets train.objective ppo | grpo | sft | distill
-  rl.reward = "py:data.rl_prompts:greater_reward"  # py:MODULE:FUNCTION (prompt, completion) -> float | rm:RUN (reward model)
-  rl.prompts = "builtin:greater"  # JSONL file of prompts ({"prompt": ...} or {"messages": [...]}) | builtin:greater
+  rl.reward = "py:data.tasks:reward"  # py:MODULE:FUNCTION (prompt, completion) -> float or dict of named parts (data.tasks.reward: correct + format) | rm:RUN (reward model)
+  rl.env = ""  # multi-turn episodes (train/rl/env.py): builtin:calculator (a tool for data.tasks' prompts) | builtin:calculator_no_tool | py:MODULE:CLASS; "" = one completion per prompt scored by rl.reward
+  rl.max_turns = 2  # with rl.env: most policy turns per episode
+  rl.prompts = "builtin:arithmetic"  # JSONL file of prompts ({"prompt": ...} or {"messages": [...]}) | builtin:tasks | builtin:arithmetic | builtin:number_sorting | builtin:countdown | builtin:calculator (data/tasks.py) | builtin:greater
   rl.eval_fraction = 0.05  # share of the prompts held out for eval_reward_mean (chosen by a hash of the prompt text)
   rl.iterations = 100  # rollout iterations (best_of_n: rounds); also the checkpoint step
   rl.prompts_per_iteration = 16  # prompts sampled per iteration
@@ -179,7 +181,14 @@ def get_config() -> ml_collections.ConfigDict:
   rl.kl_horizon = 10_000  # adaptive KL controller horizon in samples
   rl.gamma = 1.0  # PPO discount per token
   rl.lam = 0.95  # PPO GAE lambda
-  rl.clip = 0.2  # policy ratio clip range epsilon (PPO and GRPO)
+  rl.clip = 0.2  # policy ratio clip range epsilon (PPO and GRPO): the lower bound 1 - clip, and the upper unless clip_high is set
+  rl.clip_high = 0.0  # DAPO's clip-higher: upper bound 1 + clip_high (e.g. 0.28 with clip 0.2); 0 = rl.clip
+  rl.loss = "dapo"  # grpo: GRPO family aggregation (docs/post-training.md): grpo (per-sequence mean) | dr_grpo (sum / rollouts x max_new_tokens) | dapo (token mean over the batch) | gspo (sequence-level ratio)
+  rl.scale_rewards = "auto"  # grpo: divide the centred rewards by the std of the group | batch | none (auto: none for dr_grpo, group otherwise)
+  rl.dynamic_sampling = False  # grpo: DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more prompts to refill the batch
+  rl.dynamic_sampling_rounds = 4  # grpo with dynamic sampling: most sampling rounds per iteration; a batch still short is filled with zero-advantage groups (counted)
+  rl.overlong_buffer = 0  # DAPO's soft overlong punishment over the last this-many tokens before rl.max_new_tokens (added to the reward); 0 = off
+  rl.mask_truncated = False  # ppo / grpo: completions without a stop token get no loss (DAPO's overlong filtering)
   rl.value_clip = 0.2  # PPO value clip range around the rollout's values
   rl.vf_coef = 0.1  # PPO value-loss weight in the loss (the value head shares the policy trunk)
   rl.ent_coef = 0.0  # PPO entropy bonus weight
@@ -191,6 +200,10 @@ def get_config() -> ml_collections.ConfigDict:
   rl.eval_every = 5  # iterations between held-out evaluations (eval_reward_mean); 0 = off
   rl.eval_prompts = 64  # held-out prompts sampled (temperature rl.temperature, one each) per evaluation
   rl.ptx_coef = 0.0  # PPO-ptx: held-in conversations of data.sources' chat sources mixed into every update with this weight (Ouyang et al. 2022); 0 = off
+  rl.async_rollouts = False  # ppo / grpo: a worker thread samples iteration i with the policy of iteration i - 1 - max_staleness while the learner trains (train/rl/async_rollouts.py)
+  rl.max_staleness = 1  # with async_rollouts: how many iterations the sampler's policy may lag the learner's (0 = the synchronous loop's results)
+  rl.rollout_devices = 0  # with async_rollouts: devices per process kept for sampling (their own mesh), the rest train; 0 = sample on the training devices
+  rl.tis_cap = 3.0  # with async_rollouts: truncated importance weight cap C, w_t = min(exp(old_logp - sampler_logp), C) (TRL's default)
   rl.eval_best_of = 0  # also report eval_best_of_n_reward_mean: the best of this many samples per held-out prompt; 0 = off
   rl.seed = 0  # rollout RNG: iteration i samples with a seed derived from (seed, i), so a resumed run repeats it
 

@@ -58,15 +58,19 @@ class InstructTask:
   def __len__(self) -> int:
     return self.size
 
+  def record(self, index: int) -> dict:
+    """Record `index` as a dict (`item`); subclasses generate other tasks (data/tasks.py)."""
+    return item(self.seed, index)
+
   def __getitem__(self, index: int) -> str:
-    return json.dumps(item(self.seed, int(index)))
+    return json.dumps(self.record(int(index)))
 
   def split_indices(self, split: str) -> np.ndarray:
     """Sorted indices of `split` ("train" | "eval")."""
     if split not in ("train", "eval"):
       raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if self._splits is None:
-      flags = np.array([held_out(item(self.seed, i)["messages"][0]["content"], self.eval_fraction)
+      flags = np.array([held_out(self.record(i)["messages"][0]["content"], self.eval_fraction)
                         for i in range(self.size)])
       self._splits = {"eval": np.flatnonzero(flags), "train": np.flatnonzero(~flags)}
     return self._splits[split]

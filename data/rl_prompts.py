@@ -3,10 +3,15 @@
 `rl.prompts` is either
   PATH             a JSONL file (.gz read too), one prompt per line: {"prompt": "text"} or {"messages": [...]}
                    (a conversation ending with a user turn); other fields are ignored
-  builtin:greater  the built-in task: "Write a number greater than N." for N in [1000, 99999], answered right when the
-                   reply is a whole number > N written without leading zeros (`greater_reward`)
+  builtin:tasks    the built-in verifiable tasks (data/tasks.py: arithmetic, number sorting, countdown; answers tagged
+                   <answer>...</answer>, rewarded by py:data.tasks:reward); builtin:arithmetic,
+                   builtin:number_sorting, builtin:countdown: one family
+  builtin:greater  "Write a number greater than N." for N in [1000, 99999], answered right when the reply is a
+                   whole number > N written without leading zeros (`greater_reward`; a constant 6-digit answer
+                   always wins; the tasks above have no such answer)
 Held-out prompts are chosen by a hash of the prompt text (data.instruct.held_out), so a held-out prompt never
-occurs in training.
+occurs in training; the built-in tasks' split is data.tasks.EVAL_FRACTION, shared with the chat source
+builtin:tasks, so no held-out prompt was trained on in a cold-start SFT run either.
 """
 from __future__ import annotations
 
@@ -56,11 +61,21 @@ def load(spec: str, eval_fraction: float, seed: int = 0) -> dict[str, list[list[
 
   Raises ValueError naming the file and line for a missing file, a bad line or an empty split.
   """
+  from data import tasks  # pylint: disable=g-import-not-at-top
+  builtin_tasks = {"builtin:tasks": None, **{f"builtin:{f}": f for f in tasks.FAMILIES}}
   if spec == "builtin:greater":
     texts = [greater_prompt(seed, i) for i in range(GREATER_SIZE)]
     conversations = [[{"role": "user", "content": t}] for t in texts]
+  elif spec in builtin_tasks:
+    if eval_fraction != tasks.EVAL_FRACTION:
+      raise ValueError(f"rl.eval_fraction={eval_fraction} with rl.prompts={spec}: the built-in tasks hold out "
+                       f"{tasks.EVAL_FRACTION} of their prompts, shared with the chat source builtin:tasks so no "
+                       f"held-out prompt is trained on; set rl.eval_fraction={tasks.EVAL_FRACTION} or give a file")
+    texts = list(dict.fromkeys(tasks.prompts(builtin_tasks[spec], seed)))  # each distinct prompt once
+    conversations = [[{"role": "user", "content": t}] for t in texts]
   elif spec.startswith("builtin:"):
-    raise ValueError(f"rl.prompts={spec!r}: the only built-in prompt set is builtin:greater")
+    raise ValueError(f"rl.prompts={spec!r}: the built-in prompt sets are {', '.join(builtin_tasks)} and "
+                     "builtin:greater")
   else:
     try:
       text = files.decode_utf8(files.read_bytes(spec), spec)

@@ -16,6 +16,7 @@ Mixture spec (`config.data.sources`): a string of comma-separated items, or a tu
   arrayrecord:/data/*.array_record one document per record (UTF-8 text)
   chat:/data/sft/*.jsonl          one conversation per line (data/chat.py: messages or prompt/completion)
   instruct=builtin:instruct       the built-in instruction task (data/instruct.py), generated from a seed
+  tasks=builtin:tasks             the built-in RL tasks' conversations, answers tagged (data/tasks.py; cold start)
   preference:/data/pairs/*.jsonl  one preference pair per line (data/preference.py: prompt, chosen, rejected)
   pairs=builtin:preference        the built-in preference task (data/preference.py), generated from a seed
 
@@ -76,7 +77,7 @@ class SpecError(ValueError):
 
 def is_chat_source(spec: SourceSpec) -> bool:
   """Whether a parsed mixture item holds conversations (chat:PATH or builtin:instruct; data/chat.py)."""
-  return spec.kind == "chat" or (spec.kind == "builtin" and spec.arg == "instruct")
+  return spec.kind == "chat" or (spec.kind == "builtin" and spec.arg in ("instruct", "tasks"))
 
 
 def is_preference_source(spec: SourceSpec) -> bool:
@@ -104,9 +105,9 @@ def parse_spec(sources: str | Sequence[str], weights: Sequence[float] = ()) -> l
       raise SpecError(f"cannot parse source {p!r}: expected [NAME=]KIND:PATH[@WEIGHT] with KIND one of "
                       f"{', '.join(KINDS)} (e.g. 'web=jsonl:/data/*.jsonl@0.9')")
     kind, arg = m["kind"], m["arg"]
-    if kind == "builtin" and arg not in ("prose", "code", "instruct", "preference"):
+    if kind == "builtin" and arg not in ("prose", "code", "instruct", "tasks", "preference"):
       raise SpecError(f"unknown built-in source {arg!r} in {p!r}: use builtin:prose, builtin:code, "
-                      "builtin:instruct or builtin:preference")
+                      "builtin:instruct, builtin:tasks or builtin:preference")
     name = m["name"] or (arg if kind == "builtin" else kind)
     weight = float(m["weight"]) if m["weight"] else 1.0
     specs.append(SourceSpec(name, kind, arg, weight))
@@ -363,6 +364,9 @@ def open_source(spec: SourceSpec, text_field: str = "text", strict: bool = False
   if spec.kind == "builtin" and spec.arg == "instruct":
     from data import instruct  # pylint: disable=g-import-not-at-top
     return instruct.InstructTask(spec.name)
+  if spec.kind == "builtin" and spec.arg == "tasks":
+    from data import tasks  # pylint: disable=g-import-not-at-top
+    return tasks.TaskSource(spec.name)
   if spec.kind == "builtin" and spec.arg == "preference":
     from data import preference_task  # pylint: disable=g-import-not-at-top
     return preference_task.PreferenceTask(spec.name)

@@ -19,3 +19,19 @@ def flaky(prompt: str, completion: str) -> float:
   if i % 5 == 0:
     raise RuntimeError("reward service unavailable")
   return math.nan if i % 5 == 1 else length(prompt, completion)
+
+
+class EchoEnv:
+  """A two-turn environment (rl.env=py:rl_testing:EchoEnv): the first turn gets OBSERVATION back, the second
+  ends the episode with reward 1 + its length / 10 (parts "done" and "length")."""
+  OBSERVATION = "ok"
+
+  def reset(self, prompt: str) -> str:
+    self.turns = 0
+    return prompt
+
+  def step(self, text: str):
+    self.turns += 1
+    if self.turns == 1:
+      return self.OBSERVATION, 0.0, False
+    return None, {"done": 1.0, "length": len(text) / 10}, True

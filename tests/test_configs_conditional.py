@@ -20,6 +20,7 @@ _GIVEN_TOKENIZER = {"data.tokenizer": "/tmp/tok.model"}
 _CHAT = {"data.sources": "instruct=builtin:instruct"}
 _DISTILL = {"train.objective": "distill"}
 _BEST_OF_N = {"rl.algorithm": "best_of_n", "train.objective": "sft"}
+_PPO = {"rl.algorithm": "ppo", "train.objective": "ppo"}
 # key: (a value other than its default, overrides under which it cannot act, overrides under which it acts); on
 # top of configs/tiny.py.
 CASES = {
@@ -70,6 +71,18 @@ CASES = {
         ("gamma", 0.99), ("lam", 0.9), ("value_clip", 0.5), ("vf_coef", 0.5), ("ent_coef", 0.01),
         ("whiten_advantages", False))},
     "rl.clip": (0.1, _BEST_OF_N, {}),
+    "rl.clip_high": (0.28, _BEST_OF_N, {}),
+    "rl.mask_truncated": (True, _BEST_OF_N, {}),
+    "rl.loss": ("gspo", _PPO, {}),
+    "rl.scale_rewards": ("batch", _PPO, {}),
+    "rl.dynamic_sampling": (True, _PPO, {}),
+    "rl.dynamic_sampling_rounds": (2, {}, {"rl.dynamic_sampling": True}),
+    "rl.overlong_buffer": (2, {"rl.algorithm": "gkd"}, {}),
+    "rl.max_turns": (3, {}, {"rl.env": "builtin:calculator"}),
+    "rl.reward": ("py:rl_testing:length", {"rl.env": "builtin:calculator"}, {}),
+    "rl.max_staleness": (2, {}, {"rl.async_rollouts": True}),
+    "rl.rollout_devices": (2, {}, {"rl.async_rollouts": True}),
+    "rl.tis_cap": (2.0, {}, {"rl.async_rollouts": True}),
     "rl.length_penalty": (0.1, {"rl.algorithm": "gkd"}, {}),
     "rl.missing_eos_penalty": (0.5, {"rl.algorithm": "gkd"}, {}),
     "rl.kl_coef": (0.1, _BEST_OF_N, {}),

@@ -78,11 +78,15 @@ def test_group_advantages_and_whitening_equal_numpy():
   rng = np.random.default_rng(3)
   rewards = rng.normal(size=(4, 6))
   valid = rng.random((4, 6)) > 0.2
-  got = policy.group_advantages(rewards, valid)
-  for n in range(4):
-    r = rewards[n][valid[n]]
-    np.testing.assert_allclose(got[n][valid[n]], (r - r.mean()) / (r.std() + 1e-4), rtol=1e-5)
-    assert np.all(got[n][~valid[n]] == 0)
+  everything = rewards[valid]
+  for scale in ("group", "batch", "none"):
+    got = policy.group_advantages(np.where(valid, rewards, np.nan), valid, scale)
+    for n in range(4):
+      r = rewards[n][valid[n]]
+      std = {"group": r.std(ddof=1), "batch": everything.std(ddof=1), "none": None}[scale]
+      expect = (r - r.mean()) / (std + 1e-4) if std is not None else r - r.mean()
+      np.testing.assert_allclose(got[n][valid[n]], expect, rtol=1e-5, atol=1e-6)
+      assert np.all(got[n][~valid[n]] == 0)
   x, _, mask = _rows(rng)
   m = mask > 0
   np.testing.assert_allclose(policy.whiten(x, mask)[m], (x[m] - x[m].mean()) / (x[m].std() + 1e-8), rtol=1e-5)
@@ -121,8 +125,8 @@ def setup():
            **{k: rng.normal(size=(B, L)).astype(np.float32) for k in ("advantages", "returns", "old_values")},
            "old_logp": -rng.random((B, L)).astype(np.float32)}
   config = ml_collections.ConfigDict({"model": {"d_model": D}, "train": {"grad_accum": 1}, "rl": {
-      "temperature": 0.7, "clip": 0.2, "value_clip": 0.3, "vf_coef": 0.5, "ent_coef": 0.01, "kl_coef": 0.1,
-      "ptx_coef": 0.0}})
+      "temperature": 0.7, "clip": 0.2, "clip_high": 0.0, "value_clip": 0.3, "vf_coef": 0.5, "ent_coef": 0.01,
+      "kl_coef": 0.1, "ptx_coef": 0.0, "loss": "dapo", "max_new_tokens": L}})
   extras = {"value_head": rng.normal(size=(D,)).astype(np.float32), "value_bias": np.array([0.3], np.float32)}
   return config, batch, emb, w, w_ref, extras
 
@@ -203,3 +207,139 @@ def test_ptx_rows_add_their_nll_at_temperature_one(setup, name):
       metrics = objective.metrics(sums, objective.normalizer(jbatch))
   np.testing.assert_allclose(losses[1.5] - losses[0.0], 1.5 * ptx / batch["loss_mask"].sum(), rtol=1e-4)
   np.testing.assert_allclose(float(metrics["ptx_nll"]), ptx / sft["ptx_mask"].sum(), rtol=1e-4)
+
+
+def _numpy_grpo_family(config, batch, emb, w, w_ref):
+  """(loss, dloss/dW) of rl.loss written out in NumPy (TRL's trl/trainer/grpo_trainer.py `_compute_loss`): the
+  per-token (or, for gspo, per-sequence) clipped term plus beta k3, aggregated per rl.loss; the gradient by the
+  chain rule through log_softmax(x W / T)."""
+  r, m = config.rl, batch["loss_mask"]
+  x = emb[batch["inputs"]]
+  probs = np.exp(_log_softmax(x @ w / r.temperature))
+  logp = np.log(np.take_along_axis(probs, batch["targets"][..., None], -1)[..., 0])
+  ref = np.take_along_axis(_log_softmax(x @ w_ref / r.temperature), batch["targets"][..., None], -1)[..., 0]
+  lo, hi = 1 - r.clip, 1 + (r.clip_high or r.clip)
+  a, length = batch["advantages"], np.maximum(m.sum(1), 1)
+  if r.loss == "gspo":  # one ratio per sequence: exp of the mean token log-ratio
+    s = np.exp(((logp - batch["old_logp"]) * m).sum(1) / length)[:, None]
+    a_seq = (a * m).sum(1, keepdims=True) / length[:, None]
+    pg = -np.minimum(s * a_seq, np.clip(s, lo, hi) * a_seq) * np.ones_like(m)
+    dpg = np.where(s * a_seq <= np.clip(s, lo, hi) * a_seq, -s * a_seq, 0.0) * m / length[:, None]
+  else:
+    ratio = np.exp(logp - batch["old_logp"])
+    pg = -np.minimum(ratio * a, np.clip(ratio, lo, hi) * a)
+    dpg = np.where(ratio * a <= np.clip(ratio, lo, hi) * a, -ratio * a, 0.0)
+  tis = batch.get("tis_weight", np.ones_like(m))  # truncated importance weights multiply the clipped term
+  if r.loss == "gspo":  # the sequence term depends on every token: d/dlogp_t carries the row's mean weight
+    pg, dpg = pg * tis, dpg * ((tis * m).sum(1, keepdims=True) / length[:, None])
+  else:
+    pg, dpg = pg * tis, dpg * tis
+  per_token = pg + r.kl_coef * (np.exp(ref - logp) - (ref - logp) - 1)
+  dkl = r.kl_coef * (1 - np.exp(ref - logp))
+  rows, tokens = m.shape[0], m.sum()
+  if r.loss in ("grpo", "gspo"):
+    weight = m / length[:, None] / rows
+    loss = ((per_token * m).sum(1) / length).mean()
+    dpg_w = dpg / rows if r.loss == "gspo" else dpg * weight  # gspo's dpg already carries 1 / |y|
+  else:
+    norm = tokens if r.loss == "dapo" else rows * r.max_new_tokens
+    weight, loss, dpg_w = m / norm, (per_token * m).sum() / norm, dpg * m / norm
+  dlogp = dpg_w + dkl * weight
+  onehot = np.eye(w.shape[1])[batch["targets"]]
+  grad = np.einsum("bld,blv->dv", x, dlogp[..., None] * (onehot - probs)) / r.temperature
+  return loss, grad
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "gspo"])
+def test_grpo_family_loss_and_gradient_equal_numpy(setup, loss):
+  """Every rl.loss with clip-higher (eps_low 0.2, eps_high 0.28) and truncated importance weights (cap 1.3) on one
+  batch: the objective's loss and its gradient equal the formulas in NumPy; advantages constant per row as the
+  loop writes them; the TIS weights are the capped ratio of the learner's to the sampler's probabilities."""
+  config, batch, emb, w, w_ref, _ = setup
+  cfg = ml_collections.ConfigDict(config.to_dict())
+  cfg.rl.loss, cfg.rl.clip_high = loss, 0.28
+  rng = np.random.default_rng(11)
+  rows = {k: v for k, v in batch.items() if k not in ("returns", "old_values")}
+  rows["advantages"] = (rng.normal(size=(len(batch["inputs"]), 1)) * batch["loss_mask"]).astype(np.float32)
+  logp = np.take_along_axis(_log_softmax(emb[rows["inputs"]] @ w / cfg.rl.temperature), rows["targets"][..., None],
+                            -1)[..., 0]
+  rows["old_logp"] = (logp + rng.normal(scale=0.3, size=logp.shape)).astype(np.float32)  # ratios around 1
+  sampler = rows["old_logp"] + rng.normal(scale=0.5, size=logp.shape)  # an asynchronous sampler's log-probs
+  rows["tis_weight"] = policy.tis_weights(rows["old_logp"], sampler, rows["loss_mask"], 1.3)
+  expect_w = np.where(rows["loss_mask"] > 0, np.minimum(np.exp(rows["old_logp"] - sampler), 1.3), 1.0)
+  np.testing.assert_allclose(rows["tis_weight"], expect_w, rtol=1e-6)
+  assert (expect_w[rows["loss_mask"] > 0] == 1.3).any() and (expect_w < 1).any()
+  ratio, m = np.exp(logp - rows["old_logp"]), rows["loss_mask"] > 0
+  assert (ratio[m] > 1.28).any() and (ratio[m] < 0.8).any() and ((ratio[m] > 0.8) & (ratio[m] < 1.2)).any()
+  expect_loss, expect_grad = _numpy_grpo_family(cfg, rows, emb, w, w_ref)
+  objective = grpo.GroupRelativePolicyOptimization(cfg)
+  jbatch = jax.tree.map(jnp.asarray, rows)
+  reference = {"reference": _Linear(jnp.asarray(emb), jnp.asarray(w_ref))}
+
+  def f(w_):
+    return objective.loss(objective.sums(_Linear(jnp.asarray(emb), w_), jbatch, {}, reference)) / (
+        objective.normalizer(jbatch))
+
+  got_loss, got_grad = jax.value_and_grad(f)(jnp.asarray(w))
+  np.testing.assert_allclose(float(got_loss), expect_loss, rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(got_grad), expect_grad, rtol=1e-3, atol=1e-6)
+
+
+def test_overlong_punishment_and_zero_variance_groups():
+  """DAPO eq. 13 at L_max = 100, L_cache = 20 (TRL's example: 90 tokens -> -0.5), and the groups dynamic sampling
+  drops: all valid rewards equal, or fewer than two valid."""
+  got = policy.overlong_penalty([10, 80, 90, 100, 101], 100, 20)
+  np.testing.assert_allclose(got, [0.0, 0.0, -0.5, -1.0, -1.0])
+  assert not policy.overlong_penalty([90], 100, 0).any()
+  rewards = np.array([[1, 1, 1], [0, 1, 0], [np.nan, 2, 2], [np.nan, 3, np.nan], [0.5, 0.5, 0.25]])
+  valid = np.isfinite(rewards)
+  expect = [len(set(r[v])) < 2 for r, v in zip(rewards, valid)]
+  np.testing.assert_array_equal(policy.zero_variance_groups(rewards, valid), expect)
+
+
+def _stub_session(rounds, G=3, need=4):
+  """A train.rl Session whose sampler is replaced: prompt "p<i>"'s group of G rewards is all equal when i % 3 == 0
+  (no signal), else 0, 1, 2, ...; everything else is the real class."""
+  from train.rl import rollouts
+  session = object.__new__(rollouts.Session)
+  session.config = ml_collections.ConfigDict({"rl": {"samples_per_prompt": G, "prompts_per_iteration": need,
+                                                     "dynamic_sampling_rounds": rounds, "seed": 0}})
+  session.prompts = {"train": [[{"role": "user", "content": f"p{i}"}] for i in range(60)]}
+
+  def sample(conversations, repeats, seed):
+    del seed
+    ids = [int(c[-1]["content"][1:]) for c in conversations]
+    raw = np.array([0.5 if i % 3 == 0 else float(k) for i in ids for k in range(repeats)])
+    n = len(raw)
+    return {"prompt_ids": [[i] for i in ids for _ in range(repeats)], "tokens": [[i, k] for i in ids
+                                                                                  for k in range(repeats)],
+            "logprobs": [[0.0]] * n, "raw": raw, "shaped": raw, "valid": np.ones(n, bool),
+            "ended": np.ones(n, bool), "lengths": np.full(n, 2.0)}
+
+  session.sample = sample
+  return session, sample
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 8])
+def test_dynamic_sampling_keeps_exactly_the_groups_with_a_signal(rounds):
+  """Session._dynamic_sampling (DAPO): the groups kept are, in sampling order, exactly the ones whose rewards
+  differ, until prompts_per_iteration are kept; rounds stop there or at rl.dynamic_sampling_rounds, and a batch
+  still short is completed with zero-variance groups, counted as filled_groups."""
+  G, need = 3, 4
+  session, sample = _stub_session(rounds, G, need)
+  first = sample([[{"role": "user", "content": f"p{i}"}] for i in (0, 3, 4, 6)], G, 0)  # one group with a signal
+  out, stats = session._dynamic_sampling(first, iteration=1)
+  prompts = [ids[0] for ids in out["prompt_ids"][::G]]
+  assert len(out["raw"]) == need * G and all(len(v) == need * G for v in out.values())
+  signal = [p for p in prompts if p % 3]
+  # every kept prompt's group is its own G samples, in order
+  for g, p in enumerate(prompts):
+    assert out["tokens"][g * G:(g + 1) * G] == [[p, k] for k in range(G)]
+  # the signal groups come first and include the first round's only one (prompt 4); then fillers with none
+  assert prompts[:len(signal)] == signal and prompts[0] == 4 and all(p % 3 == 0 for p in prompts[len(signal):])
+  assert stats["filled_groups"] == need - len(signal)
+  assert stats["sampling_rounds"] <= rounds
+  if stats["sampling_rounds"] < rounds:
+    assert stats["filled_groups"] == 0
+  if rounds == 1:
+    assert prompts == [4, 0, 3, 6]

@@ -65,9 +65,12 @@ def _config(base, algorithm, **overrides):
             "rl.prompts_per_iteration": 4, "rl.samples_per_prompt": 4 if algorithm != "ppo" else 2,
             "rl.max_new_tokens": 6, "rl.eval_every": 3, "rl.eval_prompts": 4, "checkpoint.every": 1,
             "checkpoint.keep": 5, "log.progress": False, "log.tensorboard": False, "train.eval_generations": 0,
-            "rl.ptx_coef": 0.0}
+            "rl.ptx_coef": 0.0, "rl.env": ""}
   if algorithm == "best_of_n":
     values.update({"rl.prompts_per_iteration": 8, "rl.eval_best_of": 3})
+  if algorithm == "grpo":  # DAPO's pieces on DeepSeekMath's per-sequence loss, so the loop runs each of them
+    values.update({"rl.loss": "grpo", "rl.clip_high": 0.28, "rl.dynamic_sampling": True,
+                   "rl.dynamic_sampling_rounds": 2, "rl.overlong_buffer": 2})
   values.update(overrides)
   return configs.load(recipe, **values)
 
@@ -87,15 +90,21 @@ def test_grpo_run_logs_rewards_kl_and_consistent_logprobs(grpo_run):
   assert [r["step"] for r in train] == [1, 2, 3] and [r["step"] for r in evals] == [0, 3]
   for r in train:
     # the rewards are the completions' lengths / 10: between 0 and 6 tokens' worth of characters
-    assert 0 <= r["reward_mean"] and r["kl"] >= -1e-6 and r["nonfinite"] == 0
+    # (kl is the k1 estimate over the sampled sequences: unbiased for KL >= 0, but one batch's can be negative)
+    assert 0 <= r["reward_mean"] and np.isfinite(r["kl"]) and r["nonfinite"] == 0
     assert r["logp_diff"] <= 1e-4  # the sampler's log-probs vs the training forward pass
     assert r["ratio_dev_first"] <= 1e-6  # old log-probs recomputed with the same pass: ratio 1 at first
   assert train[0]["kl"] == pytest.approx(0.0, abs=1e-5)  # the policy starts as the reference
   assert any(r["kl"] > 1e-6 for r in train[1:])  # and moves away from it
   assert grpo_run["summary"]["iteration"] == 3
+  for r in train:  # dynamic sampling's rounds and fillers, the first round's share of groups without a signal
+    assert r["sampling_rounds"] in (1, 2) and 0 <= r["filled_groups"] <= 4 and 0 <= r["zero_std_fraction"] <= 1
+    assert r["filled_groups"] == 0 or r["sampling_rounds"] == 2
+    assert r["reward_shaped_mean"] <= r["reward_mean"]  # the overlong punishment only subtracts
   # train.eval_generations=2: what the run keeps of the SFT families it does not train, at every evaluation
   for r in evals:
-    families = [r[f"eval_exact_match/{f}"] for f in ("addition", "conversion", "reversal", "sorting")]
+    families = [v for k, v in r.items() if k.startswith("eval_exact_match/")]
+    assert len(families) == 8  # the instruct task's four and data.tasks' four (sft_tiny's sources)
     assert all(v in (0.0, 0.5, 1.0) for v in families)  # 2 held-out prompts per family
     assert r["eval_exact_match"] == pytest.approx(np.mean(families))
 
@@ -193,8 +202,23 @@ def test_resume_after_sigkill_is_bit_exact(base, grpo_run):
   """A run killed (SIGKILL) after its first checkpoint and restarted ends with the same parameters, rewards and
   KL as the uninterrupted run."""
   workdir = str(base["root"] / "runs" / "grpo_killed")
-  config_file = base["root"] / "grpo_small.py"
-  overrides = {k: v for k, v in _config_overrides(base).items()}
+  _kill_after_first_checkpoint_and_resume(base, "grpo_small", _config_overrides(base), workdir)
+  want, got = _saved_state(grpo_run["workdir"], 3), _saved_state(workdir, 3)
+  assert got.keys() == want.keys()
+  for k in want:
+    assert np.array_equal(got[k], want[k]), k
+  pick = lambda records: [(r["step"], r.get("reward_mean"), r.get("kl"), r.get("eval_reward_mean")) for r in records]
+  assert pick(_records(workdir)) == pick(grpo_run["records"])
+
+
+def assert_exists(path):
+  assert os.path.exists(path), path
+
+
+def _kill_after_first_checkpoint_and_resume(base, name, overrides, workdir, after_kill=lambda: None):
+  """`python -m train.rl` on grpo_tiny with `overrides` in `workdir`: SIGKILLed once checkpoint 1 exists, then
+  (after `after_kill()`) run again to the end."""
+  config_file = base["root"] / f"{name}.py"
   config_file.write_text("import configs\ndef get_config():\n  return configs.load('grpo_tiny', **%r)\n" % overrides)
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.path.dirname(__file__)]), JAX_PLATFORMS="cpu")
   command = [sys.executable, "-m", "train.rl", f"--config={config_file}", f"--workdir={workdir}"]
@@ -205,14 +229,9 @@ def test_resume_after_sigkill_is_bit_exact(base, grpo_run):
     time.sleep(0.2)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
+  after_kill()
   done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr
-  want, got = _saved_state(grpo_run["workdir"], 3), _saved_state(workdir, 3)
-  assert got.keys() == want.keys()
-  for k in want:
-    assert np.array_equal(got[k], want[k]), k
-  pick = lambda records: [(r["step"], r.get("reward_mean"), r.get("kl"), r.get("eval_reward_mean")) for r in records]
-  assert pick(_records(workdir)) == pick(grpo_run["records"])
 
 
 def _config_overrides(base):
@@ -233,7 +252,7 @@ def test_bad_rewards_are_dropped_counted_and_halt_the_run(base, grpo_run):
   rl_testing.CALLS.update(flaky=0, bad=0)
   workdir = str(base["root"] / "runs" / "flaky")
   rl.run(_config(base, "grpo", **{"rl.reward": "py:rl_testing:flaky", "rl.max_bad_rewards": 1000,
-                                  "rl.iterations": 2, "rl.eval_every": 0}), workdir)
+                                  "rl.iterations": 2, "rl.eval_every": 0, "rl.dynamic_sampling": False}), workdir)
   train = [r for r in _records(workdir) if "reward_mean" in r]
   # calls 0..15 and 16..31: those with i % 5 in (0, 1) are bad, 7 in each iteration
   assert rl_testing.CALLS["flaky"] == 32 and train[-1]["bad_rewards_total"] == rl_testing.CALLS["bad"] == 14
@@ -252,6 +271,8 @@ def test_bad_input_exits_2_and_writes_nothing(base, grpo_run, capsys):
       ({"rl.reward": "py:rl_testing:no_such_function"}, "cannot load no_such_function"),
       ({"rl.max_new_tokens": 40}, "exceeds train.seq_len"),
       ({"train.objective": "sft"}, "--config.train.objective=grpo"),
+      ({"rl.loss": "ppo2"}, "rl.loss='ppo2' must be one of grpo, dr_grpo, dapo, gspo"),
+      ({"rl.overlong_buffer": 6}, "rl.overlong_buffer=6 must be below rl.max_new_tokens=6"),
   ]
   for overrides, message in cases:
     workdir = base["root"] / "runs" / "bad"
@@ -259,8 +280,15 @@ def test_bad_input_exits_2_and_writes_nothing(base, grpo_run, capsys):
     with pytest.raises(loop.SetupError, match=message):
       rl.run(config, str(workdir))
     assert not (workdir / "config.json").exists() and not (workdir / "checkpoints").exists()
-  assert rl.main([f"--workdir={base['root']}/runs/bad2", "--config.rl.reward=rm:/nonexistent/run"]) == 2
+  assert rl.main([f"--workdir={base['root']}/runs/bad2", "--config.rl.env=",
+                  "--config.rl.reward=rm:/nonexistent/run"]) == 2
   assert "no reward-model run directory" in capsys.readouterr().err
+  # grpo_tiny's environment gives the rewards: a reward set beside it is refused, naming both keys
+  assert rl.main([f"--workdir={base['root']}/runs/bad2", "--config.rl.reward=rm:/nonexistent/run"]) == 2
+  assert "rl.reward='rm:/nonexistent/run' has no effect unless rl.env is empty" in capsys.readouterr().err
+  assert rl.main([f"--workdir={base['root']}/runs/bad2", "--config.rl.env=py:nowhere:Env"]) == 2
+  assert "rl.env='py:nowhere:Env': cannot load Env from module nowhere" in capsys.readouterr().err
+  assert not os.path.exists(f"{base['root']}/runs/bad2/config.json")
 
 
 def test_greater_reward_and_prompt_files(tmp_path):
@@ -284,19 +312,26 @@ def test_greater_reward_and_prompt_files(tmp_path):
 @pytest.mark.parametrize("algorithm", ["grpo", "best_of_n"])
 def test_ptx_rows_are_held_in_answers_appended_to_the_minibatch(base, algorithm):
   """rl.ptx_coef = 1.5: each minibatch of B rollout rows gets B conversations of data.sources' chat sources from
-  their training split appended. On them the scored tokens are exactly the answer's tokens and the end-of-turn
-  marker (ptx_mask for PPO / GRPO, loss_mask = 1.5 for best-of-N's SFT objective); no rollout key is set."""
+  their training split appended, none of whose prompts is an RL prompt (here the calculator task's, whose chat
+  conversations are then all left out). On them the scored tokens are exactly the assistant turns' tokens and
+  their end-of-turn markers (ptx_mask for PPO / GRPO, loss_mask = 1.5 for best-of-N's SFT objective); no rollout
+  key is set."""
   from data import chat as chat_lib
+  from data import rl_prompts
   config = _config(base, algorithm, **{"rl.ptx_coef": 1.5})
   tokenizer = tokenizer_lib.load(base["tokenizer"])
   template = chat_lib.make_template(config.data, tokenizer)
-  session = rollouts.Session(config, None, None, tokenizer, template, None, None)
+  rl_split = rl_prompts.load("builtin:calculator", 0.05)
+  session = rollouts.Session(config, None, None, tokenizer, template, rl_split, None)
   keys = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "old_logp", "advantages", "ptx_mask")
   chunk = {k: np.full((8, 48), 7, np.float32 if k in ("loss_mask", "old_logp", "advantages", "ptx_mask") else
                       np.int32) for k in keys}
   out = session._with_ptx(chunk, 3, 0)  # pylint: disable=protected-access
   assert all(v.shape == (16, 48) and np.all(v[:8] == 7) for v in out.values())
-  held_out = {item.messages[-1]["content"] for item in chat_lib.eval_items(config.data, per_family=10**6)}
+  held_out = {item.messages[0]["content"] for item in chat_lib.eval_items(config.data, per_family=10**6)}
+  rl_texts = {c[-1]["content"] for split in rl_split.values() for c in split}
+  assert session.ptx_pool and not any(c[0]["content"] in rl_texts for c in session.ptx_pool)
+  assert not any(c[0]["content"].startswith("Calculate ") for c in session.ptx_pool)
   for i in range(8, 16):
     scored = out["ptx_mask"][i] if algorithm == "grpo" else out["loss_mask"][i] / 1.5
     assert set(np.unique(scored)) <= {0.0, 1.0} and scored.any()
@@ -304,7 +339,91 @@ def test_ptx_rows_are_held_in_answers_appended_to_the_minibatch(base, algorithm)
       assert not out["loss_mask"][i].any() and not out["advantages"][i].any() and not out["old_logp"][i].any()
     length = int(out["segment_ids"][i].sum())  # the conversation whose rendering the row holds
     conversation = next(c for c in session.ptx_pool
-                        if template.render(c)[0][1:] == list(out["targets"][i][:length]))
-    assert conversation[-2]["content"] not in held_out
-    answer = tokenizer.encode(conversation[-1]["content"]) + [template.end_id]
-    assert list(out["targets"][i][scored > 0]) == answer
+                        if template.render(c)[0][1:length + 1] == list(out["targets"][i][:length]))
+    assert conversation[0]["content"] not in held_out
+    # the assistant turns' tokens with their end-of-turn markers (cut where the row is cut at train.seq_len)
+    ids, flags = template.render(conversation)
+    assert list(out["targets"][i][scored > 0]) == [t for t, f in zip(ids[1:length + 1], flags[1:length + 1]) if f]
+
+
+@pytest.mark.slow
+def test_multi_turn_episodes_mask_the_environment_and_score_like_one_forward(base, grpo_run, monkeypatch):
+  """rl.env with a two-turn environment, every token a stop token so each policy turn is one token: the training
+  batch has loss weight on exactly the two policy tokens of each row and none on the observation turn between
+  them, and the sampler's turn-by-turn log-probs equal the scoring forward pass over the whole transcript
+  (logp_diff); the environment's named reward parts are logged."""
+  del grpo_run  # (the base run exists)
+  captured, init, train = [], rollouts.Session.__init__, rollouts.Session.train
+
+  def every_token_stops(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    self.stop_ids = tuple(range(self.tokenizer.vocab_size))
+
+  monkeypatch.setattr(rollouts.Session, "__init__", every_token_stops)
+  monkeypatch.setattr(rollouts.Session, "train", lambda self, batch, i: captured.append(batch) or train(self, batch, i))
+  workdir = str(base["root"] / "runs" / "episodes")
+  rl.run(_config(base, "grpo", **{"rl.env": "py:rl_testing:EchoEnv", "rl.iterations": 1, "rl.eval_every": 1,
+                                  "rl.dynamic_sampling": False, "rl.overlong_buffer": 0}), workdir)
+  train_record = next(r for r in _records(workdir) if "reward_mean" in r)
+  assert train_record["turns_mean"] == 2 and train_record["logp_diff"] <= 1e-4
+  assert train_record["reward_done_mean"] == 1.0 and train_record["reward_mean"] == pytest.approx(1.0)
+  assert next(r for r in _records(workdir) if "eval_turns_mean" in r)["eval_turns_mean"] == 2
+  tok = tokenizer_lib.load(base["tokenizer"])
+  observation = tok.encode(rl_testing.EchoEnv.OBSERVATION)
+  batch = captured[0]
+  for row_targets, row_mask, segments in zip(batch["targets"], batch["loss_mask"], batch["segment_ids"]):
+    real = row_targets[segments > 0]
+    weighted = np.flatnonzero(row_mask)
+    assert len(weighted) == 2 and weighted[1] > weighted[0] + len(observation)  # two turns, the observation between
+    between = list(real[weighted[0] + 1:weighted[1]])
+    assert any(between[j:j + len(observation)] == observation for j in range(len(between)))
+    assert weighted[1] == np.flatnonzero(segments)[-1]  # the last target is the second policy token
+
+
+def _async(base, **overrides):
+  return _config(base, "grpo", **{"rl.dynamic_sampling": False, "rl.eval_every": 0, **overrides})
+
+
+@pytest.mark.slow
+def test_async_rollouts_without_staleness_equal_the_synchronous_loop(base, grpo_run):
+  """rl.async_rollouts with rl.max_staleness=0 samples iteration i with the policy after i - 1 updates, as the
+  synchronous loop does: the same rewards, losses and final parameters, bit for bit."""
+  del grpo_run
+  runs = {}
+  for name, extra in (("sync", {}), ("async0", {"rl.async_rollouts": True, "rl.max_staleness": 0})):
+    workdir = str(base["root"] / "runs" / name)
+    rl.run(_async(base, **extra), workdir)
+    runs[name] = ([(r["step"], r["reward_mean"], r["loss"]) for r in _records(workdir) if "loss" in r],
+                  _saved_state(workdir, 3))
+  assert runs["sync"][0] == runs["async0"][0]
+  for k, v in runs["sync"][1].items():
+    assert np.array_equal(v, runs["async0"][1][k]), k
+
+
+@pytest.mark.slow
+def test_async_rollouts_on_their_own_devices_lag_one_version_and_resume_exactly(base, grpo_run, capsys):
+  """max_staleness=1 with 4 of the 8 devices sampling (training on the other 4): iteration i >= 2 trains on
+  rollouts of the policy one update older (policy_lag 1) with truncated importance weights logged; a run killed
+  after its first checkpoint and restarted reloads the rollouts made ahead and ends exactly as the uninterrupted
+  one."""
+  del grpo_run
+  extra = {"rl.async_rollouts": True, "rl.max_staleness": 1, "rl.rollout_devices": 4, "rl.tis_cap": 1.5}
+  workdir = str(base["root"] / "runs" / "async1")
+  rl.run(_async(base, **extra), workdir)
+  train = [r for r in _records(workdir) if "loss" in r]
+  assert [r["policy_lag"] for r in train] == [0, 1, 1]
+  for r in train:
+    assert 0 < r["tis_weight_mean"] <= 1.5 and 0 <= r["tis_clip_frac"] <= 1 and r["nonfinite"] == 0
+  assert train[0]["tis_weight_mean"] == 1.0 and train[1]["tis_weight_mean"] != 1.0  # weights only where it lagged
+  assert ("mesh data=4 fsdp=1 tensor=1 sequence=1 expert=1 stage=1 (4 devices) training, data=4 fsdp=1 tensor=1 "
+          "sequence=1 expert=1 stage=1 (4 devices) sampling") in capsys.readouterr().out
+  killed = str(base["root"] / "runs" / "async1_killed")
+  overrides = {**_config_overrides(base), "rl.dynamic_sampling": False, "rl.eval_every": 0, **extra}
+  made_ahead = os.path.join(killed, "rollouts", "1.pkl")  # iteration 2's rollouts, saved with checkpoint 1
+  _kill_after_first_checkpoint_and_resume(base, "async1", overrides, killed,
+                                          lambda: assert_exists(made_ahead))
+  want, got = _saved_state(workdir, 3), _saved_state(killed, 3)
+  for k in want:
+    assert np.array_equal(got[k], want[k]), k
+  pick = lambda records: [(r["step"], r.get("reward_mean"), r.get("loss")) for r in records if "loss" in r]
+  assert pick(_records(killed)) == pick(_records(workdir))

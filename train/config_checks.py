@@ -19,6 +19,7 @@ _PIPELINE = ("pipeline_microbatches", "pipeline_repeats", "pipeline_remat")
 _DISTILL = ("distill_teacher", "distill_teacher_recipe", "distill_loss", "distill_temperature", "distill_top_k",
             "distill_lm_weight")
 _PPO_ONLY = ("gamma", "lam", "value_clip", "vf_coef", "ent_coef", "whiten_advantages")
+_GRPO_ONLY = ("loss", "scale_rewards", "dynamic_sampling")
 
 
 def _stages(config, facts):
@@ -150,7 +151,19 @@ validate.conditional(
     *(_row(f"rl.{k}", "rl.algorithm=ppo", lambda c, f: c.rl.algorithm == "ppo", "GRPO and best_of_n have no critic")
       for k in _PPO_ONLY),
     *(_row(f"rl.{k}", "rl.algorithm is ppo or grpo", lambda c, f: c.rl.algorithm in ("ppo", "grpo"),
-           "best_of_n fine-tunes on its best samples with the sft objective") for k in ("clip", "kl_coef")),
+           "best_of_n fine-tunes on its best samples with the sft objective")
+      for k in ("clip", "clip_high", "kl_coef", "mask_truncated")),
+    *(_row(f"rl.{k}", "rl.algorithm=grpo", lambda c, f: c.rl.algorithm == "grpo",
+           "it configures the GRPO family's loss and sampling") for k in _GRPO_ONLY),
+    _row("rl.dynamic_sampling_rounds", "rl.algorithm=grpo and rl.dynamic_sampling=True",
+         lambda c, f: c.rl.algorithm == "grpo" and c.rl.dynamic_sampling, "it bounds dynamic sampling's rounds"),
+    *(_row(f"rl.{k}", "rl.async_rollouts=True", lambda c, f: c.rl.async_rollouts,
+           "the synchronous loop samples with the learner's own policy") for k in ("max_staleness", "rollout_devices",
+                                                                                  "tis_cap")),
+    _row("rl.max_turns", "rl.env is set", lambda c, f: bool(c.rl.env), "one completion per prompt is one turn"),
+    _row("rl.reward", "rl.env is empty", lambda c, f: not c.rl.env, "the environment's step() gives the rewards"),
+    _row("rl.overlong_buffer", "rl.algorithm is ppo, grpo or best_of_n", lambda c, f: c.rl.algorithm != "gkd",
+         "gkd trains on every completion whatever its reward (the shaped reward is only reported)"),
     *(_row(f"rl.{k}", "rl.algorithm is ppo, grpo or best_of_n", lambda c, f: c.rl.algorithm != "gkd",
            "gkd trains on every completion whatever its reward (the shaped reward is only reported)")
       for k in ("length_penalty", "missing_eos_penalty")),

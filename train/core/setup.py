@@ -327,6 +327,7 @@ class Run:
   latest: int | None  # the checkpoint step resumed from; None: a fresh run
   config_dict: dict[str, Any]  # config.json's content and the checkpoints' "config" metadata
   mesh: Any = None
+  devices: Any = None  # the devices the mesh spans (None: all; train.rl keeps some for rollouts)
   trainer: Any = None  # train.core.step.Trainer
   plan: Any = None  # data.plan.DataPlan: config.data parsed once
   tokenizer_path: str = ""
@@ -401,7 +402,7 @@ def build_trainer(run: Run) -> None:
   from parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from train.core import step as step_lib  # pylint: disable=g-import-not-at-top
   try:
-    run.mesh = mesh_lib.make_mesh(run.config.mesh)
+    run.mesh = mesh_lib.make_mesh(run.config.mesh, run.devices)
     run.trainer = step_lib.Trainer(run.config, run.mesh)
   except ValueError as e:  # MeshError and config checks: the message names the key
     raise SetupError(str(e)) from None

@@ -9,7 +9,8 @@ global batch:
 
   loss = (1/T) sum_t m_t [ policy_t + vf_coef * value_t - ent_coef * H_t ]      (train/objectives/policy.py)
 
-where log-probabilities come from softmax(logits / rl.temperature), the distribution the sampler drew from.
+where log-probabilities come from softmax(logits / rl.temperature), the distribution the sampler drew from, and
+policy_t carries the rollout's truncated importance weight `tis_weight` (1 unless rollouts are asynchronous).
 `eval_sums` is the rollout scorer: per-token log-probs of the policy and the frozen `reference`, and values.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from train.objectives import base
 from train.objectives import policy
 
 RL_BATCH_KEYS = {**base.TOKEN_BATCH_KEYS, "old_logp": jnp.float32, "advantages": jnp.float32,
-                 "ptx_mask": jnp.float32}
+                 "ptx_mask": jnp.float32, "tis_weight": jnp.float32}
 
 
 class ProximalPolicyOptimization(base.Objective):
@@ -53,7 +54,9 @@ class ProximalPolicyOptimization(base.Objective):
     r = self.config.rl
     logp_BL, entropy_BL, values_BL, logits_BLV = self._forward(model, batch, extras)
     mask_BL = batch["loss_mask"].astype(jnp.float32)
-    pg_BL, clipped_BL = policy.clipped_policy_loss(logp_BL, batch["old_logp"], batch["advantages"], r.clip)
+    pg_BL, clipped_BL = policy.clipped_policy_loss(logp_BL, batch["old_logp"], batch["advantages"], r.clip,
+                                                   r.clip_high)
+    pg_BL = policy.importance_weighted(pg_BL, batch)
     vf_BL, vclipped_BL = policy.clipped_value_loss(values_BL, batch["old_values"], batch["returns"], r.value_clip)
     total = lambda x_BL: jnp.sum(x_BL * mask_BL)
     return {"policy": total(pg_BL), "value": total(vf_BL), "entropy": total(entropy_BL),

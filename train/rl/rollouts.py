@@ -16,9 +16,10 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from train.objectives import policy
 from train.rl.rewards import reward_text
 
-_ROLLOUT, _EPOCHS, _EVAL, _TIES, _PTX = range(5)  # seed streams
+_ROLLOUT, _EPOCHS, _EVAL, _TIES, _PTX, _REFILL, _TURN = range(7)  # seed streams
 PTX_POOL = 1024  # held-in conversations per family read for rl.ptx_coef's rows
 
 
@@ -27,11 +28,13 @@ def seed_for(base: int, stream: int, iteration: int, extra: int = 0) -> int:
   return int(np.random.SeedSequence([base, stream, iteration, extra]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
-def rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], seq_len: int) -> dict[str, np.ndarray]:
+def rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], seq_len: int,
+         masks: Sequence[Sequence[int]] | None = None) -> dict[str, np.ndarray]:
   """Prompt + completion rows of a training batch, each [N, seq_len], right-padded.
 
   inputs = sequence[:-1], targets = sequence[1:], segment 1 on real tokens (0 = padding), positions 0, 1, ...;
-  loss_mask is 1 where the target is a completion token.
+  loss_mask is 1 where the target is a completion token, and with `masks` (one 0/1 per completion token: a
+  multi-turn episode's policy tokens 1, the environment's 0) where it is also marked 1.
   """
   n = len(prompts)
   batch = {k: np.zeros((n, seq_len), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
@@ -41,7 +44,7 @@ def rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
     m = len(seq) - 1
     batch["inputs"][i, :m], batch["targets"][i, :m] = seq[:-1], seq[1:]
     batch["segment_ids"][i, :m], batch["positions"][i, :m] = 1, np.arange(m)
-    batch["loss_mask"][i, len(p) - 1:m] = 1.0
+    batch["loss_mask"][i, len(p) - 1:m] = 1.0 if masks is None else np.asarray(masks[i], np.float32)[:m - len(p) + 1]
   return batch
 
 
@@ -73,6 +76,13 @@ def _scatter(values: Sequence[Sequence[float]], mask_BL: np.ndarray) -> np.ndarr
   return out
 
 
+def _part_means(roll, prefix: str) -> dict[str, float]:
+  """{PREFIXreward_<name>_mean} over the valid samples for each named part of the rewards (rewards.Reward.scored)."""
+  valid = roll["valid"]
+  return {f"{prefix}reward_{name}_mean": float(np.mean(values[valid])) if valid.any() else math.nan
+          for name, values in roll["parts"].items()}
+
+
 class Session:
   """One RL run's pieces: the Trainer and its state, tokenizer, template, prompts and reward (see `run`)."""
 
@@ -85,40 +95,72 @@ class Session:
     self.bad_rewards = 0
     self.chat_items = None  # train.eval_generations' held-out chat prompts, read at the first evaluation
     self.ptx_pool = None  # rl.ptx_coef's held-in conversations, read at the first update
+    self.env_factory = None  # rl.env's environment maker (train/rl/env.py), set by the loop
+    self.worker = None  # rl.async_rollouts' rollout thread (train/rl/async_rollouts.py), set by the loop
 
   # ---- rollouts ---------------------------------------------------------------------------------------
-  def sample(self, conversations, repeats: int, seed: int) -> dict[str, Any]:
-    """`repeats` completions of each conversation (rows prompt-major), scored: tokens, texts, rewards."""
+  def sample(self, conversations, repeats: int, seed: int, policy=None) -> dict[str, Any]:
+    """`repeats` completions of each conversation (rows prompt-major), scored: tokens, texts, rewards; with rl.env
+    whole episodes (train/rl/episodes.py), whose `masks` mark the policy's tokens among the completion's.
+    `policy`: (state, mesh) to sample with (the asynchronous worker's copy); default the learner's."""
+    conversations = [c for c in conversations for _ in range(repeats)]
+    if self.env_factory is not None:
+      from train.rl import episodes  # pylint: disable=g-import-not-at-top
+      return episodes.run(self, conversations, seed, policy)
+    prompt_ids = [self.template.prompt(c) for c in conversations]
+    gen = self.generate(prompt_ids, seed, policy)
+    completions = [self.tokenizer.decode([t for t in toks if t not in self.stop_ids]) for toks in gen.tokens]
+    texts = [reward_text(c, completion) for c, completion in zip(conversations, completions)]
+    failures = len(self.reward.failures)
+    raw, parts = self.reward.scored([c[-1]["content"] for c in conversations], completions, texts)
+    self.count_bad(raw, self.reward.failures[failures:])
+    ended = np.array([bool(t) and t[-1] in self.stop_ids for t in gen.tokens])
+    return {"prompt_ids": prompt_ids, "tokens": gen.tokens, "logprobs": gen.logprobs,
+            **self.shaped(raw, ended, np.array([len(t) for t in gen.tokens], np.float64)), "stats": gen.stats,
+            "parts": parts}
+
+  def generate(self, prompt_ids, seed: int, policy=None):
+    """The policy's completions of token prompts (rl.engine's continuous batching or the static sampler):
+    model.generate's Generation (tokens, logprobs, stats). `policy` as for `sample`."""
     import parallel  # pylint: disable=g-import-not-at-top
     from model import generate as generate_lib  # pylint: disable=g-import-not-at-top
     r = self.config.rl
-    prompt_ids = [self.template.prompt(c) for c in conversations for _ in range(repeats)]
-    with parallel.activate(self.mesh, self.trainer.rules):
+    state, mesh = policy if policy is not None else (self.state, None)
+    with parallel.activate(mesh or self.mesh, self.trainer.rules):
+      model = self.trainer.model(state)
       if r.engine:  # continuous batching over a paged cache; every rollout fits train.seq_len + 1 (checked)
         from model import engine as engine_lib  # pylint: disable=g-import-not-at-top
-        gen = engine_lib.sample(self.trainer.model(self.state), prompt_ids, r.max_new_tokens,
-                                temperature=r.temperature, stop_ids=self.stop_ids, seed=seed,
-                                max_len=self.config.train.seq_len + 1)
-      else:
-        gen = generate_lib.sample(self.trainer.model(self.state), prompt_ids, r.max_new_tokens,
-                                  temperature=r.temperature, stop_ids=self.stop_ids, seed=seed)
-    completions = [self.tokenizer.decode([t for t in toks if t not in self.stop_ids]) for toks in gen.tokens]
-    prompt_texts = [c[-1]["content"] for c in conversations for _ in range(repeats)]
-    texts = [reward_text(c, completion) for c, completion in
-             zip([c for c in conversations for _ in range(repeats)], completions)]
-    failures = len(self.reward.failures)
-    raw = self.reward(prompt_texts, completions, texts)
-    ended = np.array([bool(t) and t[-1] in self.stop_ids for t in gen.tokens])
-    lengths = np.array([len(t) for t in gen.tokens], np.float64)
-    shaped = raw - r.length_penalty * lengths - r.missing_eos_penalty * (~ended)
+        return engine_lib.sample(model, prompt_ids, r.max_new_tokens, temperature=r.temperature,
+                                 stop_ids=self.stop_ids, seed=seed, max_len=self.config.train.seq_len + 1)
+      return generate_lib.sample(model, prompt_ids, r.max_new_tokens, temperature=r.temperature,
+                                 stop_ids=self.stop_ids, seed=seed)
+
+  def turn_seed(self, seed: int, turn: int) -> int:
+    """The sampling seed of a multi-turn episode's turn `turn` >= 1 (turn 0 samples with the rollout's `seed`)."""
+    return seed_for(seed, _TURN, turn)
+
+  def rollout_seed(self, iteration: int) -> int:
+    """The sampling seed of iteration `iteration`'s rollouts (the first round, with or without async rollouts)."""
+    return seed_for(self.config.rl.seed, _ROLLOUT, iteration)
+
+  def shaped(self, raw, ended, lengths, longest=None) -> dict[str, np.ndarray]:
+    """{raw, shaped, valid, ended, lengths}: the rewards with rl.length_penalty (per policy token),
+    rl.missing_eos_penalty and DAPO's overlong punishment applied (to `longest`, an episode's longest turn, which
+    rl.max_new_tokens caps; default `lengths`); invalid where the reward is not finite."""
+    r = self.config.rl
+    shaped = (raw - r.length_penalty * lengths - r.missing_eos_penalty * (~ended)
+              + policy.overlong_penalty(lengths if longest is None else longest, r.max_new_tokens,
+                                        r.overlong_buffer))
+    return {"raw": raw, "shaped": shaped, "valid": np.isfinite(raw), "ended": ended, "lengths": lengths}
+
+  def count_bad(self, raw, failures) -> None:
+    """Counts the non-finite rewards (dropped samples) toward rl.max_bad_rewards, with a warning naming the first."""
     bad = int(np.sum(~np.isfinite(raw)))
     if bad:
       self.bad_rewards += bad
       print(f"warning: {bad} reward(s) raised or were not finite (dropped; {self.bad_rewards} so far, halting "
-            f"at rl.max_bad_rewards={r.max_bad_rewards}); first: {self.reward.failures[failures:][:1] or ['NaN']}",
+            f"at rl.max_bad_rewards={self.config.rl.max_bad_rewards}); first: {failures[:1] or ['NaN']}",
             file=sys.stderr, flush=True)
-    return {"prompt_ids": prompt_ids, "tokens": gen.tokens, "logprobs": gen.logprobs, "raw": raw,
-            "shaped": shaped, "valid": np.isfinite(raw), "ended": ended, "lengths": lengths, "stats": gen.stats}
 
   def _mine(self, batch):
     """This process's consecutive block of a global batch's rows (every process builds the same rollouts)."""
@@ -169,17 +211,22 @@ class Session:
     return out
 
   def _with_ptx(self, chunk, iteration: int, offset: int) -> dict[str, np.ndarray]:
-    """The minibatch with train.batch_size held-in conversations of data.sources' chat sources appended (PPO-ptx,
-    Ouyang et al. 2022 eq. 2): their assistant tokens carry loss_mask = rl.ptx_coef for best-of-N's SFT
-    objective, and `ptx_mask` = 1 for PPO / GRPO, whose objectives add rl.ptx_coef x their negative
-    log-likelihood; every other key is 0 on them (no advantage, no KL, no value target)."""
+    """The minibatch with train.batch_size held-in conversations of data.sources' chat sources (none whose prompt
+    is an RL prompt) appended (PPO-ptx, Ouyang et al. 2022 eq. 2): their assistant tokens carry loss_mask =
+    rl.ptx_coef for best-of-N's SFT objective, and `ptx_mask` = 1 for PPO / GRPO, whose objectives add
+    rl.ptx_coef x their negative log-likelihood; every other key is 0 on them (no advantage, no KL, no value
+    target)."""
     from data import chat as chat_lib  # pylint: disable=g-import-not-at-top
     r, B = self.config.rl, self.config.train.batch_size
     if self.ptx_pool is None:
-      items = chat_lib.eval_items(self.config.data, per_family=PTX_POOL, split="train")
+      # Never the RL prompts themselves: their reference answers would teach the task the rewards are to teach.
+      rl_prompts = {c[-1]["content"] for split in (self.prompts or {}).values() for c in split}
+      items = [item for item in chat_lib.eval_items(self.config.data, per_family=PTX_POOL, split="train")
+               if not any(m["role"] == "user" and m["content"] in rl_prompts for m in item.messages)]
       if not items:
-        raise ValueError("rl.ptx_coef > 0 mixes in conversations of data.sources' chat sources, and they have "
-                         "none in their training split; add a chat source or set rl.ptx_coef=0")
+        raise ValueError("rl.ptx_coef > 0 mixes in conversations of data.sources' chat sources (other than the "
+                         "RL prompts), and they have none in their training split; add a chat source or set "
+                         "rl.ptx_coef=0")
       self.ptx_pool = [item.messages + [{"role": "assistant", "content": item.answer}] for item in items]
     pick = np.random.default_rng(seed_for(r.seed, _PTX, iteration, offset)).choice(len(self.ptx_pool), B)
     extra = conversation_rows(self.template, [self.ptx_pool[i] for i in pick], self.config.train.seq_len, 1.0)
@@ -205,7 +252,13 @@ class Session:
     """One rollout-and-update iteration of rl.algorithm; returns its metrics (module docstring)."""
     r = self.config.rl
     t0 = time.perf_counter()
-    roll = self.sample(self._prompts_for(iteration), r.samples_per_prompt, seed_for(r.seed, _ROLLOUT, iteration))
+    if self.worker is not None:  # made by the rollout thread (train/rl/async_rollouts.py); gen_s is the wait
+      roll = self.worker.take(iteration)
+    else:
+      roll = self.sample(self._prompts_for(iteration), r.samples_per_prompt, self.rollout_seed(iteration))
+    trained, sampling = roll, {}  # the reward figures below are the first round's: the policy's, unfiltered
+    if r.algorithm == "grpo" and r.dynamic_sampling:
+      trained, sampling = self._dynamic_sampling(roll, iteration)
     gen_s = time.perf_counter() - t0
     valid = roll["valid"]
     metrics = {"reward_mean": float(np.mean(roll["raw"][valid])) if valid.any() else math.nan,
@@ -214,36 +267,86 @@ class Session:
                "generate_seconds": gen_s,
                # sampler time without compilation (the first iteration compiles the sampler)
                "rollout_tokens_per_sec": float(np.sum(roll["lengths"])) / max(
-                   roll["stats"]["prefill_seconds"] + roll["stats"]["decode_seconds"], 1e-9)}
-    if r.length_penalty or r.missing_eos_penalty:
+                   roll["stats"]["prefill_seconds"] + roll["stats"]["decode_seconds"], 1e-9)
+               if "stats" in roll else math.nan}
+    if r.length_penalty or r.missing_eos_penalty or r.overlong_buffer:
       metrics["reward_shaped_mean"] = float(np.mean(roll["shaped"][valid])) if valid.any() else math.nan
+    if r.algorithm == "grpo":
+      G = r.samples_per_prompt
+      metrics["zero_std_fraction"] = float(np.mean(policy.zero_variance_groups(
+          roll["shaped"].reshape(-1, G), valid.reshape(-1, G))))
+    metrics.update(sampling)
+    metrics.update(_part_means(roll, ""))
+    if "turns" in roll:  # rl.env: the episodes' policy turns
+      metrics["turns_mean"] = float(np.mean(roll["turns"]))
     t1 = time.perf_counter()
     if r.algorithm == "best_of_n":
       batch = self._best_of_n_batch(roll, iteration, metrics)
     elif r.algorithm == "gkd":  # every completion, whatever its reward: the teacher scores each token
-      batch = rows(roll["prompt_ids"], roll["tokens"], self.config.train.seq_len)
+      batch = rows(roll["prompt_ids"], roll["tokens"], self.config.train.seq_len, roll.get("masks"))
     else:
-      batch = self._policy_batch(roll, metrics)
+      batch = self._policy_batch(trained, metrics)
     metrics.update(self.train(batch, iteration))
+    if self.worker is not None:
+      self.worker.publish(iteration, self.state)
     metrics["train_seconds"] = time.perf_counter() - t1
     metrics["generate_fraction"] = gen_s / (gen_s + metrics["train_seconds"])
+    metrics["iteration_seconds"] = time.perf_counter() - t0  # with async rollouts generate_seconds is the wait
     if r.algorithm == "ppo" and r.kl_target > 0:  # Ziegler et al. 2019's proportional controller
       error = float(np.clip(metrics["kl"] / r.kl_target - 1.0, -0.2, 0.2))
       self.kl_coef *= 1.0 + error * len(roll["tokens"]) / r.kl_horizon
     metrics["kl_coef"] = self.kl_coef
     return metrics
 
+  def _dynamic_sampling(self, roll, iteration: int) -> tuple[dict[str, Any], dict[str, float]]:
+    """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): the groups of `roll` whose rewards differ, topped up
+    with the differing groups of further rounds (rl.prompts_per_iteration fresh training prompts each, seeds from
+    (rl.seed, iteration, round)) until rl.prompts_per_iteration groups are kept or rl.dynamic_sampling_rounds
+    rounds are spent; a batch still short is completed with zero-variance groups (zero advantage), counted as
+    `filled_groups`. Returns (the rollouts to train on, their metrics)."""
+    r = self.config.rl
+    G, need = r.samples_per_prompt, r.prompts_per_iteration
+    kept, spare, rounds = [], [], 1
+    while True:
+      zero_N = policy.zero_variance_groups(roll["shaped"].reshape(-1, G), roll["valid"].reshape(-1, G))
+      kept += [(roll, n) for n in np.flatnonzero(~zero_N)]
+      spare += [(roll, n) for n in np.flatnonzero(zero_N)]
+      if len(kept) >= need or rounds >= r.dynamic_sampling_rounds:
+        break
+      pool = self.prompts["train"]
+      pick = np.random.default_rng(seed_for(r.seed, _REFILL, iteration, rounds)).choice(len(pool), need,
+                                                                                         replace=need > len(pool))
+      roll = self.sample([pool[i] for i in pick], G, seed_for(r.seed, _ROLLOUT, iteration, rounds))
+      rounds += 1
+    groups = (kept + spare)[:need]
+    rows_ = [i for source, n in groups for i in range(n * G, (n + 1) * G)]
+    sources = [source for source, _ in groups for _ in range(G)]
+    lists = ("prompt_ids", "tokens", "logprobs", "masks") if "masks" in roll else ("prompt_ids", "tokens", "logprobs")
+    out = {k: [source[k][i] for source, i in zip(sources, rows_)] for k in lists}
+    out.update({k: np.array([source[k][i] for source, i in zip(sources, rows_)])
+                for k in ("raw", "shaped", "valid", "ended", "lengths")})
+    return out, {"sampling_rounds": float(rounds), "filled_groups": float(max(need - len(kept), 0))}
+
   def _policy_batch(self, roll, metrics) -> dict[str, np.ndarray]:
     """PPO / GRPO batch: rows, recomputed old log-probs, advantages (and returns / values for PPO)."""
-    from train.objectives import policy  # pylint: disable=g-import-not-at-top
     r = self.config.rl
-    batch = rows(roll["prompt_ids"], roll["tokens"], self.config.train.seq_len)
-    batch["loss_mask"] *= roll["valid"][:, None]
+    batch = rows(roll["prompt_ids"], roll["tokens"], self.config.train.seq_len, roll.get("masks"))
+    trained = roll["valid"] & (roll["ended"] | (not r.mask_truncated))  # DAPO's overlong filtering
+    batch["loss_mask"] *= trained[:, None]
     mask = batch["loss_mask"]
     scores = self.score(batch)
     logp = scores["logp"]
     sampler = _scatter(roll["logprobs"], mask)
     metrics["logp_diff"] = float(np.max(np.abs(sampler - logp) * mask))
+    batch["tis_weight"] = np.ones_like(mask)
+    if r.async_rollouts:  # truncated importance weights (policy.tis_weights) where the sampler's policy lagged;
+      # with no lag the two differ by rounding only (logp_diff), which the synchronous loop does not correct either
+      if roll["lag"] > 0:
+        batch["tis_weight"] = policy.tis_weights(logp, sampler, mask, r.tis_cap)
+      m = mask > 0
+      metrics["tis_weight_mean"] = float(batch["tis_weight"][m].mean()) if m.any() else 1.0
+      metrics["tis_clip_frac"] = float((np.exp(logp - sampler)[m] > r.tis_cap).mean()) if m.any() else 0.0
+      metrics["policy_lag"] = float(roll["lag"])
     kl_BL = (logp - scores["ref_logp"]) * mask
     valid = roll["valid"]
     metrics["kl"] = float(np.mean(kl_BL.sum(axis=1)[valid])) if valid.any() else 0.0
@@ -264,7 +367,8 @@ class Session:
       batch.update(advantages=adv, returns=returns, old_values=values * mask)
     else:
       G = r.samples_per_prompt
-      adv_NG = policy.group_advantages(np.nan_to_num(roll["shaped"]).reshape(-1, G), valid.reshape(-1, G))
+      scale = r.scale_rewards if r.scale_rewards != "auto" else ("none" if r.loss == "dr_grpo" else "group")
+      adv_NG = policy.group_advantages(np.nan_to_num(roll["shaped"]).reshape(-1, G), valid.reshape(-1, G), scale)
       batch["advantages"] = np.asarray(adv_NG).reshape(-1)[:, None] * mask
     return batch
 
@@ -278,7 +382,7 @@ class Session:
     best = np.array([max(range(K), key=lambda k: (row[k], tie[k])) for row, tie in zip(shaped, ties)])
     pick = np.arange(shaped.shape[0]) * K + best
     batch = rows([roll["prompt_ids"][i] for i in pick], [roll["tokens"][i] for i in pick],
-                 self.config.train.seq_len)
+                 self.config.train.seq_len, [roll["masks"][i] for i in pick] if "masks" in roll else None)
     kept = np.isfinite(shaped[np.arange(len(best)), best])
     batch["loss_mask"] *= kept[:, None]
     metrics["best_reward_mean"] = float(np.mean(roll["raw"][pick][kept])) if kept.any() else math.nan
@@ -293,7 +397,9 @@ class Session:
     r = self.config.rl
     prompts = self.prompts["eval"][:r.eval_prompts]
     roll = self.sample(prompts, 1, seed_for(r.seed, _EVAL, 0))
-    out = {"eval_reward_mean": float(np.nanmean(roll["raw"])) if roll["valid"].any() else math.nan}
+    out = {"eval_reward_mean": float(np.nanmean(roll["raw"])) if roll["valid"].any() else math.nan,
+           **_part_means(roll, "eval_"), **({"eval_turns_mean": float(np.mean(roll["turns"]))} if "turns" in roll
+                                              else {})}
     if r.eval_best_of:
       best = self.sample(prompts, r.eval_best_of, seed_for(r.seed, _EVAL, 1))["raw"].reshape(-1, r.eval_best_of)
       out["eval_best_of_n_reward_mean"] = float(np.mean(np.nanmax(np.where(np.isfinite(best), best, -np.inf),
