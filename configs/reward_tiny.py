@@ -14,7 +14,7 @@ from configs import sft_tiny
 def get_config():
   c = sft_tiny.get_config()
   c.train.update(objective="reward", base_recipe="sft_tiny", steps=600, batch_size=16, seq_len=48, lr=1e-3,
-                 warmup_steps=20, min_lr_ratio=0.1, weight_decay=0.0, z_loss=0.0, eval_every=100, eval_steps=8,
+                 warmup_steps=20, min_lr_ratio=0.1, weight_decay=0.0, z_loss=0.0, eval_every=100, eval_steps=25,
                  eval_generations=0)
   c.data.update(sources="pairs=builtin:preference", chat_template="meshlm")
   c.checkpoint.every = 100

@@ -1,7 +1,7 @@
 """PPO and GRPO on a one-step bandit with a known optimum, using the objectives' own loss functions.
 
 K answers with rewards r_k; the policy is a softmax over K logits, sampled in batches. PPO with the per-token
-KL penalty in the reward (train/rl/loop.py's shaping) must reach the KL-regularised optimum
+KL penalty in the reward (policy.ppo_token_rewards, the loop's own shaping) must reach the KL-regularised optimum
 pi*(k) = pi_ref(k) exp(r_k / beta) / Z; GRPO without KL must put its mass on the best answer. Total variation
 <= 0.05 in both cases.
 """
@@ -52,10 +52,11 @@ def test_ppo_with_kl_penalty_reaches_the_regularised_optimum():
   ref_logp_K = jax.nn.log_softmax(REF_LOGITS)
 
   def advantages(actions, old_logp, value):
-    # One token per episode: reward = r - beta * (log pi - log pi_ref) at the final (only) token, GAE over it.
-    shaped = REWARDS[actions] - beta * (old_logp - ref_logp_K[actions])
+    # One token per episode: the loop's per-token rewards (r - beta * (log pi - log pi_ref) at the final, only,
+    # token), GAE over it.
     mask = jnp.ones((actions.shape[0], 1))
-    adv, returns = policy.gae(shaped[:, None], jnp.broadcast_to(value, (actions.shape[0], 1)), mask, 1.0, 0.95)
+    shaped = policy.ppo_token_rewards(REWARDS[actions], (old_logp - ref_logp_K[actions])[:, None], mask, beta)
+    adv, returns = policy.gae(shaped, jnp.broadcast_to(value, (actions.shape[0], 1)), mask, 1.0, 0.95)
     adv = adv[:, 0]
     return (adv - adv.mean()) / (adv.std() + 1e-8), returns[:, 0]
 

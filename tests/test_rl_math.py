@@ -343,3 +343,16 @@ def test_dynamic_sampling_keeps_exactly_the_groups_with_a_signal(rounds):
     assert stats["filled_groups"] == 0
   if rounds == 1:
     assert prompts == [4, 0, 3, 6]
+
+
+def test_ppo_token_rewards_put_the_score_on_the_last_completion_token():
+  rng = np.random.default_rng(12)
+  _, kl, mask = _rows(rng, B=4, L=9)
+  mask[2] = 0  # a dropped rollout: no reward anywhere
+  scores = np.array([1.0, -2.0, 5.0, 0.5])
+  got = np.asarray(policy.ppo_token_rewards(scores, kl, mask, 0.3))
+  for b in range(4):
+    expect = -0.3 * kl[b] * mask[b]
+    if mask[b].any():
+      expect[np.flatnonzero(mask[b])[-1]] += scores[b]
+    np.testing.assert_allclose(got[b], expect, rtol=1e-6, atol=1e-7)

@@ -177,6 +177,17 @@ def gae(rewards_BL, values_BL, mask_BL, gamma: float, lam: float) -> tuple[jax.A
   return adv_BL, (adv_BL + values) * mask
 
 
+def ppo_token_rewards(scores_B, kl_BL, mask_BL, kl_coef: float) -> jax.Array:
+  """PPO's per-token rewards [B, L] (Ziegler et al. 2019; TRL's PPOTrainer): -kl_coef * kl_t on every completion
+  token (kl_t = logp_t - ref_logp_t, the k1 estimate) plus the sequence's score [B] on its last completion token
+  (none on a row without completion tokens)."""
+  mask_BL = jnp.asarray(mask_BL, jnp.float32)
+  rewards_BL = -kl_coef * jnp.asarray(kl_BL, jnp.float32) * mask_BL
+  any_B = jnp.any(mask_BL > 0, axis=1)
+  last_B = jnp.where(any_B, mask_BL.shape[1] - 1 - jnp.argmax(mask_BL[:, ::-1], axis=1), 0)
+  return rewards_BL.at[jnp.arange(mask_BL.shape[0]), last_B].add(jnp.where(any_B, jnp.asarray(scores_B), 0.0))
+
+
 def whiten(x_BL: np.ndarray, mask_BL: np.ndarray, eps: float = 1e-8) -> np.ndarray:
   """(x - mean) / (std + eps) over the masked entries (mean and population std over them); 0 elsewhere."""
   m = np.asarray(mask_BL, np.float64) > 0

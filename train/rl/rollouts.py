@@ -353,9 +353,8 @@ class Session:
     batch["old_logp"] = logp
     if r.algorithm == "ppo":
       values = scores["values"]
-      rewards_BL = -self.kl_coef * kl_BL
-      last = np.where(mask.any(axis=1), mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1), 0)
-      rewards_BL[np.arange(len(last)), last] += np.where(valid, np.nan_to_num(roll["shaped"]), 0.0)
+      rewards_BL = np.asarray(policy.ppo_token_rewards(np.where(valid, np.nan_to_num(roll["shaped"]), 0.0), kl_BL,
+                                                       mask, self.kl_coef))
       adv, returns = (np.asarray(x) for x in policy.gae(rewards_BL, values, mask, r.gamma, r.lam))
       if r.whiten_advantages and mask.any():
         adv = policy.whiten(adv, mask)
