@@ -42,7 +42,8 @@ def main() -> None:
   parser.add_argument("--async_staleness", type=int, default=None, help="also time rl.async_rollouts")
   parser.add_argument("--rollout_devices", type=int, default=0)
   args = parser.parse_args()
-  overrides = {"rl.iterations": args.iterations, "rl.eval_every": 0, "log.progress": False, "checkpoint.every": 0}
+  overrides = {"rl.iterations": args.iterations, "rl.eval_every": 0, "train.eval_generations": 0, "log.progress": False,
+               "checkpoint.every": 0}
   os.makedirs("runs", exist_ok=True)
   workdir = args.workdir or tempfile.mkdtemp(prefix="bench_rl_", dir="runs")
   out = _timed(configs.load(args.config, **overrides), workdir, args.config)
