@@ -23,6 +23,7 @@ are they made again from the restored policy.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import jax
@@ -112,9 +113,10 @@ class Worker:
           if self.stopped:
             return
           policy = (self.versions[version], self.rollout_mesh)
+        t0 = time.perf_counter()
         roll = self.session.sample(self.session._prompts_for(i), r.samples_per_prompt,  # pylint: disable=protected-access
                                    self.session.rollout_seed(i), policy=policy)
-        roll["lag"] = float(i - 1 - version)
+        roll["lag"], roll["worker_seconds"] = float(i - 1 - version), time.perf_counter() - t0
         with self.cond:
           self.results[i] = roll
           self.cond.notify_all()

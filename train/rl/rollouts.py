@@ -252,8 +252,11 @@ class Session:
     """One rollout-and-update iteration of rl.algorithm; returns its metrics (module docstring)."""
     r = self.config.rl
     t0 = time.perf_counter()
+    sampled = {}
     if self.worker is not None:  # made by the rollout thread (train/rl/async_rollouts.py); gen_s is the wait
       roll = self.worker.take(iteration)
+      if "worker_seconds" in roll:  # the worker's own time for these rollouts (absent when restored from disk)
+        sampled["worker_generate_seconds"] = roll["worker_seconds"]
     else:
       roll = self.sample(self._prompts_for(iteration), r.samples_per_prompt, self.rollout_seed(iteration))
     trained, sampling = roll, {}  # the reward figures below are the first round's: the policy's, unfiltered
@@ -275,7 +278,7 @@ class Session:
       G = r.samples_per_prompt
       metrics["zero_std_fraction"] = float(np.mean(policy.zero_variance_groups(
           roll["shaped"].reshape(-1, G), valid.reshape(-1, G))))
-    metrics.update(sampling)
+    metrics.update(sampling, **sampled)
     metrics.update(_part_means(roll, ""))
     if "turns" in roll:  # rl.env: the episodes' policy turns
       metrics["turns_mean"] = float(np.mean(roll["turns"]))
