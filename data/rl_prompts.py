@@ -3,9 +3,9 @@
 `rl.prompts` is either
   PATH             a JSONL file (.gz read too), one prompt per line: {"prompt": "text"} or {"messages": [...]}
                    (a conversation ending with a user turn); other fields are ignored
-  builtin:tasks    the built-in verifiable tasks (data/tasks.py: arithmetic, number sorting, countdown; answers tagged
-                   <answer>...</answer>, rewarded by py:data.tasks:reward); builtin:arithmetic,
-                   builtin:number_sorting, builtin:countdown: one family
+  builtin:tasks    the built-in verifiable tasks (data/tasks.py: arithmetic, number sorting, countdown, calculator;
+                   answers tagged <answer>...</answer>, rewarded by py:data.tasks:reward); builtin:arithmetic,
+                   builtin:number_sorting, builtin:countdown, builtin:calculator: one family
   builtin:greater  "Write a number greater than N." for N in [1000, 99999], answered right when the reply is a
                    whole number > N written without leading zeros (`greater_reward`; a constant 6-digit answer
                    always wins; the tasks above have no such answer)

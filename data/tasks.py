@@ -46,16 +46,14 @@ def item(seed: int, index: int) -> dict:
   rng = np.random.default_rng([seed, index, 7])
   family = FAMILIES[index % len(FAMILIES)]
   if family == "arithmetic":
-    a, b = sorted((int(x) for x in rng.integers(10, 100, size=2)), reverse=True)
-    op = "+-"[int(rng.integers(0, 2))]
-    prompt, answer = f"Compute {a} {op} {b}.", str(a + b if op == "+" else a - b)
+    a, op, b = _sum_or_difference(rng, 10, 100)
+    prompt, answer = f"Compute {a} {op} {b}.", str(_apply(a, op, b))
   elif family == "number_sorting":
     numbers = [int(x) for x in rng.integers(1, 100, size=int(rng.integers(3, 5)))]
     prompt, answer = f"Sort the numbers: {' '.join(map(str, numbers))}", " ".join(map(str, sorted(numbers)))
   elif family == "calculator":
-    a, b = sorted((int(x) for x in rng.integers(100, 1000, size=2)), reverse=True)
-    op = "+-"[int(rng.integers(0, 2))]
-    prompt, answer = f"Calculate {a} {op} {b}.", str(a + b if op == "+" else a - b)
+    a, op, b = _sum_or_difference(rng, 100, 1000)
+    prompt, answer = f"Calculate {a} {op} {b}.", str(_apply(a, op, b))
     if (index // len(FAMILIES)) % 2 == 0:  # the tool's way: call, read the result, answer
       return {"family": family, "messages": [
           {"role": "user", "content": prompt}, {"role": "assistant", "content": f"<tool>{a}{op}{b}</tool>"},
@@ -68,6 +66,16 @@ def item(seed: int, index: int) -> dict:
     prompt = f"Reach {_evaluate(answer)} with {' '.join(map(str, sorted((a, b, c))))} using + - *."
   return {"family": family, "messages": [{"role": "user", "content": prompt},
                                          {"role": "assistant", "content": f"<answer>{answer}</answer>"}]}
+
+
+def _sum_or_difference(rng, lo: int, hi: int) -> tuple[int, str, int]:
+  """(a, "+" or "-", b) with a >= b drawn from [lo, hi), so the result is never negative."""
+  a, b = sorted((int(x) for x in rng.integers(lo, hi, size=2)), reverse=True)
+  return a, "+-"[int(rng.integers(0, 2))], b
+
+
+def _apply(a: int, op: str, b: int) -> int:
+  return a + b if op == "+" else a - b
 
 
 def prompts(family: str | None, seed: int = 0) -> list[str]:
@@ -114,8 +122,7 @@ def correct(prompt: str, answer: str) -> bool:
   """Whether `answer` (the text inside the tags) is right for `prompt` (ValueError for a prompt of no family)."""
   answer = answer.strip()
   if m := _ARITHMETIC.match(prompt):
-    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
-    return answer == str(a + b if op == "+" else a - b)
+    return answer == str(_apply(int(m.group(1)), m.group(2), int(m.group(3))))
   if m := _SORTING.match(prompt):
     return answer.split() == [str(n) for n in sorted(int(x) for x in m.group(1).split())]
   if m := _COUNTDOWN.match(prompt):

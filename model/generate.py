@@ -10,8 +10,8 @@ lengths inside one bucket share one compilation); row b's real tokens start at s
 positions 0, 1, ... exactly as if decoded alone. One jitted prefill runs the prompts through the model, filling
 a `model.kv_cache.KVCache` of P + N slots (N = max_new_tokens rounded up to a power of two) and sampling the
 first token; one jitted decode loop (`lax.while_loop`) feeds one token per step and stops once every row has
-produced a stop id or max_new_tokens tokens. The batch is padded to a multiple of the devices the `batch` axis
-is sharded over; padded rows start finished.
+produced a stop id or max_new_tokens tokens. The batch is padded to a power of two, then to a multiple of the
+devices the `batch` axis is sharded over; padded rows start finished (a row's draws do not depend on the others).
 
 Sampling follows the order of Hugging Face's `generate` (`GenerationMixin._get_logits_processor`): the
 repetition penalty (a logits processor: the logit of every id already in the row's prompt or continuation is
@@ -329,7 +329,9 @@ def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temp
   """
   prompts = _check(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, stop_ids)
   n = len(prompts)
-  rows = -(-n // axes.mesh_size(BATCH)) * axes.mesh_size(BATCH)
+  # Power-of-two row counts share compiled programs as the prompt buckets do (callers whose batch shrinks, e.g.
+  # multi-turn episodes' later turns, would otherwise compile once per count); padded rows start finished.
+  rows = -(-bucket(n, 1) // axes.mesh_size(BATCH)) * axes.mesh_size(BATCH)
   P = min(bucket(max(len(p) for p in prompts)), max(model.cfg.max_seq_len, MIN_BUCKET))
   tokens_BP = np.full((rows, P), PAD_ID, np.int32)
   start_B = np.full((rows,), P - 1, np.int32)

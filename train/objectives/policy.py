@@ -110,7 +110,7 @@ LOSSES = ("grpo", "dr_grpo", "dapo", "gspo")
 
 def aggregate(x_BL, mask_BL, loss: str) -> jax.Array:
   """The numerator of rl.loss's aggregation of a per-token loss (module docstring): per-sequence means summed for
-  grpo / gspo, the masked sum for dapo / dr_grpo. Divided by `rows_normalizer`'s figure."""
+  grpo / gspo, the masked sum for dapo / dr_grpo. Divided by `loss_normalizer`'s figure."""
   mask_BL = mask_BL.astype(jnp.float32)
   if loss in ("grpo", "gspo"):
     return jnp.sum(jnp.sum(x_BL * mask_BL, axis=1) / jnp.maximum(jnp.sum(mask_BL, axis=1), 1.0))

@@ -37,13 +37,9 @@ def split_devices(count: int) -> tuple[list, list]:
   if count >= len(local):
     raise ValueError(f"rl.rollout_devices={count} leaves none of this process's {len(local)} devices for "
                      "training; lower it (0 = rollouts on the training devices)")
-  rollout_ids = {d.id for p in range(jax.process_count()) for d in _local_of(p)[-count:]}
+  rollout_ids = {d.id for p in range(jax.process_count()) for d in jax.local_devices(process_index=p)[-count:]}
   train = [d for d in jax.devices() if d.id not in rollout_ids]
   return train, [d for d in jax.devices() if d.id in rollout_ids]
-
-
-def _local_of(process: int) -> list:
-  return [d for d in jax.devices() if d.process_index == process]
 
 
 class Worker:

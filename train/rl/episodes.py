@@ -44,10 +44,7 @@ def run(session, conversations, seed: int, policy=None) -> dict[str, Any]:
   for turn in range(r.max_turns):
     if not running:
       break
-    # Every turn samples a batch of n rows (the running episodes, then copies of the first as filler), so later
-    # turns reuse the first turn's compiled sampler instead of compiling one per count of running episodes.
-    prompts = [ids[i] for i in running]
-    gen = session.generate(prompts + [prompts[0]] * (n - len(prompts)),
+    gen = session.generate([ids[i] for i in running],
                            seed if turn == 0 else session.turn_seed(seed, turn), policy)
     for k in stats:
       stats[k] += gen.stats[k]

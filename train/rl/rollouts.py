@@ -36,16 +36,26 @@ def rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
   loss_mask is 1 where the target is a completion token, and with `masks` (one 0/1 per completion token: a
   multi-turn episode's policy tokens 1, the environment's 0) where it is also marked 1.
   """
-  n = len(prompts)
-  batch = {k: np.zeros((n, seq_len), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
-  batch["loss_mask"] = np.zeros((n, seq_len), np.float32)
+  batch = _empty_rows(len(prompts), seq_len)
   for i, (p, c) in enumerate(zip(prompts, completions)):
     seq = list(p) + list(c)
-    m = len(seq) - 1
-    batch["inputs"][i, :m], batch["targets"][i, :m] = seq[:-1], seq[1:]
-    batch["segment_ids"][i, :m], batch["positions"][i, :m] = 1, np.arange(m)
-    batch["loss_mask"][i, len(p) - 1:m] = 1.0 if masks is None else np.asarray(masks[i], np.float32)[:m - len(p) + 1]
+    loss_mask = np.zeros(len(seq) - 1, np.float32)
+    loss_mask[len(p) - 1:] = 1.0 if masks is None else np.asarray(masks[i], np.float32)[:len(c)]
+    _put_row(batch, i, seq[:-1], seq[1:], loss_mask)
   return batch
+
+
+def _empty_rows(n: int, seq_len: int) -> dict[str, np.ndarray]:
+  batch = {k: np.zeros((n, seq_len), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+  batch["loss_mask"] = np.zeros((n, seq_len), np.float32)
+  return batch
+
+
+def _put_row(batch, i: int, inputs, targets, loss_mask) -> None:
+  """Row i of a batch from `_empty_rows`: one segment from position 0, right-padded."""
+  m = len(inputs)
+  batch["inputs"][i, :m], batch["targets"][i, :m], batch["loss_mask"][i, :m] = inputs, targets, loss_mask
+  batch["segment_ids"][i, :m], batch["positions"][i, :m] = 1, np.arange(m)
 
 
 def conversation_rows(template, conversations, seq_len: int, weight: float) -> dict[str, np.ndarray]:
@@ -53,17 +63,11 @@ def conversation_rows(template, conversations, seq_len: int, weight: float) -> d
   (data.chat.ChatEncoder: truncated at seq_len, loss on the assistant tokens), with loss_mask scaled by `weight`."""
   from data import chat as chat_lib  # pylint: disable=g-import-not-at-top
   encode = chat_lib.ChatEncoder(template, seq_len)
-  n = len(conversations)
-  batch = {k: np.zeros((n, seq_len), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
-  batch["loss_mask"] = np.zeros((n, seq_len), np.float32)
+  batch = _empty_rows(len(conversations), seq_len)
   for i, messages in enumerate(conversations):
     row = encode(json.dumps({"messages": messages}), "rl.ptx_coef conversation")
-    if row is None:  # nothing left to learn from it (counted by the encoder): an empty row
-      continue
-    m = len(row["inputs"])
-    batch["inputs"][i, :m], batch["targets"][i, :m] = row["inputs"], row["targets"]
-    batch["segment_ids"][i, :m], batch["positions"][i, :m] = 1, np.arange(m)
-    batch["loss_mask"][i, :m] = weight * row["loss_mask"]
+    if row is not None:  # None: nothing left to learn from it (counted by the encoder), an empty row
+      _put_row(batch, i, row["inputs"], row["targets"], weight * row["loss_mask"])
   return batch
 
 
