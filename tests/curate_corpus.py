@@ -170,3 +170,44 @@ def english_paragraphs() -> list[str]:
       if len(text.split()) >= 30 and text[0].isupper() and text.endswith(".") and ">>>" not in text:
         out.append(text)
   return out
+
+
+def output_records(out) -> list[dict]:
+  """Every record a curation run wrote (its DIR/<lang>/<bucket>/*.jsonl files; _work excluded), in path order."""
+  import json
+  import os
+  records = []
+  for root, dirs, names in os.walk(out):
+    dirs.sort()
+    if "_work" in os.path.relpath(root, out).split(os.sep):
+      continue
+    for name in sorted(names):
+      if name.endswith(".jsonl"):
+        with open(os.path.join(root, name), encoding="utf-8") as f:
+          records += [json.loads(line) for line in f]
+  return records
+
+
+def output_tree(out) -> dict[str, bytes]:
+  """{relative path: bytes} of every output file of a curation run (_work excluded)."""
+  import os
+  files = {}
+  for root, _, names in os.walk(out):
+    rel = os.path.relpath(root, out)
+    if rel.split(os.sep)[0] == "_work":
+      continue
+    for name in names:
+      with open(os.path.join(root, name), "rb") as f:
+        files[os.path.normpath(os.path.join(rel, name))] = f.read()
+  return files
+
+
+def curate_input_config(input_glob, out, **sections):
+  """The curation config with `input`/`output` set, one worker, and the given `section.key` values: a test's run."""
+  from configs import curate as curate_config
+  cfg = curate_config.get_config()
+  cfg.input, cfg.output, cfg.num_workers = str(input_glob), str(out), 1
+  for key, value in sections.items():
+    section, name = key.split("__")
+    cfg[section][name] = value
+  return cfg

@@ -211,3 +211,49 @@ def test_documents_without_words_are_not_near_duplicates_of_each_other():
   valid = np.array([bool(textlib.words(textlib.normalize_for_hash(t))) for t in texts])
   assert minhash.resolve(bands, signatures, 0.8, valid=valid).tolist() == [False, False, False, True]
   assert minhash.resolve(bands, signatures, 0.8).tolist() == [False, True, False, True]  # what `valid` prevents
+
+
+def test_spilled_bands_give_the_pairs_of_the_in_memory_resolution(tmp_path):
+  """Bands partitioned to disk (far more documents than max_rows) resolve the same drops as the whole bands in
+  memory, which equal a brute-force first-occurrence grouping; the partition files are removed."""
+  rng = np.random.default_rng(0)
+  n, bands = 3000, 4
+  hashes = rng.integers(0, 2**63, (n, bands), dtype=np.uint64) * np.uint64(2)
+  for i in range(0, n, 7):  # planted candidates: some band equal to an earlier document's
+    j = int(rng.integers(0, i + 1))
+    b = int(rng.integers(0, bands))
+    hashes[i, b] = hashes[j, b]
+  signatures = rng.integers(0, 3, (n, 8)).astype(np.uint32)  # similar enough for some pairs to pass 0.5
+  valid = rng.random(n) > 0.05
+  memory = minhash.resolve(hashes, signatures, 0.5, valid=valid)
+  index = np.flatnonzero(valid)
+  chunks = lambda b: [(hashes[index[k:k + 500], b], index[k:k + 500]) for k in range(0, index.size, 500)]  # noqa
+  spilled = minhash.resolve(chunks, signatures, 0.5, valid, bands=bands, num_docs=n, spill_dir=str(tmp_path / "s"),
+                            max_rows=100)
+  np.testing.assert_array_equal(spilled, memory)
+  assert memory.sum() > 50 and os.listdir(tmp_path / "s") == []
+  # Brute force: union of (first holder of a band value, later holder) pairs that pass the threshold.
+  parent = list(range(n))
+
+  def find(i):
+    while parent[i] != i:
+      i = parent[i]
+    return i
+  for b in range(bands):
+    first = {}
+    for i in index:
+      j = first.setdefault(int(hashes[i, b]), int(i))
+      if j != i and (signatures[i] == signatures[j]).mean() >= 0.5:
+        ri, rj = find(i), find(j)
+        parent[max(ri, rj)] = min(ri, rj)
+  np.testing.assert_array_equal(memory, [find(i) != i for i in range(n)])
+
+
+def test_a_run_that_spills_its_bands_writes_the_same_output(tmp_path):
+  _write_corpus(tmp_path)
+  pipeline.run(_config(tmp_path))
+  want = _outputs(tmp_path / "out")
+  cfg = _config(tmp_path, **{"minhash.max_rows_in_memory": 5})
+  cfg.output = str(tmp_path / "spilled")
+  stats = pipeline.run(cfg)
+  assert _outputs(tmp_path / "spilled") == want and stats["minhash"]["duplicates"] == 5

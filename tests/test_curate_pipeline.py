@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+import curate_corpus
 from configs import curate as curate_config
 from data.curate import executors
 from data.curate import pipeline
@@ -57,24 +58,11 @@ def _config(corpus, out):
   return cfg
 
 
-def _tree(out):
-  """{relative path: bytes} of every output file (the _work directory excluded)."""
-  files = {}
-  for root, _, names in os.walk(out):
-    rel = os.path.relpath(root, out)
-    if rel.split(os.sep)[0] == pipeline.WORK:
-      continue
-    for name in names:
-      with open(os.path.join(root, name), "rb") as f:
-        files[os.path.normpath(os.path.join(rel, name))] = f.read()
-  return files
-
-
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
   out = tmp_path_factory.mktemp("reference") / "out"
   stats = pipeline.run(_config(corpus, out))
-  return _tree(out), stats
+  return curate_corpus.output_tree(out), stats
 
 
 def test_reference_run_is_sane(reference):
@@ -110,7 +98,7 @@ def test_crash_in_pass_two_then_rerun_is_identical(corpus, reference, tmp_path, 
   monkeypatch.setattr(pipeline, "score_shard", lambda *a: (rerun_calls.append(a[2]), original(*a))[1])
   pipeline.run(_config(corpus, out))
   assert rerun_calls == [2, 3, 4]  # finished shards are skipped
-  assert _tree(out) == reference[0]
+  assert curate_corpus.output_tree(out) == reference[0]
 
 
 def test_crash_while_writing_output_then_rerun_is_identical(corpus, reference, tmp_path, monkeypatch):
@@ -128,10 +116,10 @@ def test_crash_while_writing_output_then_rerun_is_identical(corpus, reference, t
   with pytest.raises(RuntimeError, match="simulated crash"):
     pipeline.run(_config(corpus, out))
   monkeypatch.setattr(pipeline.ppl, "bucket", original)
-  partial = _tree(out)
+  partial = curate_corpus.output_tree(out)
   assert partial and all(".tmp" in p or "00000" in p for p in partial)  # no finished file of unfinished shards
   pipeline.run(_config(corpus, out))
-  assert _tree(out) == reference[0]
+  assert curate_corpus.output_tree(out) == reference[0]
 
 
 def test_rerun_with_other_settings_is_refused(corpus, reference, tmp_path):
@@ -147,7 +135,7 @@ def test_local_worker_processes_match(corpus, reference, tmp_path):
   cfg = _config(corpus, tmp_path / "out")
   cfg.num_workers = 2
   pipeline.run(cfg)
-  assert _tree(tmp_path / "out") == reference[0]
+  assert curate_corpus.output_tree(tmp_path / "out") == reference[0]
 
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # Ray starts its processes; JAX is idle here
@@ -158,6 +146,6 @@ def test_ray_executor_matches_local(corpus, reference, tmp_path):
     cfg = _config(corpus, tmp_path / "out")
     cfg.executor = "ray"
     pipeline.run(cfg, executor=executors.make_executor(cfg))
-    assert _tree(tmp_path / "out") == reference[0]
+    assert curate_corpus.output_tree(tmp_path / "out") == reference[0]
   finally:
     ray.shutdown()

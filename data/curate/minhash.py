@@ -8,6 +8,7 @@ estimate) is linked, and of each linked group only the earliest document in inpu
 from __future__ import annotations
 
 import itertools
+import os
 import zlib
 
 import numpy as np
@@ -114,6 +115,50 @@ class MinHasher:
     return (rows * self._band_mix).sum(axis=-1) ^ np.arange(self.bands, dtype=np.uint64)
 
 
+def _first_pairs(values: np.ndarray, rows: np.ndarray) -> list[np.ndarray]:
+  """[(first row with the value, later row)] of equal values; `rows` ascending (input order)."""
+  _, first, inverse = np.unique(values, return_index=True, return_inverse=True)
+  rep = first[inverse.ravel()]
+  later = np.flatnonzero(rep != np.arange(values.size))
+  return [np.stack([rows[rep[later]], rows[later]], axis=1)] if later.size else []
+
+
+def _memory_pairs(chunks) -> list[np.ndarray]:
+  chunks = list(chunks)
+  if not chunks:
+    return []
+  return _first_pairs(np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks]))
+
+
+def _spilled_pairs(chunks, directory: str, rows_total: int, max_rows: int) -> list[np.ndarray]:
+  """_first_pairs of a band too large for memory: (hash, row) pairs written to 2^k partition files by the hash's
+  top k bits (in input order, so each partition's first occurrence is the global one), then resolved one by one;
+  2^k >= rows_total / max_rows, so a partition holds about max_rows rows (the hashes are uniform)."""
+  os.makedirs(directory, exist_ok=True)
+  bits = min(12, max(1, int(np.ceil(np.log2(rows_total / max_rows)))))
+  parts = 1 << bits
+  paths = [os.path.join(directory, f"part-{p:03d}.bin") for p in range(parts)]
+  handles = [open(path, "wb") for path in paths]
+  try:
+    for values, rows in chunks:
+      part = (values >> np.uint64(64 - bits)).astype(np.int64)
+      order = np.argsort(part, kind="stable")
+      bounds = np.searchsorted(part[order], np.arange(parts + 1))
+      both = np.stack([values, rows.astype(np.uint64)], axis=1)[order]
+      for p in range(parts):
+        if bounds[p + 1] > bounds[p]:
+          handles[p].write(both[bounds[p]:bounds[p + 1]].tobytes())
+  finally:
+    for h in handles:
+      h.close()
+  out = []
+  for path in paths:
+    data = np.fromfile(path, np.uint64).reshape(-1, 2)
+    os.remove(path)
+    out += _first_pairs(data[:, 0], data[:, 1].astype(np.int64))
+  return out
+
+
 def _find(parent: np.ndarray, i: int) -> int:
   while parent[i] != i:
     parent[i] = parent[parent[i]]
@@ -121,23 +166,29 @@ def _find(parent: np.ndarray, i: int) -> int:
   return i
 
 
-def resolve(band_hashes: np.ndarray, signatures, threshold: float, valid: np.ndarray | None = None) -> np.ndarray:
+def resolve(band_hashes, signatures, threshold: float, valid: np.ndarray | None = None, *, bands: int = 0,
+            num_docs: int = 0, spill_dir: str = "", max_rows: int = 0) -> np.ndarray:
   """bool [num_docs]: True for documents to drop as near duplicates of an earlier document.
 
-  `band_hashes` uint64 [num_docs, bands], rows in global input order; `signatures` the matching uint32
-  [num_docs, bands*rows] array, or a function from global row indices to those rows (so that only candidates'
-  signatures need to be in memory); `valid` bool [num_docs], False for documents that take no part (no words:
-  their empty signatures would all match). Each document is compared with the first document of each of its
-  buckets (one per band)."""
-  num_docs = band_hashes.shape[0]
-  index = np.arange(num_docs) if valid is None else np.flatnonzero(valid)
+  `band_hashes` uint64 [num_docs, bands], rows in global input order; or a function from a band b to an iterable
+  of (band-b hashes, their global row indices) chunks in input order holding only the documents that take part,
+  with `bands` and `num_docs` given. `signatures` the matching uint32 [num_docs, bands*rows] array, or a function
+  from global row indices to those rows (so that only candidates' signatures need to be in memory); `valid` bool
+  [num_docs], False for documents that take no part (no words: their empty signatures would all match). Each
+  document is compared with the first document of each of its buckets (one per band). With `spill_dir` and more
+  than `max_rows` documents taking part, each band's (hash, row) pairs are partitioned by the hash's top bits into
+  files there and each partition is resolved alone: about max_rows * 16 bytes of band data in memory per
+  partition, the same pairs."""
+  if callable(band_hashes):
+    chunks_of, taking_part = band_hashes, (num_docs if valid is None else int(valid.sum()))
+  else:
+    num_docs, bands = band_hashes.shape
+    index = np.arange(num_docs) if valid is None else np.flatnonzero(valid)
+    chunks_of, taking_part = (lambda b: [(band_hashes[index, b], index)]), index.size
+  spill = bool(spill_dir) and 0 < max_rows < taking_part
   pairs = []
-  for b in range(band_hashes.shape[1]):
-    _, first, inverse = np.unique(band_hashes[index, b], return_index=True, return_inverse=True)
-    rep = first[inverse.ravel()]
-    later = np.flatnonzero(rep != np.arange(index.size))
-    if later.size:
-      pairs.append(np.stack([index[rep[later]], index[later]], axis=1))
+  for b in range(bands):
+    pairs += _spilled_pairs(chunks_of(b), spill_dir, taking_part, max_rows) if spill else _memory_pairs(chunks_of(b))
   if not pairs:
     return np.zeros(num_docs, dtype=bool)
   pairs = np.unique(np.concatenate(pairs), axis=0)

@@ -1,4 +1,4 @@
-"""Masking of e-mail addresses, IP addresses and phone numbers (stage 7)."""
+"""Masking of e-mail addresses, IP addresses and phone numbers (stage 9)."""
 from __future__ import annotations
 
 import re

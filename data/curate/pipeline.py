@@ -1,11 +1,12 @@
 """The curation pipeline: three passes over the shards with two deterministic global steps between them.
 
+  (every pass reads each shard through the URL filter, stage 0, so dropped pages take part in nothing)
   pass 1  (per shard)  paragraph hashes; MinHash signatures of each whole normalised document
                                                  -> _work/hashes/NNNNN.npz, _work/signatures/NNNNN.{npz,npy}
   global              near-duplicate documents (the earliest of each group survives), then paragraph dedup of
                       the survivors (first occurrence wins), both in shard order
                                                  -> _work/neardup/NNNNN.npy, _work/keep/NNNNN.npy
-  pass 2  (per shard)  dedup, min length, language, quality, perplexity, PII masking
+  pass 2  (per shard)  dedup, min length, decontamination, language, quality, perplexity, PII masking
                                                  -> _work/scored/NNNNN.jsonl (+ .npz)
   global              per-language perplexity cutoffs                  -> _work/global.json
   pass 3  (per shard)  apply the decisions in stage order, bucket     -> DIR/<lang>/<bucket>/part-NNNNN.jsonl
@@ -32,6 +33,8 @@ import ml_collections
 import numpy as np
 
 from data import files as datafiles
+from data.curate import contamination
+from data.curate import classifier
 from data.curate import dedup
 from data.curate import executors
 from data.curate import minhash
@@ -39,6 +42,7 @@ from data.curate import perplexity as ppl
 from data.curate import pii
 from data.curate import quality
 from data.curate import stats as statslib
+from data.curate import urls
 from data.curate import text as textlib
 
 log = logging.getLogger(__name__)
@@ -96,9 +100,21 @@ def _config(cfg_dict: dict) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(cfg_dict)
 
 
-def _docs(cfg, path: str, report: bool = True, problems: datafiles.Problems | None = None):
-  return datafiles.read_documents(path, cfg.input_format, text_mode=cfg.text_mode, id_field=cfg.id_field,
+def _docs(cfg, path: str, report: bool = True, problems: datafiles.Problems | None = None, on_drop=None):
+  """The shard's documents after the URL filter (stage 0; the same in every pass); `on_drop(doc, reason)` sees
+  the ones it drops."""
+  docs = datafiles.read_documents(path, cfg.input_format, text_mode=cfg.text_mode, id_field=cfg.id_field,
                                   text_field=cfg.text_field, strict=cfg.strict, problems=problems, report=report)
+  url_filter = urls.from_config(cfg)
+  if url_filter is None:
+    yield from docs
+    return
+  for doc in docs:
+    reason = url_filter.reason(doc["url"]) if isinstance(doc.get("url"), str) and doc["url"] else ""
+    if not reason:
+      yield doc
+    elif on_drop is not None:
+      on_drop(doc, reason)
 
 
 # ---------------------------------------------------------------------------------------------- pass 1
@@ -144,7 +160,7 @@ def _hasher(cfg) -> minhash.MinHasher | None:
 # ---------------------------------------------------------------------------------------------- pass 2
 def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) -> dict:
   """Pass 2: per document, the near-duplicate verdict of the global step (stage 1), paragraph dedup and min length
-  (stages 2-3), then for the survivors the language, quality verdict, perplexity and PII masking, written to
+  (stages 2-3), decontamination (stage 4), then for the survivors the language, quality verdict, perplexity and PII masking, written to
   _work/scored/NNNNN.jsonl."""
   cfg = _config(cfg_dict)
   from data.curate import langid  # fastText loads only where it is used
@@ -155,20 +171,33 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
   near = (np.load(os.path.join(work, "neardup", f"{shard:05d}.npy")).tolist() if cfg.minhash.enabled else None)
   counter = statslib.StageCounter()
   # Per scored document, in order: the decisions pass 3 applies (the JSON lines carry only the output record).
-  meta = {"language": [], "language_ok": [], "quality": [], "perplexity": [], "chars": [], "chars_out": []}
+  meta = {"language": [], "language_ok": [], "quality": [], "perplexity": [], "chars": [], "chars_out": [],
+          "quality_score": []}
+  rater = classifier.Scorer(cfg.quality_model.model) if cfg.quality_model.model else None
   # Plain attribute objects: ConfigDict look-ups in the per-document loops cost more than the rules themselves.
   quality_cfg = types.SimpleNamespace(**cfg.quality.to_dict()) if cfg.quality.enabled else None
   pii_cfg = types.SimpleNamespace(**cfg.pii.to_dict()) if cfg.pii.enabled else None
   min_length = cfg.dedup.min_length if cfg.dedup.enabled else 0
+  index = (contamination.cached_index(cfg.decontaminate.tasks, cfg.decontaminate.min_n, cfg.decontaminate.max_n)
+           if cfg.decontaminate.tasks else None)
+  contaminated: dict[str, list[int]] = {}  # per task: [documents, n-gram occurrences]
   threshold, languages = cfg.langid.threshold, frozenset(cfg.langid.languages)
   out_path = os.path.join(work, "scored", f"{shard:05d}.jsonl")
   os.makedirs(os.path.dirname(out_path), exist_ok=True)
   tmp = f"{out_path}.tmp-{os.getpid()}"
   offset = 0
   problems = datafiles.Problems()
+  url_reasons: dict[str, int] = {}
+  url_on = cfg.url_filter.enabled
+
+  def url_dropped(doc, reason):
+    counter.add("read", "und", len(doc["text"]), len(doc["text"]))
+    counter.add("url_filter", "und", len(doc["text"]), None)
+    url_reasons[reason] = url_reasons.get(reason, 0) + 1
+
   with open(tmp, "w", encoding="utf-8") as out:
     batch: list[dict] = []
-    for i, doc in enumerate(_docs(cfg, path, problems=problems)):
+    for i, doc in enumerate(_docs(cfg, path, problems=problems, on_drop=url_dropped)):
       text = doc["text"]
       n = text.count("\n") + 1
       if near is not None and near[i]:
@@ -176,6 +205,8 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
         # Identified only for the per-language counts (near duplicates are a few percent of a crawl).
         lang = identifier.identify(text)[0] if identifier is not None else "und"
         counter.add("read", lang, len(text), len(text))
+        if url_on:
+          counter.add("url_filter", lang, len(text), len(text))
         counter.add("minhash", lang, len(text), None)
         continue
       if keep is not None:
@@ -190,6 +221,8 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
       else:
         lang, score = "und", 0.0
       counter.add("read", lang, len(text), len(text))
+      if url_on:
+        counter.add("url_filter", lang, len(text), len(text))
       if near is not None:
         counter.add("minhash", lang, len(text), len(text))
       counter.add("paragraph_dedup", lang, len(text), None if blank else len(stripped))
@@ -198,6 +231,9 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
       long_enough = textlib.utf8_length(stripped) >= min_length
       counter.add("min_length", lang, len(stripped), len(stripped) if long_enough else None)
       if not long_enough:
+        continue
+      if index is not None and _contaminated(index, cfg.decontaminate.action, doc, stripped, lang, counter,
+                                             contaminated):
         continue
       doc["text"] = stripped
       doc["language"], doc["language_score"] = lang, round(score, 4)
@@ -210,16 +246,31 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
       meta["chars"].append(len(stripped))
       batch.append({"doc": doc, "quality": reason, "language_ok": lang_ok})
       if len(batch) >= _BATCH:
-        _flush(batch, scorer, pii_cfg, out, meta)
+        _flush(batch, scorer, pii_cfg, out, meta, rater)
         batch = []
-    _flush(batch, scorer, pii_cfg, out, meta)
+    _flush(batch, scorer, pii_cfg, out, meta, rater)
   expected = keep.size if keep is not None else None
   if expected is not None and offset != expected:
     raise ValueError(f"{path}: {offset} paragraphs read but pass 1 hashed {expected}; the input changed during "
                      "the run: delete the output directory and start again")
   os.replace(tmp, out_path)
   _save_meta(work, shard, meta)
-  return _mark(work, "score", shard, {"stages": counter.to_dict(), "input_problems": problems.to_dict()})
+  return _mark(work, "score", shard, {"stages": counter.to_dict(), "input_problems": problems.to_dict(),
+                                      "contamination": contaminated, "url_reasons": url_reasons})
+
+
+def _contaminated(index, action: str, doc: dict, text: str, lang: str, counter, tally: dict) -> bool:
+  """The decontamination stage on one document: counts its hits per task; True when it is dropped."""
+  hits = index.match(text)
+  for name, hit in hits.items():
+    row = tally.setdefault(name, [0, 0])
+    row[0] += 1
+    row[1] += hit.ngrams
+  drop = bool(hits) and action == "drop"
+  counter.add("decontaminate", lang, len(text), None if drop else len(text))
+  if hits and not drop:
+    doc["contamination"] = sorted(hits)
+  return drop
 
 
 def _save_meta(work: str, shard: int, meta: dict) -> None:
@@ -229,27 +280,33 @@ def _save_meta(work: str, shard: int, meta: dict) -> None:
                 language_ok=np.array(meta["language_ok"], bool),
                 quality=np.array(meta["quality"], dtype=str),
                 perplexity=np.array(meta["perplexity"], np.float64),
+                quality_score=np.array(meta["quality_score"], np.float64),
                 chars=np.array(meta["chars"], np.int64),
                 chars_out=np.array(meta["chars_out"], np.int64))
 
 
-def _flush(batch: list[dict], scorer, pii_cfg, out, meta: dict) -> None:
-  """Perplexity for a batch (grouped by language), PII masking, then one JSON line per document: the output
-  record without its bucket."""
+def _flush(batch: list[dict], scorer, pii_cfg, out, meta: dict, rater=None) -> None:
+  """Perplexity for a batch (grouped by language), the quality model's score, PII masking, then one JSON line per
+  document: the output record without its bucket."""
   if not batch:
     return
-  values = np.full(len(batch), np.nan)
+  values, rated = np.full(len(batch), np.nan), np.full(len(batch), np.nan)
+  survivors = [i for i, item in enumerate(batch) if item["language_ok"] and item["quality"] is None]
   if scorer is not None:
     by_lang: dict[str, list[int]] = {}
-    for i, item in enumerate(batch):
-      if item["language_ok"] and item["quality"] is None:
-        by_lang.setdefault(item["doc"]["language"], []).append(i)
+    for i in survivors:
+      by_lang.setdefault(batch[i]["doc"]["language"], []).append(i)
     for lang, idx in by_lang.items():
       values[idx] = scorer.perplexities([batch[i]["doc"]["text"] for i in idx], lang)
-  for item, value in zip(batch, values):
+  if rater is not None and survivors:
+    rated[survivors] = rater.scores([batch[i]["doc"]["text"] for i in survivors])
+  for item, value, score in zip(batch, values, rated):
     doc = item["doc"]
     doc["perplexity"] = None if np.isnan(value) else round(float(value), 2)
     meta["perplexity"].append(np.nan if doc["perplexity"] is None else doc["perplexity"])
+    if rater is not None:
+      doc["quality_score"] = None if np.isnan(score) else round(float(score), 4)
+    meta["quality_score"].append(score)
     if pii_cfg is not None:
       doc["text"], _ = pii.mask(doc["text"], pii_cfg)
     meta["chars_out"].append(len(doc["text"]))
@@ -267,7 +324,8 @@ def write_shard(cfg_dict: dict, shard: int, work: str, output: str, cutoffs: dic
       os.remove(stale)  # left by an attempt that crashed between renames
   # Lists: indexing a numpy array per line returns numpy scalars, several times slower.
   with np.load(os.path.join(work, "scored", f"{shard:05d}.npz")) as z:
-    meta = {k: z[k].tolist() for k in ("language", "language_ok", "quality", "perplexity", "chars", "chars_out")}
+    meta = {k: z[k].tolist() for k in ("language", "language_ok", "quality", "perplexity", "chars", "chars_out",
+                                       "quality_score")}
   counter = statslib.StageCounter()
   files: dict[tuple[str, str], object] = {}
   written: dict[str, dict[str, list[int]]] = {}
@@ -276,6 +334,7 @@ def write_shard(cfg_dict: dict, shard: int, work: str, output: str, cutoffs: dic
   # Plain locals: ConfigDict look-ups per line cost more than the rest of the loop.
   langid_on, quality_on = cfg.langid.enabled, cfg.quality.enabled
   perplexity_on, pii_on = cfg.perplexity.enabled, cfg.pii.enabled
+  rated_on, threshold = bool(cfg.quality_model.model), cfg.quality_model.threshold
   try:
     with open(os.path.join(work, "scored", f"{shard:05d}.jsonl"), encoding="utf-8") as f:
       for i, line in enumerate(f):
@@ -288,6 +347,11 @@ def write_shard(cfg_dict: dict, shard: int, work: str, output: str, cutoffs: dic
           counter.add("quality", lang, n, None if reason else n)
           if reason:
             reasons[reason] = reasons.get(reason, 0) + 1
+            continue
+        if rated_on:
+          good = meta["quality_score"][i] >= threshold
+          counter.add("quality_model", lang, n, n if good else None)
+          if not good:
             continue
         bucket = ppl.bucket(meta["perplexity"][i], cutoffs.get(lang, (nan, nan)))
         if perplexity_on:
@@ -317,20 +381,28 @@ def write_shard(cfg_dict: dict, shard: int, work: str, output: str, cutoffs: dic
 def _resolve_near_duplicates(cfg, work: str, num_shards: int) -> tuple[dict, list[np.ndarray]]:
   """Global MinHash step on whole documents: writes _work/neardup/NNNNN.npy (bool per document) and returns
   (counts, the per-shard drop flags). Exact copies of an earlier document (the same normalised paragraphs) are
-  counted apart from the other near duplicates."""
-  bands, documents = [], []
+  counted apart from the other near duplicates. Memory: the whole-document hashes (8 bytes per document) and one
+  band of one shard at a time, the band's hashes gathered over the shards (16 bytes per document, or spilled to
+  partition files above minhash.max_rows_in_memory documents)."""
+  documents = []
   for s in range(num_shards):
-    with np.load(os.path.join(work, "signatures", f"{s:05d}.npz")) as z:
-      bands.append(z["bands"])
     with np.load(os.path.join(work, "hashes", f"{s:05d}.npz")) as z:
       documents.append(z["documents"])
-  sizes = [b.shape[0] for b in bands]
-  band_hashes = np.concatenate(bands) if bands else np.zeros((0, cfg.minhash.bands), np.uint64)
+  sizes = [d.size for d in documents]
   document_hashes = np.concatenate(documents) if documents else np.zeros(0, np.uint64)
+  # A document without a word (hash 0: every paragraph normalises to nothing) has no shingle to compare.
+  valid = document_hashes != 0
+  offsets = np.cumsum([0] + sizes)
   # Signatures stay on disk (memory-mapped): only candidate pairs' rows are read.
   signatures = [np.load(os.path.join(work, "signatures", f"{s:05d}.npy"), mmap_mode="r")
                 for s in range(num_shards)]
-  offsets = np.cumsum([0] + sizes)
+
+  def band(b: int):
+    for s in range(num_shards):
+      with np.load(os.path.join(work, "signatures", f"{s:05d}.npz")) as z:
+        column = z["bands"][:, b]
+      keep = np.flatnonzero(valid[offsets[s]:offsets[s + 1]])
+      yield column[keep], keep + offsets[s]
 
   def rows(index: np.ndarray) -> np.ndarray:
     shard = np.searchsorted(offsets, index, side="right") - 1
@@ -340,8 +412,9 @@ def _resolve_near_duplicates(cfg, work: str, num_shards: int) -> tuple[dict, lis
       out[mask] = signatures[s][index[mask] - offsets[s]]
     return out
 
-  # A document without a word (hash 0: every paragraph normalises to nothing) has no shingle to compare.
-  drop = minhash.resolve(band_hashes, rows, cfg.minhash.threshold, valid=document_hashes != 0)
+  drop = minhash.resolve(band, rows, cfg.minhash.threshold, valid, bands=cfg.minhash.bands,
+                         num_docs=int(document_hashes.size), spill_dir=os.path.join(work, "band_spill"),
+                         max_rows=cfg.minhash.max_rows_in_memory)
   _, first, inverse = np.unique(document_hashes, return_index=True, return_inverse=True)
   exact = drop & (first[inverse.ravel()] != np.arange(drop.size))
   per_shard = np.split(drop, offsets[1:-1])
@@ -422,6 +495,18 @@ def validate(cfg) -> None:
     raise ValueError(f"minhash.threshold must be in (0, 1]; got {cfg.minhash.threshold}")
   if cfg.langid.enabled and not 0 <= cfg.langid.threshold <= 1:
     raise ValueError(f"langid.threshold must be in [0, 1]; got {cfg.langid.threshold}")
+  if cfg.decontaminate.action not in ("drop", "report"):
+    raise ValueError(f"decontaminate.action={cfg.decontaminate.action!r} is not one of drop, report")
+  if cfg.url_filter.enabled:
+    for key in ("blocklist", "banned_words_file"):
+      if cfg.url_filter[key] and not os.path.exists(cfg.url_filter[key]):
+        raise FileNotFoundError(f"url_filter.{key}={cfg.url_filter[key]!r} does not exist")
+  if cfg.quality_model.model:
+    if not 0 <= cfg.quality_model.threshold <= 1:
+      raise ValueError(f"quality_model.threshold must be in [0, 1]; got {cfg.quality_model.threshold}")
+    classifier.Scorer(cfg.quality_model.model)  # a missing or wrong model fails here, before any pass
+  if cfg.decontaminate.tasks:
+    contamination.load_index(cfg.decontaminate.tasks, cfg.decontaminate.min_n, cfg.decontaminate.max_n)
   if cfg.perplexity.enabled:
     ppl.cutoffs(np.zeros(0), cfg.perplexity.head_percentile, cfg.perplexity.tail_percentile)
 
@@ -516,8 +601,16 @@ def _summarise(work: str, n: int, extra: dict) -> dict:
   output_counts: dict = {}
   reasons: dict = {}
   problems: dict = {}
+  contaminated: dict = {}
+  url_reasons: dict = {}
   for s in range(n):
     scored, written = _read_marker(work, "score", s), _read_marker(work, "write", s)
+    for reason, count in scored.get("url_reasons", {}).items():
+      url_reasons[reason] = url_reasons.get(reason, 0) + count
+    for name, (docs, ngrams) in scored.get("contamination", {}).items():
+      row = contaminated.setdefault(name, {"documents": 0, "ngrams": 0})
+      row["documents"] += docs
+      row["ngrams"] += ngrams
     counter.merge(statslib.StageCounter(scored["stages"]))
     for kind, count in scored["input_problems"].items():
       problems[kind] = problems.get(kind, 0) + count
@@ -531,4 +624,6 @@ def _summarise(work: str, n: int, extra: dict) -> dict:
         cell["chars"] += chars
   extra["quality_reasons"] = dict(sorted(reasons.items()))
   extra["input_problems"] = dict(sorted(problems.items()))
+  extra["contamination"] = dict(sorted(contaminated.items()))
+  extra["url_filter_reasons"] = dict(sorted(url_reasons.items()))
   return statslib.summarise(counter, {k: output_counts[k] for k in sorted(output_counts)}, extra)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-STAGES = ("read", "minhash", "paragraph_dedup", "min_length", "langid", "quality", "perplexity", "pii")
+STAGES = ("read", "url_filter", "minhash", "paragraph_dedup", "min_length", "decontaminate", "langid", "quality",
+          "quality_model", "perplexity", "pii")
 _FIELDS = ("docs_in", "chars_in", "docs_out", "chars_out")
 
 
