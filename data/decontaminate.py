@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     index = contamination.load_index(args.tasks, args.min_n, args.max_n)
     report = contamination.scan(index, _documents(args)).to_dict()
-  except (ValueError, FileNotFoundError) as e:  # evals' TaskError and the spec errors are ValueErrors
+  except (ValueError, FileNotFoundError) as e:  # a bad task spec or file, a missing input
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(format_report(report))

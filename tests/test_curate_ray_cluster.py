@@ -1,7 +1,7 @@
 """Curation on a real multi-node Ray cluster started by the test (ray.cluster_utils.Cluster: a head with no CPUs and
 worker nodes, each its own raylet): the output equals the local executor's file for file, and a worker node killed
 while it writes a shard loses and duplicates nothing (Ray retries the task on another node; the shard's atomic
-writes and markers make the retry a clean redo)."""
+writes and markers make the retry a clean redo); the tokenized cache built by Ray tasks equals the local build."""
 import glob
 import json
 import os
@@ -12,6 +12,8 @@ import time
 import pytest
 
 import curate_corpus
+from data import pretokenize
+from data import tokenizer as tokenizer_lib
 from data.curate import executors
 from data.curate import pipeline
 
@@ -61,6 +63,13 @@ def test_a_multi_node_cluster_equals_local_and_survives_a_killed_node(corpus, tm
     cfg.executor = "ray"
     pipeline.run(cfg, executor=executors.make_executor(cfg))
     assert curate_corpus.output_tree(tmp_path / "cluster") == local
+    # The tokenized cache's shards as Ray tasks on the same nodes: the same bytes as built in this process.
+    tok = tokenizer_lib.train([_doc(random.Random(i)) for i in range(200)], str(tmp_path / "tok.model"), 300)
+    spec = f"crawl=jsonl:{corpus}/part-*.jsonl"
+    pretokenize.build(spec, tok, str(tmp_path / "cache_local"), shard_docs=500)
+    pretokenize.build(spec, tok, str(tmp_path / "cache_ray"), shard_docs=500, executor=executors.make_executor(cfg))
+    assert curate_corpus.output_tree(tmp_path / "cache_ray" / "crawl") == curate_corpus.output_tree(
+        tmp_path / "cache_local" / "crawl")
     # Kill the node that is writing the big shard (the only worker node left); a fresh one joins after.
     cluster.remove_node(nodes[1])
     cfg.output = str(tmp_path / "killed")

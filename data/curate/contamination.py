@@ -1,12 +1,13 @@
 """Benchmark contamination: n-gram overlap between training documents and evaluation items.
 
-Each evaluation item (a task document's prompt plus its answer: the gold choice, the target, or a perplexity
-task's text; read by evals.tasks, so every task file the evaluator takes) is normalised to words: lower case,
+Each evaluation item (its prompt plus its answer as the benchmark publishes them, without a prompt template:
+data/curate/eval_items.py, for every task file the evaluator takes) is normalised to words: lower case,
 apostrophes deleted, other punctuation and symbols separating runs of letters and digits. An item of L words
 contributes its n-grams with n = max(8, min(13, L)): GPT-3 used 13-grams (Brown et al. 2020, appendix C),
 datatrove defaults to 12; many benchmark items are shorter, so n falls to the item's length, never below 8 (items
-under 8 words are counted as too short to check). A training document is contaminated by a task when any of that task's n-grams occurs in it
-after the same normalisation, so verbatim, re-cased and re-punctuated copies are all found.
+under 8 words are counted as too short to check). A training document is contaminated by a task when any of that
+task's n-grams occurs in it after the same normalisation, so verbatim, re-cased and re-punctuated copies are all
+found.
 
 Lookup: every item n-gram is indexed under its first 8 words; a document is scanned once with an 8-word window, and
 only a window that hits the index is compared with the longer n-grams starting there.
@@ -27,22 +28,6 @@ def words(text: str) -> list[str]:
   """The normalised words of `text`: lower-cased runs of letters and digits, apostrophes deleted, other
   punctuation and symbols separating words."""
   return _WORD.findall(text.lower().translate(_APOSTROPHES))
-
-
-def item_texts(task) -> list[str]:
-  """Per document of an evals.tasks.Task: its prompt plus answer (gold choice(s), target, or the text itself)."""
-  out = []
-  for d in task.docs:
-    if d.text and not d.choices:
-      out.append(d.text)
-      continue
-    answers = [d.target] if d.target else []
-    if d.choices:
-      golds = d.gold if isinstance(d.gold, (list, tuple)) else [d.gold]
-      picked = [d.choices[g] for g in golds if isinstance(g, int) and 0 <= g < len(d.choices)]
-      answers = picked or list(d.choices)  # no single gold (e.g. CrowS-Pairs' sentence pair): every choice
-    out.append(" ".join([d.prompt] + answers).strip())
-  return out
 
 
 @dataclasses.dataclass
@@ -98,12 +83,10 @@ class Index:
 
 
 def load_index(specs: str, min_n: int = MIN_N, max_n: int = MAX_N) -> Index:
-  """An Index of the evaluation tasks `specs` ('NAME:PATH[,NAME:PATH...]', as `python -m evals --tasks`)."""
-  from evals import tasks as tasks_lib  # pylint: disable=g-import-not-at-top
-  loaded = [tasks_lib.load_task(name, path) for name, path in tasks_lib.parse_specs(specs)]
-  names = [t.name for t in loaded]
-  labels = [n if names.count(n) == 1 else f"{n}:{t.path}" for n, t in zip(names, loaded)]
-  return Index([(label, item_texts(t)) for label, t in zip(labels, loaded)], min_n, max_n)
+  """An Index of the evaluation tasks `specs` ('NAME:PATH[,NAME:PATH...]', the names and files `python -m evals
+  --tasks` takes), their items read raw by data.curate.eval_items."""
+  from data.curate import eval_items  # pylint: disable=g-import-not-at-top
+  return Index(eval_items.load(specs), min_n, max_n)
 
 
 _CACHE: dict[tuple, Index] = {}
