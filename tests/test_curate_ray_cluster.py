@@ -64,7 +64,7 @@ def test_a_multi_node_cluster_equals_local_and_survives_a_killed_node(corpus, tm
     pipeline.run(cfg, executor=executors.make_executor(cfg))
     assert curate_corpus.output_tree(tmp_path / "cluster") == local
     # The tokenized cache's shards as Ray tasks on the same nodes: the same bytes as built in this process.
-    tok = tokenizer_lib.train([_doc(random.Random(i)) for i in range(200)], str(tmp_path / "tok.model"), 300)
+    tok = tokenizer_lib.train([_doc(random.Random(i)) for i in range(200)], str(tmp_path / "tok.model"), 512)
     spec = f"crawl=jsonl:{corpus}/part-*.jsonl"
     pretokenize.build(spec, tok, str(tmp_path / "cache_local"), shard_docs=500)
     pretokenize.build(spec, tok, str(tmp_path / "cache_ray"), shard_docs=500, executor=executors.make_executor(cfg))
