@@ -3,6 +3,7 @@ and two processes, after a resume, after a changed process count), epochs reshuf
 build resumes without redoing finished shards, worker processes write the same shards, and mismatches are refused."""
 import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -194,3 +195,30 @@ def test_a_run_without_a_tokenizer_uses_the_caches(corpus, tmp_path):
   c.data.tokenizer = ""
   path = tokenizer_lib.prepare(c, str(tmp_path / "run"))
   assert open(path, "rb").read() == open(tok_path, "rb").read()
+
+
+@pytest.mark.slow  # a real process killed with SIGKILL mid-build, then the command run again
+def test_sigkill_mid_build_then_rerun_gives_the_uninterrupted_cache(tmp_path):
+  import signal
+  import subprocess
+  import sys
+  import time
+  tok = tokenizer_lib.train((sources.Builtin("p", "prose")[i] for i in range(200)), str(tmp_path / "tok.model"), 1024)
+  args = ["--sources", "builtin", "--tokenizer", tok, "--shard_docs", "40", "--num_workers", "1"]
+  want = str(tmp_path / "want")
+  pretokenize.build("builtin", tok, want, shard_docs=40)
+  out = tmp_path / "killed"
+  proc = subprocess.Popen([sys.executable, "-m", "data.pretokenize", *args, "--output", str(out)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 120
+  while not list(out.glob("*/shard-*.done")) and time.time() < deadline and proc.poll() is None:
+    time.sleep(0.002)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  done_at_kill = len(list(out.glob("*/shard-*.done")))
+  total = sum(len(list(pathlib.Path(want, name).glob("*.done"))) for name in ("prose", "code"))
+  assert 0 < done_at_kill < total and not (out / "manifest.json").exists(), (done_at_kill, total)
+  assert pretokenize.main([*args, "--output", str(out)]) == 0
+  for name in ("prose", "code"):
+    for shard in sorted(pathlib.Path(want, name).glob("*.array_record")):
+      assert (out / name / shard.name).read_bytes() == shard.read_bytes(), shard.name
