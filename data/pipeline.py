@@ -382,7 +382,7 @@ def _check_token_caches(specs, srcs, tokenizer, fim_rate: float) -> None:
                      f"source {caches[0][0].name!r} is a tokenized cache; read the text source instead, or set "
                      "config.data.fim_rate=0")
   from data import pretokenize  # pylint: disable=g-import-not-at-top
-  proto = getattr(tokenizer, "_proto", None)
+  proto = getattr(tokenizer, "model_proto", None)  # a meshlm .model; a Hugging Face tokenizer: its directory
   mine = (hashlib.sha256(proto).hexdigest() if proto is not None else
           pretokenize.tokenizer_fingerprint(tokenizer.path))
   for spec, src in caches:

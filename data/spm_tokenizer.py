@@ -42,6 +42,11 @@ class Tokenizer:
         data = f.read()
     return cls(data, path)
 
+  @property
+  def model_proto(self) -> bytes:
+    """The serialized SentencePiece model: the bytes of its .model file."""
+    return self._proto
+
   def __getstate__(self):
     return {"path": self.path, "proto": self._proto}
 
