@@ -49,7 +49,7 @@ def format_report(report: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m data.decontaminate", description=__doc__.split("\n\n")[0])
-  p.add_argument("--tasks", required=True, help="evaluation tasks NAME:PATH[,...] (as python -m evals --tasks)")
+  p.add_argument("--tasks", required=True, help="evaluation tasks NAME:PATH[,...] (as python -m train.evaluate --tasks)")
   p.add_argument("--input", default="", help="training files (globs, comma-separated; jsonl, parquet, text, wet)")
   p.add_argument("--sources", default="", help="or a training mixture spec, as config.data.sources")
   p.add_argument("--input_format", default="auto", help="auto (from the extension) | jsonl | parquet | text | wet")

@@ -90,6 +90,16 @@ def open_binary(path: str):
   return gzip.GzipFile(fileobj=raw, mode="rb") if path.endswith(".gz") else raw
 
 
+def atomic_write(path: str, data: bytes | str) -> None:
+  """Writes `data` (str as UTF-8) to a local `path` through a temporary file and a rename, creating its directory:
+  a reader sees the old file or the whole new one, never a partial one."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "wb") as f:
+    f.write(data.encode("utf-8") if isinstance(data, str) else data)
+  os.replace(tmp, path)
+
+
 def read_bytes(path: str) -> bytes:
   """The whole (decompressed) content of a file."""
   with open_binary(path) as f:
@@ -334,12 +344,12 @@ def _read_text(path: str, tally: _FileTally, *, text_mode: str, **_) -> Iterator
 def _read_warc(path: str, tally: _FileTally, **_) -> Iterator[dict]:
   """WET `conversion` records (text as stored) and WARC `response` records of HTML pages with status 200 (the main
   text extracted by resiliparse), with `url`, `date` and `content_type`; other record types pass silently."""
-  for offset, headers, raw in _warc_records(path, tally):
+  for offset, headers, head, body in _warc_records(path, tally):
     kind = headers.get("warc-type")
     if kind == "conversion":
-      text, content_type = tally.decode(raw[headers["_body"]:]).strip(), headers.get("content-type", "text/plain")
+      text, content_type = tally.decode(body).strip(), headers.get("content-type", "text/plain")
     elif kind == "response":
-      text, content_type = _html_response_text(raw, path, offset, tally)
+      text, content_type = _html_response_text(head + body, path, offset, tally)
     else:
       continue
     if text:
@@ -348,9 +358,8 @@ def _read_warc(path: str, tally: _FileTally, **_) -> Iterator[dict]:
              "content_type": content_type}
 
 
-def _warc_records(path: str, tally: _FileTally) -> Iterator[tuple[int, dict, bytes]]:
-  """(offset, headers, the record's bytes) per well-formed record; headers lower-cased, `_body` = where the body
-  starts in the bytes. A record without a WARC header line or a numeric Content-Length is counted and skipped to the
+def _warc_records(path: str, tally: _FileTally) -> Iterator[tuple[int, dict, bytes, bytes]]:
+  """(offset, headers lower-cased, the header block's bytes, the body) per well-formed record. A record without a WARC header line or a numeric Content-Length is counted and skipped to the
   next `WARC/` line; a record cut short by the end of the file, or a compressed stream that breaks off, is counted
   with its offset (in the decompressed content) and ends the file."""
   with open_binary(path) as f:
@@ -384,8 +393,7 @@ def _warc_records(path: str, tally: _FileTally) -> Iterator[tuple[int, dict, byt
           tally.skip("truncated_warc_records", f"{path}: record at byte {offset} declares {length} bytes but the "
                      f"file ends after {len(body)}")
           return
-        headers["_body"] = sum(map(len, head))
-        yield offset, headers, b"".join(head) + body
+        yield offset, headers, b"".join(head), body
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
       tally.skip("truncated_archives", f"{path}: the compressed stream breaks off in the record at byte {offset} of "
                  f"its content ({e}); the records before it were read")

@@ -96,18 +96,14 @@ class _Tokenize:
       if out is None:
         return None
       return self._finish(out, source_id)
-    if isinstance(plan, denoise_lib.Plan):
-      examples = self.denoiser(self.tokenizer.encode(text), plan)
-      return [self._finish(e, source_id) for e in examples] or None
-    ids = np.asarray(self.tokenizer.encode(text) if plan is None else
-                     fim_lib.encode(self.tokenizer, text, plan), np.int32)
-    inputs = np.concatenate([[self.tokenizer.bos_id], ids]).astype(np.int32)
-    targets = np.concatenate([ids, [self.tokenizer.eos_id]]).astype(np.int32)
-    return self._finish({"inputs": inputs, "targets": targets, "loss_mask": np.ones(len(inputs), np.float32)},
-                        source_id)
+    fim = plan is not None and not isinstance(plan, denoise_lib.Plan)
+    ids = fim_lib.encode(self.tokenizer, text, plan) if fim else self.tokenizer.encode(text)
+    return self._from_ids(np.asarray(ids, np.int32), source_id, plan)
 
   def _from_ids(self, ids, source_id, plan):
-    """As for a text whose encoding is `ids` (FIM needs the text and is refused with caches, in make_dataset)."""
+    """The example(s) of a document whose ids are `ids` (int32 [n]): denoised with a denoising plan, else
+    BOS + ids -> ids + EOS. A tokenized cache's documents come here directly (FIM needs the text and is refused
+    with caches, in make_dataset)."""
     if ids.size == 0:
       return None
     if isinstance(plan, denoise_lib.Plan):

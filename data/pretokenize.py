@@ -29,13 +29,13 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 from typing import Sequence
 
 import numpy as np
 
+from data import files
 from data import sources as sources_lib
 
 log = logging.getLogger(__name__)
@@ -65,10 +65,7 @@ def _shard_name(k: int) -> str:
 
 
 def _atomic_json(path: str, value: dict) -> None:
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(value, f, indent=1)
-  os.replace(tmp, path)
+  files.atomic_write(path, json.dumps(value, indent=1))
 
 
 def encode_shard(spec: dict, tokenizer_path: str, text_field: str, strict: bool, start: int, stop: int,
@@ -153,7 +150,7 @@ def build(sources: str, tokenizer_path: str, output: str, *, text_field: str = "
   settings = _settings(specs, tokenizer_path, text_field, shard_docs)
   _check_or_start(output, settings)
   if not os.path.isdir(tokenizer_path):
-    shutil.copyfile(tokenizer_path, os.path.join(output, TOKENIZER_COPY))
+    files.atomic_write(os.path.join(output, TOKENIZER_COPY), files.read_bytes(tokenizer_path))
   t0 = time.time()
   jobs, layout = [], []
   for s in specs:

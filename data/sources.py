@@ -343,7 +343,8 @@ class TokenCache:
     return len(self._source)
 
   def __getitem__(self, index: int) -> np.ndarray:
-    return np.frombuffer(self._source[index], "<i4").astype(np.int32)
+    # A read-only view of the record (no copy): the pipeline only concatenates or lists it.
+    return np.frombuffer(self._source[index], np.dtype("<i4"))
 
 
 def stdlib_files() -> list[str]:

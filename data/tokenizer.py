@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import sentencepiece as spm
 
+from data import files
 from data import plan as plan_lib
 from data import sources as sources_lib
 # The loaded model and the special ids live below data.hf_tokenizer_load (which wraps a Tokenizer); names kept here.
@@ -160,12 +161,7 @@ def _copy_cache_tokenizer(plan: plan_lib.DataPlan, path: str) -> bool:
   if not os.path.exists(copy):
     raise ValueError(f"source {caches[0].name!r} is a tokenized cache without its tokenizer.model (made with a "
                      "Hugging Face tokenizer?); set config.data.tokenizer to the tokenizer that made it")
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(copy, "rb") as f:
-    data = f.read()
-  with open(path + ".tmp", "wb") as f:
-    f.write(data)
-  os.replace(path + ".tmp", path)
+  files.atomic_write(path, files.read_bytes(copy))
   log.info("using the tokenized cache's tokenizer %s -> %s", copy, path)
   return True
 

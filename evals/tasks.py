@@ -419,17 +419,8 @@ READERS: dict[str, Callable[[str], Task]] = {
 
 def parse_specs(spec: str) -> list[tuple[str, str]]:
   """'NAME:PATH[,NAME:PATH...]' -> [(name, path)]; TaskError for an unknown name or a missing path."""
-  out = []
-  for item in [s.strip() for s in spec.split(",") if s.strip()]:
-    name, sep, path = item.partition(":")
-    if not sep or not path:
-      raise TaskError(f"task spec {item!r} must be NAME:PATH (e.g. piqa:/data/piqa, mc:/my/task.jsonl)")
-    if name not in READERS:
-      raise TaskError(f"unknown task {name!r} in {item!r}; known tasks: {', '.join(sorted(READERS))}")
-    out.append((name, path))
-  if not out:
-    raise TaskError("no task given; pass NAME:PATH[,NAME:PATH...]")
-  return out
+  from data.curate import eval_items  # pylint: disable=g-import-not-at-top  # the one spec parser
+  return eval_items.parse_specs(spec, READERS, TaskError)
 
 
 def load_task(name: str, path: str) -> Task:

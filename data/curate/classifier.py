@@ -108,6 +108,7 @@ def train(positive: Sequence[str], negative: Sequence[str], *, dim: int = 32, bu
   model.counts[:] = [counts[w] for w in words]
   feats = [(model.features(t), y) for t, y in texts]
   order = np.random.default_rng(seed).permutation(np.tile(np.arange(len(feats)), epochs))
+  onehot = np.eye(2, dtype=np.float32)
   for step, k in enumerate(order):
     ids, y = feats[k]
     alpha = lr * (1.0 - step / len(order))
@@ -115,7 +116,7 @@ def train(positive: Sequence[str], negative: Sequence[str], *, dim: int = 32, bu
     logits = model.output @ hidden
     p = np.exp(logits - logits.max())
     p /= p.sum()
-    coef = alpha * (np.eye(2, dtype=np.float32)[y] - p)  # fastText's alpha * (label - score) per output row
+    coef = alpha * (onehot[y] - p)  # fastText's alpha * (label - score) per output row
     grad = coef @ model.output
     model.output += np.outer(coef, hidden).astype(np.float32)
     np.add.at(model.input_, ids, (grad / len(ids)).astype(np.float32))

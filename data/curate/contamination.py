@@ -83,8 +83,8 @@ class Index:
 
 
 def load_index(specs: str, min_n: int = MIN_N, max_n: int = MAX_N) -> Index:
-  """An Index of the evaluation tasks `specs` ('NAME:PATH[,NAME:PATH...]', the names and files `python -m evals
-  --tasks` takes), their items read raw by data.curate.eval_items."""
+  """An Index of the evaluation tasks `specs` ('NAME:PATH[,NAME:PATH...]', the names and files
+  `python -m train.evaluate --tasks` takes), their items read raw by data.curate.eval_items."""
   from data.curate import eval_items  # pylint: disable=g-import-not-at-top
   return Index(eval_items.load(specs), min_n, max_n)
 

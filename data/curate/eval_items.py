@@ -1,6 +1,6 @@
 """Evaluation items as raw text, for decontamination: per task file, each item's prompt plus its answer as the
 benchmark publishes them (no prompt template: training text holds the question and the answer, not "Question:"
-and "Answer:"). The task names and file layouts are those `python -m evals --tasks NAME:PATH` reads.
+and "Answer:"). The task names and file layouts are those `python -m train.evaluate --tasks NAME:PATH` reads.
 
   mc, gen        JSONL {context, choices, label} / {context, answer}: context + the gold choice / the answer
   ppl, lambada, position_ppl, toxicity   JSONL: the text (toxicity: the prompt)
@@ -135,17 +135,25 @@ READERS = {"mc": _mc, "gen": _gen, "passkey": _gen, "ppl": _text, "lambada": _te
            "arc_challenge": _arc, "crows_pairs": _crows_pairs, "winogender": _winogender, "bbq": _bbq}
 
 
-def load(specs: str) -> list[tuple[str, list[str]]]:
-  """[(task label, item texts)] of 'NAME:PATH[,NAME:PATH...]'; a name given twice is labelled NAME:PATH."""
+def parse_specs(specs: str, known=None, error: type[Exception] = ValueError) -> list[tuple[str, str]]:
+  """'NAME:PATH[,NAME:PATH...]' -> [(name, path)], names among `known` (default: this module's readers; the
+  evaluator passes its own, with its own `error` class); `error` for a malformed item, an unknown name or none."""
+  known = READERS if known is None else known
   pairs = []
   for item in (s.strip() for s in specs.split(",") if s.strip()):
     name, sep, path = item.partition(":")
     if not sep or not path:
-      raise ValueError(f"task spec {item!r} must be NAME:PATH (e.g. piqa:/data/piqa, mc:/my/task.jsonl)")
-    if name not in READERS:
-      raise ValueError(f"unknown task {name!r} in {item!r}; known tasks: {', '.join(sorted(READERS))}")
+      raise error(f"task spec {item!r} must be NAME:PATH (e.g. piqa:/data/piqa, mc:/my/task.jsonl)")
+    if name not in known:
+      raise error(f"unknown task {name!r} in {item!r}; known tasks: {', '.join(sorted(known))}")
     pairs.append((name, path))
   if not pairs:
-    raise ValueError("no task given; pass NAME:PATH[,NAME:PATH...]")
+    raise error("no task given; pass NAME:PATH[,NAME:PATH...]")
+  return pairs
+
+
+def load(specs: str) -> list[tuple[str, list[str]]]:
+  """[(task label, item texts)] of 'NAME:PATH[,NAME:PATH...]'; a name given twice is labelled NAME:PATH."""
+  pairs = parse_specs(specs)
   names = [n for n, _ in pairs]
   return [(n if names.count(n) == 1 else f"{n}:{p}", READERS[n](p)) for n, p in pairs]

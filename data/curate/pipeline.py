@@ -55,14 +55,6 @@ _EXECUTION_KEYS = ("executor", "num_workers", "ray_address", "input", "output")
 _JSON_LINE = json.JSONEncoder(ensure_ascii=False)
 
 
-def _atomic_write(path: str, data: bytes | str) -> None:
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "wb") as f:
-    f.write(data.encode("utf-8") if isinstance(data, str) else data)
-  os.replace(tmp, path)
-
-
 def _atomic_save(path: str, array: np.ndarray) -> None:
   os.makedirs(os.path.dirname(path), exist_ok=True)
   tmp = f"{path}.tmp-{os.getpid()}.npy"
@@ -87,7 +79,7 @@ def _done(work: str, step: str, shard: int) -> bool:
 
 
 def _mark(work: str, step: str, shard: int, payload: dict) -> dict:
-  _atomic_write(_marker(work, step, shard), json.dumps(payload))
+  datafiles.atomic_write(_marker(work, step, shard), json.dumps(payload))
   return payload
 
 
@@ -475,7 +467,7 @@ def _check_manifest(work: str, manifest: dict) -> None:
       raise ValueError(f"{os.path.dirname(work)} holds an unfinished or finished run with different {what}; "
                        "use a new --output directory, or delete this one to start over")
   else:
-    _atomic_write(path, json.dumps(manifest, indent=1))
+    datafiles.atomic_write(path, json.dumps(manifest, indent=1))
 
 
 def validate(cfg) -> None:
@@ -561,7 +553,7 @@ def _run(cfg, executor, files: list[str], output: str, work: str, notices: list[
     models_path = os.path.join(work, "lm", "models.json")
     if not os.path.exists(models_path):
       models = ppl.train_models(cfg.perplexity, os.path.join(work, "lm"))
-      _atomic_write(models_path, json.dumps(models))
+      datafiles.atomic_write(models_path, json.dumps(models))
     with open(models_path) as f:
       models = json.load(f)
 
@@ -574,7 +566,7 @@ def _run(cfg, executor, files: list[str], output: str, work: str, notices: list[
         info["minhash"], near = _resolve_near_duplicates(cfg, work, n)
       if cfg.dedup.enabled:
         info["paragraph_dedup"] = _resolve_paragraphs(cfg, work, n, near)
-      _atomic_write(resolved, json.dumps(info))
+      datafiles.atomic_write(resolved, json.dumps(info))
     with open(resolved) as f:
       extra.update(json.load(f))
 
@@ -583,15 +575,15 @@ def _run(cfg, executor, files: list[str], output: str, work: str, notices: list[
   global_path = os.path.join(work, "global.json")
   if not os.path.exists(global_path):
     cutoffs = _perplexity_cutoffs(cfg, work, n) if cfg.perplexity.enabled else {}
-    _atomic_write(global_path, json.dumps({"cutoffs": cutoffs}))
+    datafiles.atomic_write(global_path, json.dumps({"cutoffs": cutoffs}))
   with open(global_path) as f:
     info = json.load(f)
   extra.update(info)
 
   _run_pass(executor, work, "write", n, write_shard, lambda s: (cfg_dict, s, work, output, info["cutoffs"]))
   summary = _summarise(work, n, extra)
-  _atomic_write(os.path.join(output, "stats.json"), json.dumps(summary, indent=1, ensure_ascii=False))
-  _atomic_write(os.path.join(output, "stats.md"), statslib.table(summary))
+  datafiles.atomic_write(os.path.join(output, "stats.json"), json.dumps(summary, indent=1, ensure_ascii=False))
+  datafiles.atomic_write(os.path.join(output, "stats.md"), statslib.table(summary))
   return summary
 
 

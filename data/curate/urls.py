@@ -11,6 +11,7 @@ Documents without a `url` (text files, JSONL without the field) pass.
 """
 from __future__ import annotations
 
+import functools
 import re
 import urllib.parse
 
@@ -58,8 +59,14 @@ class UrlFilter:
 
 
 def from_config(cfg) -> UrlFilter | None:
-  """The filter of curation's `url_filter` section, or None when the section is off."""
+  """The filter of curation's `url_filter` section, or None when the section is off; built once per process and
+  settings (every pass reads every shard through it, and a blocklist can hold millions of domains)."""
   u = cfg.url_filter
   if not u.enabled:
     return None
-  return UrlFilter(u.blocklist, tuple(u.banned_words), u.banned_words_file, tuple(u.soft_words), u.max_soft_words)
+  return _cached(u.blocklist, tuple(u.banned_words), u.banned_words_file, tuple(u.soft_words), u.max_soft_words)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached(*args) -> UrlFilter:
+  return UrlFilter(*args)
