@@ -34,7 +34,6 @@ import numpy as np
 
 from data import files as datafiles
 from data.curate import contamination
-from data.curate import classifier
 from data.curate import dedup
 from data.curate import executors
 from data.curate import minhash
@@ -165,7 +164,7 @@ def score_shard(cfg_dict: dict, path: str, shard: int, work: str, models: dict) 
   # Per scored document, in order: the decisions pass 3 applies (the JSON lines carry only the output record).
   meta = {"language": [], "language_ok": [], "quality": [], "perplexity": [], "chars": [], "chars_out": [],
           "quality_score": []}
-  rater = classifier.Scorer(cfg.quality_model.model) if cfg.quality_model.model else None
+  rater = _quality_scorer(cfg.quality_model.model) if cfg.quality_model.model else None
   # Plain attribute objects: ConfigDict look-ups in the per-document loops cost more than the rules themselves.
   quality_cfg = types.SimpleNamespace(**cfg.quality.to_dict()) if cfg.quality.enabled else None
   pii_cfg = types.SimpleNamespace(**cfg.pii.to_dict()) if cfg.pii.enabled else None
@@ -275,6 +274,13 @@ def _save_meta(work: str, shard: int, meta: dict) -> None:
                 quality_score=np.array(meta["quality_score"], np.float64),
                 chars=np.array(meta["chars"], np.int64),
                 chars_out=np.array(meta["chars_out"], np.int64))
+
+
+def _quality_scorer(path: str):
+  # Imported here: `python -m data.curate.classifier` runs that module as __main__, which an import at the top of
+  # this module (loaded by the data.curate package) would already have imported under its own name.
+  from data.curate import classifier  # pylint: disable=g-import-not-at-top
+  return classifier.Scorer(path)
 
 
 def _flush(batch: list[dict], scorer, pii_cfg, out, meta: dict, rater=None) -> None:
@@ -496,7 +502,7 @@ def validate(cfg) -> None:
   if cfg.quality_model.model:
     if not 0 <= cfg.quality_model.threshold <= 1:
       raise ValueError(f"quality_model.threshold must be in [0, 1]; got {cfg.quality_model.threshold}")
-    classifier.Scorer(cfg.quality_model.model)  # a missing or wrong model fails here, before any pass
+    _quality_scorer(cfg.quality_model.model)  # a missing or wrong model fails here, before any pass
   if cfg.decontaminate.tasks:
     contamination.load_index(cfg.decontaminate.tasks, cfg.decontaminate.min_n, cfg.decontaminate.max_n)
   if cfg.perplexity.enabled:
