@@ -1,7 +1,6 @@
 """2 processes x 4 CPU devices (jax.distributed on localhost, gloo collectives) reproduce 1 process x 8 devices."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -9,6 +8,7 @@ import numpy as np
 import pytest
 
 from parallel import mesh as mesh_lib
+import ports
 import configs
 from train.core import step as step_lib
 
@@ -23,15 +23,9 @@ OVERRIDES = {
 }
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_match_one_process():
-  port = _free_port()
+  port = ports.free_port()
   env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "PYTEST_"))}
   env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   args = [f"--config.{k}={v}" for k, v in OVERRIDES.items()] + [

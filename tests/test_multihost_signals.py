@@ -3,13 +3,13 @@ both processes save that step's checkpoint and exit 0, even when only one of the
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+import ports
 import configs
 from data import tokenizer as tokenizer_lib
 
@@ -20,12 +20,6 @@ SMALL = {"model.d_model": 32, "model.num_layers": 1, "model.num_heads": 2, "mode
          "train.seq_len": 32, "train.batch_size": 8, "train.steps": STEPS, "train.warmup_steps": 2,
          "train.log_every": 1, "train.eval_every": 0, "checkpoint.every": 0, "log.progress": False,
          "log.tensorboard": False, "mesh.data": -1, "mesh.fsdp": 2, "mesh.tensor": 2}
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
 
 
 def _logged_steps(workdir) -> list[int]:
@@ -42,7 +36,7 @@ def test_a_signal_to_one_process_stops_both_with_a_checkpoint(tmp_path, sig):
   tokenizer = tokenizer_lib.prepare(configs.load("tiny", **SMALL, **{"data.tokenizer_max_sentences": 2000}),
                                     str(tmp_path))
   workdir = tmp_path / "run"
-  port = _free_port()
+  port = ports.free_port()
   env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "PYTEST_"))}
   env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
              PYTHONUNBUFFERED="1")

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,17 +20,12 @@ import pytest
 
 from data import detokenize
 from data import tokenizer as tokenizer_lib
+import ports
 from test_generate_cli import run  # noqa: F401  (the module's run directory fixture)
 from train.rundir import generate as cli
 from train.serve import worker as worker_lib
 
 PROMPTS = ["def main(", "The quick brown fox", "import os\nimport sys", "x"]
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _expected(capsys, workdir, prompt, n):
@@ -58,7 +52,7 @@ def _post(port, path, data: bytes):
 @pytest.fixture
 def server(run):  # noqa: F811
   workdir = run[0]
-  port = _free_port()
+  port = ports.free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   proc = subprocess.Popen([sys.executable, "-m", "train.serve", "--workdir", workdir, "--port", str(port),
                            "--max_seqs", "8", "--served_model_name", "tiny", "--no_warmup"], env=env, stdout=subprocess.PIPE,
