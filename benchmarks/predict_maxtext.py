@@ -101,20 +101,22 @@ _TIERING = {
     # tpu-recipes training/trillium/Llama3.1-8B-MaxText/v6e-256 (MaxText tpu-recipes-v0.1.4 = 9f1820b4):
     # benchmarks/maxtext_trillium_model_configs.py `llama3_1_8b_8192`: per_device_batch_size 4,
     # max_target_length 8192, ici_fsdp -1, flash attention with every sa_block_* 2048, remat custom with
-    # decoder_layer_input and q/k/v/out projections offloaded to host. Log: 4.546 s, 7207.336 tokens/s/device.
+    # decoder_layer_input and q/k/v/out projections offloaded to host (meshlm's offload_qkv_out), the fused
+    # backward kernel. Log: 4.546 s, 7207.336 tokens/s/device. Compiled whole: libtpu unrolls the 2-layer scan,
+    # which puts the host transfers beside the whole step's kernels instead of one layer's.
     "llama3_1_8b_v6e": Row(
         "llama3_1_8b", {"train.seq_len": 8192, "train.batch_size": 4 * 256, "model.max_seq_len": 8192,
                         "model.dtype": "bfloat16", "model.attention_impl": "splash", "mesh.data": 1,
-                        "mesh.fsdp": -1, "train.remat": "save_qkv_proj", "train.xla_overlap": True,
+                        "mesh.fsdp": -1, "train.remat": "offload_qkv_out", "train.xla_overlap": True,
                         **{f"model.{k}": 2048 for k in model.config.SPLASH_BLOCK_KEYS},
                         # 2048-tiles in the dkv kernel need 32.5 MiB of VMEM, over libtpu's 32 MiB scoped default;
                         # the recipe raises the limit (--xla_tpu_scoped_vmem_limit_kib=98304), meshlm halves them
                         "model.splash_block_q_bwd": 1024, "model.splash_block_kv_bwd": 1024},
         "v6e-256", 0.4546, "matmul_noncausal", "MaxText docs/reference/models/tiering.md; tpu-recipes "
         "training/trillium/Llama3.1-8B-MaxText/v6e-256 (llama3_1_8b_8192)", tokens_per_sec_per_chip=7207.336,
-        differs="MaxText offloads the layer input and q/k/v/out projections to host memory; meshlm keeps q/k/v "
-                "on chip (remat save_qkv_proj) and recomputes the output projection; backward splash tiles 1024 "
-                "(MaxText 2048 with a 96 MiB scoped-VMEM limit)"),
+        depths=None,
+        differs="backward splash tiles 1024 (MaxText 2048 with a 96 MiB scoped-VMEM limit and its fused "
+                "backward kernel)"),
     # benchmarks/maxtext_v5p_model_configs.py#L156 @92e59fdf (`llama2_70b_v5p_128`): per_device_batch_size 4,
     # max_target_length 4096, ici_fsdp -1, remat save_dot_except_mlpwi; "512 Chips" are TensorCores: 256 chips
     # (configs/tpu/v5p/llama2_70b.sh: "4M token global batch size on 1 x v5p-512"). 692 tokens/s/device.
@@ -130,7 +132,7 @@ ROWS: dict[str, Row] = {**_v5e_rows(), **_TIERING}
 GROUPS = {"all": list(ROWS), "v5e": [r for r in ROWS if r[-1] == "b"],
           "multislice": [r for r in ROWS if "_x" in r], "tiering": list(_TIERING)}
 TERMS = ("step_seconds", "compute_seconds", "memory_bound_seconds", "collective_seconds",
-         "exposed_collective_seconds")
+         "exposed_collective_seconds", "host_transfer_seconds", "exposed_host_seconds")
 
 
 def row_slice(row: Row) -> hardware.TpuSlice:
@@ -309,7 +311,7 @@ def predict_terms(programs: list[tuple[int, str]], row: Row, c, efficiency: floa
   out = {k: lerp([p[k] for p in preds], depths, c.model.num_layers) for k in TERMS}
   out["uncosted_kernels"] = max(p["uncosted_kernels"] for p in preds)
   terms = {"compute": out["compute_seconds"], "memory": out["memory_bound_seconds"],
-           "collective": out["exposed_collective_seconds"]}
+           "collective": out["exposed_collective_seconds"], "host": out["exposed_host_seconds"]}
   out["dominant"] = max(terms, key=terms.get)
   peak = tpu.chip.peak_tflops * 1e12
   out["mfu_published_convention"] = published_flops_per_chip(row, c) / (out["step_seconds"] * peak)
@@ -392,14 +394,15 @@ def _gib(r: dict) -> str:
 def table(rows: list[dict], fit_rows: list[str]) -> str:
   """The rows as a Markdown table."""
   out = ["| row | slice | published MFU | predicted MFU | step s (pub. / pred.) | error | compute / memory / "
-         "collectives (exposed) s | dominant | GiB/chip | obtained |", "|" + "---|" * 10]
+         "collectives (exposed) / host transfers (exposed) s | dominant | GiB/chip | obtained |", "|" + "---|" * 10]
   for r in rows:
     role = "fit" if r["row"] in fit_rows else "held out"
     out.append(
         f"| {r['row']} ({role}) | {r['topology']} x {r['num_slices']} | {r['published_mfu']:.2%} | "
         f"{r['predicted_mfu_published_convention']:.2%} | {r['published_step_seconds']:.2f} / "
         f"{r['step_seconds']:.2f} | {r['relative_error']:+.1%} | {r['compute_seconds']:.2f} / "
-        f"{r['memory_bound_seconds']:.2f} / {r['collective_seconds']:.2f} ({r['exposed_collective_seconds']:.2f}) | "
+        f"{r['memory_bound_seconds']:.2f} / {r['collective_seconds']:.2f} ({r['exposed_collective_seconds']:.2f}) / "
+        f"{r['host_transfer_seconds']:.2f} ({r['exposed_host_seconds']:.2f}) | "
         f"{r['dominant']} | {_gib(r)} | {r['obtained']} |")
   return "\n".join(out)
 

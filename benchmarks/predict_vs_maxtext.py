@@ -2,7 +2,7 @@
 for the same recipe (RECIPES: MaxText configs/tpu/v5e/{16b,32b,64b}.sh on today's model, and the v6e-256 Llama
 3.1 8B tiering recipe), no TPU needed.
 
-  python benchmarks/predict_vs_maxtext.py --maxtext_venv VENV [--row 16b] [--layers 2,4] [--hlo_dir DIR]
+  python benchmarks/predict_vs_maxtext.py --maxtext_venv VENV [--row 16b] [--layers 2,4 | --full] [--hlo_dir DIR]
       [--set KEY=VALUE,...] [--maxtext_mask causal|full] [--json FILE]
 
 MaxText runs in its own virtual environment (Python 3.12, its own jax), as a subprocess: VENV must hold the PyPI
@@ -75,15 +75,17 @@ def _v5e(scale: int, batch: int) -> dict:
 
 # One row per recipe: meshlm's preset and overrides, MaxText's train_compile flags (both the same model, batch,
 # sequence, remat and mesh) and libtpu flags, the slice. The v6e row is MaxText's tiering recipe
-# (benchmarks/maxtext_trillium_model_configs.py `llama3_1_8b_8192`) with the one remat policy both have that
-# fits without host offloading (save_qkv_proj; the recipe offloads the layer input and q/k/v/out to host) and its
-# XLA flags less the SparseCore, host-offload and continuation-fusion sets.
+# (benchmarks/maxtext_trillium_model_configs.py `llama3_1_8b_8192`) with its remat policy (the layer input and
+# q/k/v/out offloaded to host: meshlm's offload_qkv_out) and its XLA flags less the SparseCore and
+# continuation-fusion sets.
 RECIPES = {
     "16b": _v5e(16, 6), "32b": _v5e(32, 4), "64b": _v5e(64, 2),
     "llama3_1_8b_v6e": {
         "config": "llama3_1_8b", "overrides": pm.ROWS["llama3_1_8b_v6e"].overrides, "topology": "v6e-256",
         "model_args": ("model_name=llama3.1-8b", "override_model_config=true", "per_device_batch_size=4"),
-        "flags": ("max_target_length=8192", "remat_policy=save_qkv_proj", "attention=flash", *_SA_BLOCKS,
+        "flags": ("max_target_length=8192", "remat_policy=custom", "decoder_layer_input=offload",
+                  "query_proj=offload", "key_proj=offload", "value_proj=offload", "out_proj=offload",
+                  "attention=flash", *_SA_BLOCKS,
                   "use_iota_embed=true", "reuse_example_batch=1", "dataset_type=synthetic", "steps=15",
                   "enable_checkpointing=false", "gcs_metrics=false", "enable_goodput_recording=false",
                   "monitor_goodput=false", "jax_cache_dir="),
@@ -278,8 +280,9 @@ def analyse(programs: list[tuple[int, str]], memories: list[dict], c, tpu, top: 
 
 
 def summary(row: str, sides: dict, ratio: dict) -> str:
-  lines = [f"{row} on {RECIPES[row]['topology']}, extrapolated to {sides['meshlm']['num_layers']} layers from "
-           f"{sides['meshlm']['compiled_depths']}: predicted seconds per step (MaxText / meshlm = ratio)"]
+  depths = sides["meshlm"]["compiled_depths"]
+  how = "compiled whole" if len(depths) == 1 else f"extrapolated to {sides['meshlm']['num_layers']} layers from {depths}"
+  lines = [f"{row} on {RECIPES[row]['topology']}, {how}: predicted seconds per step (MaxText / meshlm = ratio)"]
   for k in TERMS:
     lines.append(f"  {k:28s} {sides['maxtext'][k]:8.3f}  {sides['meshlm'][k]:8.3f}  {ratio[k]:6.3f}")
   lines.append(f"  {'MFU (MaxText FLOPs today)':28s} "
@@ -343,8 +346,12 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--maxtext_venv", required=True, help="virtual environment with maxtext and libtpu")
   p.add_argument("--row", default="16b", choices=sorted(RECIPES))
-  p.add_argument("--layers", type=pm._depths, default=(2, 4),  # pylint: disable=protected-access
-                 help="the two depths A,B compiled on both sides (then extrapolated to the recipe's)")
+  depth = p.add_mutually_exclusive_group()
+  depth.add_argument("--layers", type=pm._depths, default=(2, 4),  # pylint: disable=protected-access
+                     help="the two depths A,B compiled on both sides (then extrapolated to the recipe's)")
+  depth.add_argument("--full", action="store_true",
+                     help="compile both programs whole (the v6e row: libtpu unrolls 2-4 layer loops, which moves "
+                          "the host transfers of its offloaded activations beside the whole step's kernels)")
   p.add_argument("--hlo_dir", default="", help="keep and reuse both sides' compiled programs here")
   p.add_argument("--set", type=pm._overrides, default={}, metavar="KEY=VALUE,...",  # pylint: disable=protected-access
                  help="meshlm config overrides on top of the recipe's (e.g. model.attention_impl=xla)")
@@ -357,6 +364,8 @@ def main(argv=None) -> int:
   if versions is None:
     return 0
   name, hlo_dir = args.row, args.hlo_dir or None
+  if args.full:
+    args.layers = (meshlm_config(name, args.set).model.num_layers,)
   mt_programs, mt_reports = [], []
   for depth in args.layers:
     start = time.perf_counter()

@@ -57,7 +57,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.decay_exclude = ("norm", "bias", "embedding")  # parameter-path substrings without weight decay (unembed decays)
   t.clip_norm = 1.0  # global-norm gradient clipping threshold; 0 disables
   t.z_loss = 1e-4  # coefficient of the z-loss (logsumexp^2)
-  t.remat = "none"  # none | full | save_dots | minimal | save_qkv_proj | save_attn | save_out_proj | save_qkv_mlp_in | save_dot_except_mlpwi
+  t.remat = "none"  # none | full | save_dots | minimal | save_qkv_proj | save_attn | save_out_proj | save_qkv_mlp_in | save_dot_except_mlpwi | offload_input | offload_qkv_out
   t.seed = 0  # seed for parameter init and any training randomness
   t.log_every = 10  # steps between metric lines
   t.eval_every = 200  # steps between held-out evaluations; 0 disables

@@ -327,6 +327,8 @@ class Block(nnx.Module):
       raise ValueError("model.capacity_factor > 0 (capacity-limited MoE) cannot prefill a prompt in chunks through "
                        "a filled KV cache; prefill it in one call into an empty cache, or use capacity_factor=0 "
                        "(dropless)")
+    if cache is None:  # every use of the input reads the tagged copy, so an offloading policy moves the only copy
+      x_BLD = remat.tag(x_BLD, remat.LAYER_INPUT)
     h_BLD = self._norm("attn_norm", x_BLD)
     if cache is None:
       attn_BLD = self.attn(h_BLD, segment_ids_BL, cos, sin, window, prefix_BL=prefix_BL, branch_BL=branch_BL,

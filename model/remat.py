@@ -2,7 +2,9 @@
 
 The layer body tags its main intermediates with `jax.ad_checkpoint.checkpoint_name` (the names below); a policy
 decides which of them are kept for the backward pass, everything else is recomputed. `none` means no checkpoint
-wrapping at all (everything kept); `full` keeps only the layer inputs.
+wrapping at all (everything kept); `full` keeps only the layer inputs. The `offload_*` policies move what they
+save to the host's pinned memory after the forward pass and back for the backward pass (jax's
+`save_and_offload_only_these_names`): HBM holds none of it, the host-to-device link carries it twice per step.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Callable, NamedTuple
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
+LAYER_INPUT = "decoder_layer_input"  # the layer input (the scan carry) [B, L, D]
 QUERY_PROJ = "query_proj"  # q after projection and RoPE   [B, L, H, K]
 KEY_PROJ = "key_proj"  # k after projection and RoPE     [B, L, G, K]
 VALUE_PROJ = "value_proj"  # v after projection          [B, L, G, K]
@@ -19,7 +22,7 @@ ATTN_OUT = "attn_out"  # after the output projection     [B, L, D]
 MLP_IN = "mlp_in"  # gate and up projections             [B, L, F]
 MLP_HIDDEN = "mlp_hidden"  # activation(gate) * up       [B, L, F]
 MLP_OUT = "mlp_out"  # after the down projection         [B, L, D]
-NAMES = (QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTN_CONTEXT, ATTN_OUT, MLP_IN, MLP_HIDDEN, MLP_OUT)
+NAMES = (LAYER_INPUT, QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTN_CONTEXT, ATTN_OUT, MLP_IN, MLP_HIDDEN, MLP_OUT)
 
 # What one layer can keep for its backward pass, in groups (train/planning/memory.py sizes each group per token):
 #   input      the layer input (the scan carry)             norms      normalisation intermediates and outputs
@@ -31,13 +34,21 @@ GROUPS = ("input", "norms", "qkv", "context", "scores", "attn_out", "mlp_in", "m
 
 
 class Policy(NamedTuple):
-  """A remat policy: `checkpoint` for `jax.checkpoint` (None = no checkpoint wrapping, everything kept) and the
-  GROUPS it keeps (everything else is recomputed in the backward pass)."""
+  """A remat policy: `checkpoint` for `jax.checkpoint` (None = no checkpoint wrapping, everything kept), the
+  GROUPS it keeps in device memory and those it keeps in host memory (`offloads`); everything else is recomputed
+  in the backward pass."""
   checkpoint: Callable | None
   keeps: tuple[str, ...]
+  offloads: tuple[str, ...] = ()
 
 
 _cp = jax.checkpoint_policies
+
+
+def _offload(*names: str) -> Callable:
+  return _cp.save_and_offload_only_these_names(names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
+                                               offload_src="device", offload_dst="pinned_host")
+
 
 # The one table of remat policies: name -> what jax is told and what the layer therefore keeps.
 POLICIES: dict[str, Policy] = {
@@ -56,6 +67,13 @@ POLICIES: dict[str, Policy] = {
     # MaxText's policy of the same name: every projection but the MLP's gate and up (recomputed with attention)
     "save_dot_except_mlpwi": Policy(_cp.save_only_these_names(QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTN_OUT, MLP_OUT),
                                     ("input", "qkv", "attn_out", "mlp_out")),
+    # MaxText's remat_policy=custom with decoder_layer_input: offload (its 405B recipes): recompute everything,
+    # the layer input kept on the host
+    "offload_input": Policy(_offload(LAYER_INPUT), (), ("input",)),
+    # MaxText's custom policy of its Llama 3.1 8B / 70B v6e recipes: the layer input, q, k, v and the attention's
+    # output projection on the host, the rest recomputed
+    "offload_qkv_out": Policy(_offload(LAYER_INPUT, QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTN_OUT), (),
+                              ("input", "qkv", "attn_out")),
 }
 
 

@@ -7,8 +7,9 @@ from train.planning import memory
 
 def test_one_remat_table_drives_the_model_and_the_memory_model():
   for name, policy in remat.POLICIES.items():
-    assert set(policy.keeps) <= set(remat.GROUPS), name
-    assert "input" in policy.keeps, name  # the scan carry is always kept
+    assert set(policy.keeps) | set(policy.offloads) <= set(remat.GROUPS), name
+    assert not set(policy.keeps) & set(policy.offloads), name
+    assert "input" in policy.keeps + policy.offloads, name  # the scan carry is always kept, in HBM or on the host
   assert remat.POLICIES["none"].checkpoint is None
   # The memory model sizes exactly the groups the table speaks of.
   m = configs.load("tiny").model
@@ -39,3 +40,53 @@ def test_save_dot_except_mlpwi_keeps_what_maxtexts_policy_keeps():
                                                    remat.ATTN_OUT, remat.MLP_OUT}
   assert set(remat.POLICIES["save_dot_except_mlpwi"].keeps) == {"input", "qkv", "attn_out", "mlp_out"}
   assert _saved_names("full") == set()
+
+
+def _residuals(policy: str):
+  """(device, host) residual shapes of the tiny model's loss for `policy`, and its gradient function."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=g-import-not-at-top
+  import model  # pylint: disable=g-import-not-at-top
+
+  m = configs.load("tiny").model
+  tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, m.vocab_size)
+  graphdef, state = nnx.split(model.Transformer(m, rngs=nnx.Rngs(0), remat=policy))
+
+  def loss(state):
+    logits = nnx.merge(graphdef, state)(tokens)
+    return jnp.mean((logits[0] if isinstance(logits, tuple) else logits).astype(jnp.float32) ** 2)
+
+  shapes = [(aval.str_short(), aval.shape) for aval, _ in saved_residuals(loss, state)]
+  return ([s for t, s in shapes if "<host>" not in t], [s for t, s in shapes if "<host>" in t],
+          jax.jit(jax.grad(loss)), state, m)
+
+
+def test_offload_policies_keep_what_they_save_in_host_memory_with_the_same_gradients():
+  """offload_qkv_out (MaxText's custom policy of its Llama 3.1 v6e recipes): every layer's input, q, k, v and the
+  attention's output projection are kept in host memory, nothing layer-stacked in device memory; the gradients are
+  those of the model without remat (the policy changes where values wait, not what is computed)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  device, host, grad, state, m = _residuals("offload_qkv_out")
+  n, b, s, d, h, g, k = m.num_layers, 2, 16, m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
+  assert sorted(host) == sorted([(n, b, s, d), (n, b, s, h, k), (n, b, s, g, k), (n, b, s, g, k), (n, b, s, d)])
+  assert not [shape for shape in device if shape[:2] == (n, b)]
+  assert sorted(_residuals("offload_input")[1]) == [(n, b, s, d)]
+  reference = _residuals("none")[2](state)
+  for a, r in zip(jax.tree.leaves(grad(state)), jax.tree.leaves(reference)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-6, atol=1e-7)
+
+
+def test_the_planner_moves_offloaded_groups_from_hbm_to_the_host():
+  """Per layer and token, offload_qkv_out keeps D (input) + (H + 2G) K (q, k, v) + D (attention output) values on
+  the host (model dtype), none of them in HBM."""
+  config = configs.load("tiny", **{"train.seq_len": 64, "train.batch_size": 8})
+  m, c = config.model, memory.BYTES[config.model.dtype]
+  off = memory.activation_memory(config, 8, remat="offload_qkv_out")
+  per_token = (2 * m.d_model + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim) * c
+  assert off["host"] == per_token * off["tokens_per_device"] * m.num_layers
+  assert off["per_layer_saved"] == 0
+  kept = memory.activation_memory(config, 8, remat="save_qkv_proj")
+  assert kept["host"] == 0 and off["total"] < kept["total"]

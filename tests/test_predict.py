@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import configs
+from model import remat
 from train.planning import compile as aot
 from train.planning import hardware
 from train.planning import hlo
@@ -271,3 +272,33 @@ def test_a_loop_counter_that_starts_late_runs_fewer_iterations(start):
   program = hlo.parse(_PEELED_LOOP.replace("START", str(start)))
   runs = [mult for _, instr, mult in hlo.executed(program) if instr.opcode == "exponential"]
   assert runs == [len(range(start, 4))]
+
+
+def test_offloaded_residuals_cost_their_bytes_over_the_host_link(devices):
+  """A layer scan whose remat policy offloads each layer's input (model.remat offload_input): the program moves L
+  inputs to the host and L back, each B x D float32; they cost 2 L B D 4 bytes / the chip's host bandwidth, and
+  what the kernels of their loop body cannot hide is added to the step."""
+  n_layers, b, d = 6, 512, 1024
+
+  def layer(x, w):
+    x = remat.tag(x, remat.LAYER_INPUT)
+    return x + jnp.tanh(x @ w), None
+
+  def loss(ws, x):
+    body = jax.checkpoint(layer, policy=remat.POLICIES["offload_input"].checkpoint, prevent_cse=False)
+    return jnp.sum(jax.lax.scan(body, x, ws)[0] ** 2)
+
+  rep = NamedSharding(Mesh(np.array(devices), ("x",)), P())
+  text = jax.jit(jax.grad(loss)).lower(jax.ShapeDtypeStruct((n_layers, d, d), jnp.float32, sharding=rep),
+                                       jax.ShapeDtypeStruct((b, d), jnp.float32, sharding=rep)).compile().as_text()
+  moves = hlo.host_transfers(hlo.parse(text))
+  for direction in ("to_host", "from_host"):
+    assert sum(t["per_step"] for t in moves if t["direction"] == direction) == n_layers
+  assert {t["bytes"] for t in moves} == {b * d * 4}
+  p = predict.predict(text, V4, num_devices=8, torus=V4_16.torus, model_flops_per_chip=1, tokens_per_chip=1)
+  assert p["host_transfer_seconds"] == pytest.approx(2 * n_layers * b * d * 4 / (V4.host_gbps * 1e9), rel=1e-9)
+  assert 0 < p["exposed_host_seconds"] <= p["host_transfer_seconds"]
+  assert p["step_seconds"] == pytest.approx(p["compute_seconds"] + p["memory_bound_seconds"]
+                                            + p["exposed_collective_seconds"] + p["exposed_host_seconds"])
+  # Nothing of the transfers is priced again as an HBM kernel.
+  assert not [r for r in p["top_ops"] if r["bound"] in ("compute", "memory") and "slice" in r["op"]]

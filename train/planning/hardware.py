@@ -15,6 +15,9 @@ gives it (read as GiB), bandwidths in GB/s (1e9 bytes/s). Interconnect bandwidth
     141 GB at 4.8 TB/s; NVLink 4 900 GB/s bidirectional per GPU through NVSwitch within an 8-GPU node); between
     nodes one 400 Gb/s InfiniBand NDR adapter per GPU (DGX H100 / HGX H200 reference designs).
   A100: NVIDIA A100 data sheet (312 TFLOP/s, 1555 / 2039 GB/s, NVLink 3 600 GB/s, 200 Gb/s HDR per GPU).
+  Host links (what offloaded activations cross): TPUs ~16 GB/s one way per chip (PCIe Gen4 x8; the JAX scaling book,
+    "How to Think About TPUs", works with 1.5e10 B/s for v6e), A100 PCIe Gen4 x16 (32 GB/s), H100 / H200 PCIe Gen5
+    x16 (64 GB/s).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class Chip:
   ici_link_gbps: float = 0.0  # one-way GB/s per ICI link (GPU: NVLink one-way per GPU)
   dcn_gbps: float = 0.0  # one-way GB/s per chip across slices (TPU DCN) or nodes (GPU InfiniBand)
   ici_domain: int = 0  # GPUs: chips reachable over NVLink (the node); 0 for TPUs (the whole slice)
+  host_gbps: float = 0.0  # one-way GB/s per chip between its memory and the host's (PCIe)
 
   @property
   def hbm_bytes(self) -> float:
@@ -46,14 +50,22 @@ class Chip:
 
 
 CHIPS: dict[str, Chip] = {c.name: c for c in [
-    Chip("tpu_v4", 275.0, 32.0, "v4", 2, hbm_gbps=1200, ici_links=6, ici_link_gbps=50, dcn_gbps=3.125),
-    Chip("tpu_v5e", 197.0, 16.0, "v5e", 1, hbm_gbps=819, ici_links=4, ici_link_gbps=50, dcn_gbps=3.125),
-    Chip("tpu_v5p", 459.0, 95.0, "v5p", 2, hbm_gbps=2765, ici_links=6, ici_link_gbps=100, dcn_gbps=6.25),
-    Chip("tpu_v6e", 918.0, 32.0, "v6e", 1, hbm_gbps=1638, ici_links=4, ici_link_gbps=100, dcn_gbps=12.5),
-    Chip("a100_40gb", 312.0, 40.0, hbm_gbps=1555, ici_links=1, ici_link_gbps=300, dcn_gbps=25, ici_domain=8),
-    Chip("a100_80gb", 312.0, 80.0, hbm_gbps=2039, ici_links=1, ici_link_gbps=300, dcn_gbps=25, ici_domain=8),
-    Chip("h100", 989.0, 80.0, hbm_gbps=3350, ici_links=1, ici_link_gbps=450, dcn_gbps=50, ici_domain=8),
-    Chip("h200", 989.0, 141.0, hbm_gbps=4800, ici_links=1, ici_link_gbps=450, dcn_gbps=50, ici_domain=8),
+    Chip("tpu_v4", 275.0, 32.0, "v4", 2, hbm_gbps=1200, ici_links=6, ici_link_gbps=50, dcn_gbps=3.125,
+         host_gbps=16),
+    Chip("tpu_v5e", 197.0, 16.0, "v5e", 1, hbm_gbps=819, ici_links=4, ici_link_gbps=50, dcn_gbps=3.125,
+         host_gbps=16),
+    Chip("tpu_v5p", 459.0, 95.0, "v5p", 2, hbm_gbps=2765, ici_links=6, ici_link_gbps=100, dcn_gbps=6.25,
+         host_gbps=16),
+    Chip("tpu_v6e", 918.0, 32.0, "v6e", 1, hbm_gbps=1638, ici_links=4, ici_link_gbps=100, dcn_gbps=12.5,
+         host_gbps=16),
+    Chip("a100_40gb", 312.0, 40.0, hbm_gbps=1555, ici_links=1, ici_link_gbps=300, dcn_gbps=25, ici_domain=8,
+         host_gbps=32),
+    Chip("a100_80gb", 312.0, 80.0, hbm_gbps=2039, ici_links=1, ici_link_gbps=300, dcn_gbps=25, ici_domain=8,
+         host_gbps=32),
+    Chip("h100", 989.0, 80.0, hbm_gbps=3350, ici_links=1, ici_link_gbps=450, dcn_gbps=50, ici_domain=8,
+         host_gbps=64),
+    Chip("h200", 989.0, 141.0, hbm_gbps=4800, ici_links=1, ici_link_gbps=450, dcn_gbps=50, ici_domain=8,
+         host_gbps=64),
 ]}
 
 # Substrings of jax's `device.device_kind` -> CHIPS key (first match wins; order matters: v5 lite before v5).

@@ -295,6 +295,45 @@ def executed(program: Program, *, into_fusions: bool = False) -> Iterator[tuple[
     yield from visit(program.entry, 1.0, 0)
 
 
+# XLA's memory space of host memory in a TPU layout (`{...:T(8,128)S(5)}`): what the offloading remat policies
+# (model/remat.py `offload_*`) move their residuals to.
+HOST_MEMORY_SPACE = 5
+_MEMORY_SPACE = re.compile(r":[^}]*S\((\d+)\)")
+# (opcode, operand index of the host buffer or -1 for the result, operand index of the moved array or -1 for
+# the result): a slice written into a host buffer, a slice read out of one, a whole array copied either way.
+_HOST_MOVES = {"dynamic-update-slice": ((-1, 1),), "dynamic-slice": ((0, -1),), "copy": ((0, -1), (-1, 0))}
+
+
+def memory_space(shape: str) -> int:
+  """The memory space of an array's layout: 0 (HBM) unless the layout names S(n)."""
+  m = _MEMORY_SPACE.search(shape)
+  return int(m.group(1)) if m else 0
+
+
+def host_transfers(program: Program) -> list[dict]:
+  """Every transfer between device and host memory the program runs: [{"name", "computation", "direction"
+  ("to_host" / "from_host"), "bytes" (of one execution), "per_step", "async"}]. Asynchronous transfers are the
+  `-start` forms (their `-done` only waits); `bytes` is the slice or array moved, not the host buffer."""
+  out, by_comp = [], {}
+  for comp, instr, mult in executed(program):
+    op = instr.opcode.removesuffix("-start")
+    if op not in _HOST_MOVES:
+      continue
+    shapes = by_comp.setdefault(comp, {i.name: i.shape for i in program.computations[comp]})
+    args = [shapes.get(_name(o), "") for o in operands(instr.rest)]
+    # the -start forms return (operands, result, context): the result is the tuple's second element
+    result = split_tuple(instr.shape)[1] if instr.opcode.endswith("-start") else instr.shape
+    for host, moved in _HOST_MOVES[op]:
+      host_shape = result if host < 0 else (args[host] if host < len(args) else "")
+      if memory_space(host_shape) != HOST_MEMORY_SPACE:
+        continue
+      moved_shape = result if moved < 0 else (args[moved] if moved < len(args) else "")
+      out.append({"name": instr.name, "computation": comp, "direction": "to_host" if host < 0 else "from_host",
+                  "bytes": float(sum(shape_bytes(moved_shape))), "per_step": mult,
+                  "async": instr.opcode.endswith("-start")})
+  return out
+
+
 def collective_ops(hlo_text: str, num_devices: int = 1) -> list[dict]:
   """Every collective of a compiled program: [{"kind", "name", "shapes", "bytes", "per_step", "group",
   "async", "scope"}].

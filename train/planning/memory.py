@@ -236,6 +236,8 @@ def _layer_bytes(m: ml_collections.ConfigDict, kv_len: int, tensor: int, expert:
 
 # Which groups each remat policy keeps: a view of model/remat.py's one policy table.
 SAVED_BY_POLICY = {name: policy.keeps for name, policy in remat.POLICIES.items()}
+# Which groups each policy keeps in host memory instead (the offload_* policies).
+OFFLOADED_BY_POLICY = {name: policy.offloads for name, policy in remat.POLICIES.items()}
 
 
 _ATTENTION = ("norms", "qkv", "context", "scores", "attn_out")  # live while attention is differentiated
@@ -276,8 +278,11 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
   stage input (one D-wide tensor) is kept and one stage visit's layers are recomputed at a time. The loop buffer
   (the whole micro-batch's D-wide residual stream) and the logits are replicated over stages.
 
+  Offloading policies (model/remat.py `offload_*`) keep their groups in host memory: not in `total`, reported as
+  `host` (every layer's), and part of the backward working set again when the last layer fetches them back.
+
   Returns bytes: {"per_layer_saved", "layers" (= per_layer_saved * num_layers; pipelined: what the stage keeps
-  over its iterations), "recompute_peak", "logits", "total", "tokens_per_device"}. `platform` ("cpu", "gpu",
+  over its iterations), "recompute_peak", "logits", "total", "host", "tokens_per_device"}. `platform` ("cpu", "gpu",
   "tpu"): where the step runs, which decides model.attention_impl=auto (`attention_impl`).
   """
   m, t = config.model, config.train
@@ -315,8 +320,9 @@ def activation_memory(config: ml_collections.ConfigDict, micro_batch: int, *, re
       layers = saved / M * per_visit * T
     layers += per_token["input"] * tokens * (1 + S / M)  # loop buffer and the stage-to-stage shift state
     recompute = recompute / M
+  host = nbytes(OFFLOADED_BY_POLICY[remat]) * m.num_layers
   return {"per_layer_saved": saved, "layers": layers, "recompute_peak": recompute, "logits": logits,
-          "total": layers + logits + recompute, "tokens_per_device": tokens}
+          "total": layers + logits + recompute, "host": host, "tokens_per_device": tokens}
 
 
 def max_micro_batch(config: ml_collections.ConfigDict, hbm_bytes: float, state_bytes: float, *,

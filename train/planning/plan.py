@@ -367,11 +367,12 @@ def format_table(r: dict) -> str:
   for label, st in rows:
     lines.append(f"  {label:22} {st['weights'] / GIB:10.3f} {st['gradients'] / GIB:10.3f} "
                  f"{st['optimizer'] / GIB:10.3f} {st['total'] / GIB:10.3f}")
-  lines.append(f"activations (GiB)   {'per layer':>10} {'all layers':>11} {'recompute':>10} {'logits':>9} "
-               f"{'total':>10}")
+  lines.append(f"activations (GiB)      {'per layer':>10} {'all layers':>11} {'recompute':>10} {'logits':>9} "
+               f"{'total':>10} {'on host':>9}")
   for name, a in r["activations"].items():
-    lines.append(f"  remat {name:12} {a['per_layer_saved'] / GIB:10.4f} {a['layers'] / GIB:11.3f} "
-                 f"{a['recompute_peak'] / GIB:10.3f} {a['logits'] / GIB:9.3f} {a['total'] / GIB:10.3f}")
+    lines.append(f"  remat {name:15} {a['per_layer_saved'] / GIB:10.4f} {a['layers'] / GIB:11.3f} "
+                 f"{a['recompute_peak'] / GIB:10.3f} {a['logits'] / GIB:9.3f} {a['total'] / GIB:10.3f} "
+                 f"{a.get('host', 0.0) / GIB:9.3f}")
   verdict = "fits" if r["fits"] else "does NOT fit"
   pipe = r.get("pipeline")
   if pipe:

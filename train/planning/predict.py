@@ -11,7 +11,11 @@ The model (docs/planning.md):
   GPU node, or the per-chip DCN / InfiniBand bandwidth beyond;
 - overlap: collectives the schedule issues asynchronously (start/done pairs, TPU async collective fusions) hide
   behind the kernels of the same computation (the loop body they are issued in); the excess and every
-  synchronous collective are exposed. Step time = kernel time + exposed collective time.
+  synchronous collective are exposed;
+- transfers between HBM and host memory (the offloading remat policies' residuals: `hlo.host_transfers`) cost
+  bytes / the chip's host link bandwidth; asynchronous ones hide behind the kernels of their computation on an
+  engine of their own (apart from the collectives'), the excess and synchronous ones are exposed.
+Step time = kernel time + exposed collective time + exposed host-transfer time.
 
 Units: seconds, bytes, FLOP/s; figures are per chip per optimizer step.
 """
@@ -35,7 +39,8 @@ MATMUL_EFFICIENCY = 0.827
 _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while", "conditional", "call",
          "after-all", "partition-id", "replica-id", "opt-barrier", "copy-start", "copy-done", "slice-start",
          "slice-done", "async-start", "async-done", "async-update", "send", "send-done", "recv", "recv-done",
-         "add-dependency", "domain", "all-gather-done", "all-reduce-done", "collective-permute-done"}
+         "add-dependency", "domain", "all-gather-done", "all-reduce-done", "collective-permute-done",
+         "dynamic-slice-done", "dynamic-update-slice-done"}
 _FREE_CUSTOM_CALLS = ("AllocateBuffer", "AssumeGatherIndicesInBound", "ConcatBitcast", "AsyncCollectiveStart",
                       "AsyncCollectiveDone")
 _DROP_ATTRS = ("metadata", "backend_config", "frontend_attributes", "control-predecessors", "statistics")
@@ -142,9 +147,9 @@ def _instruction_module(program: hlo.Program, shapes: dict[str, str], instr: hlo
 
 
 def _on_chip(shape: str) -> bool:
-  """Whether an array lives outside HBM: the TPU layout's memory space S(n), n > 0 (VMEM, SMEM, ...)."""
-  m = re.search(r":[^}]*S\((\d+)\)", shape)
-  return bool(m) and int(m.group(1)) > 0
+  """Whether an array lives in on-chip memory: the TPU layout's memory space S(n), n > 0 (VMEM, SMEM, ...), other
+  than the host's."""
+  return hlo.memory_space(shape) not in (0, hlo.HOST_MEMORY_SPACE)
 
 
 def _on_chip_bytes(cost: dict, instr: hlo.Instruction, shapes: dict[str, str]) -> float:
@@ -305,9 +310,10 @@ def kernel_costs(hlo_text: str) -> list[dict]:
   client = jax.devices("cpu")[0].client
   program = hlo.parse(hlo_text)
   shapes = {c: {i.name: i.shape for i in instrs} for c, instrs in program.computations.items()}
+  host = {(t["computation"], t["name"]) for t in hlo.host_transfers(program)}  # priced by `predict` apart
   by_key: dict[tuple[str, str], dict] = {}
   for comp, instr, mult in hlo.executed(program):
-    if _is_free(instr):
+    if _is_free(instr) or (comp, instr.name) in host:
       continue
     key = (comp, instr.name)
     if key in by_key:
@@ -353,7 +359,7 @@ def predict(hlo_text: str, chip: hardware.Chip, *, num_devices: int, torus: tupl
   Returns:
     {"step_seconds", "mfu", "tokens_per_sec_per_chip", "compute_seconds" (FLOP-bound kernels),
     "memory_bound_seconds" (HBM-bound kernels), "collective_seconds" (all collectives, as if serial),
-    "exposed_collective_seconds", "hardware_flops_per_chip", "dominant", "matmul_efficiency",
+    "exposed_collective_seconds", "host_transfer_seconds" (HBM <-> host, as if serial), "exposed_host_seconds", "hardware_flops_per_chip", "dominant", "matmul_efficiency",
     "uncosted_kernels", "top_ops": the `top` most expensive kernels and collectives}.
   """
   peak = chip.peak_tflops * 1e12 * efficiency
@@ -389,19 +395,44 @@ def predict(hlo_text: str, chip: hardware.Chip, *, num_devices: int, torus: tupl
                  "seconds": seconds, "bound": "collective" + (" (async)" if c["async"] else ""),
                  "flops": 0.0, "bytes": float(c["bytes"])})
   exposed = exposed_sync + sum(max(0.0, t - scope_kernels.get(s, 0.0)) for s, t in scope_async.items())
-  step = compute + memory_bound + exposed
-  terms = {"compute": compute, "memory": memory_bound, "collective": exposed}
+  host, exposed_host = _host_seconds(hlo.host_transfers(hlo.parse(hlo_text)), chip, scope_kernels, rows)
+  step = compute + memory_bound + exposed + exposed_host
+  terms = {"compute": compute, "memory": memory_bound, "collective": exposed, "host": exposed_host}
   rows.sort(key=lambda r: -r["seconds"])
   return {
       "step_seconds": step,
       "mfu": model_flops_per_chip / (step * chip.peak_tflops * 1e12) if step > 0 else None,
       "tokens_per_sec_per_chip": tokens_per_chip / step if step > 0 else None,
       "compute_seconds": compute, "memory_bound_seconds": memory_bound, "collective_seconds": collective,
-      "exposed_collective_seconds": exposed, "hardware_flops_per_chip": hw_flops,
+      "exposed_collective_seconds": exposed, "host_transfer_seconds": host, "exposed_host_seconds": exposed_host,
+      "hardware_flops_per_chip": hw_flops,
       "dominant": max(terms, key=terms.get), "matmul_efficiency": efficiency,
       "uncosted_kernels": sum(1 for k in kernels if not k["costed"]),
       "top_ops": rows[:top],
   }
+
+
+def _host_seconds(transfers: list[dict], chip: hardware.Chip, scope_kernels: dict[str, float],
+                  rows: list[dict]) -> tuple[float, float]:
+  """(all host-transfer seconds, the exposed part) of `hlo.host_transfers`; each transfer is also added to `rows`.
+  A program that moves data to or from the host on a chip whose host bandwidth is unknown is an error."""
+  if transfers and chip.host_gbps <= 0:
+    raise ValueError(f"the program moves data between HBM and host memory but {chip.name} has no host_gbps "
+                     "(train/planning/hardware.py)")
+  total = exposed = 0.0
+  scope_async: dict[str, float] = {}
+  for t in transfers:
+    seconds = t["bytes"] / (chip.host_gbps * 1e9) * t["per_step"]
+    total += seconds
+    if t["async"]:
+      scope_async[t["computation"]] = scope_async.get(t["computation"], 0.0) + seconds
+    else:
+      exposed += seconds
+    rows.append({"name": t["name"], "op": t["direction"], "op_name": "host transfer", "per_step": t["per_step"],
+                 "seconds": seconds, "bound": "host" + (" (async)" if t["async"] else ""), "flops": 0.0,
+                 "bytes": t["bytes"]})
+  exposed += sum(max(0.0, t - scope_kernels.get(s, 0.0)) for s, t in scope_async.items())
+  return total, exposed
 
 
 def for_report(hlo_text: str, report: dict, chip: hardware.Chip, torus: tuple[int, ...]) -> dict:
