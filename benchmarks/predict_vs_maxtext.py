@@ -89,10 +89,19 @@ RECIPES = {
                   "use_iota_embed=true", "reuse_example_batch=1", "dataset_type=synthetic", "steps=15",
                   "enable_checkpointing=false", "gcs_metrics=false", "enable_goodput_recording=false",
                   "monitor_goodput=false", "jax_cache_dir="),
-        # the recipe's DENSE_VMEM_LIMIT + DATA_PARALLEL_OVERLAP; its CF_FOR_ALL_GATHER (continuation fusion) is
-        # refused by libtpu 0.0.50 on v6e ("not supported/recommended on platforms other than TPU v5e")
+        # the recipe's DENSE_VMEM_LIMIT + DATA_PARALLEL_OVERLAP + HOST_OFFLOAD_FLAGS (benchmarks/xla_flags_library.py:
+        # the scheduler settings that let the host transfers run asynchronously); its CF_FOR_ALL_GATHER
+        # (continuation fusion) is refused by libtpu 0.0.50 on v6e ("not supported/recommended on platforms other
+        # than TPU v5e")
         "libtpu": "--xla_tpu_scoped_vmem_limit_kib=98304 --xla_tpu_enable_data_parallel_all_reduce_opt=true "
-                  "--xla_tpu_data_parallel_opt_different_sized_ops=true --xla_enable_async_all_gather=true",
+                  "--xla_tpu_data_parallel_opt_different_sized_ops=true --xla_enable_async_all_gather=true "
+                  "--xla_tpu_enable_all_experimental_scheduler_features=true "
+                  "--xla_tpu_enable_scheduler_memory_pressure_tracking=true --xla_tpu_host_transfer_overlap_limit=24 "
+                  "--xla_tpu_aggressive_opt_barrier_removal=ENABLED --xla_lhs_prioritize_async_depth_over_stall=ENABLED "
+                  "--xla_tpu_enable_ag_backward_pipelining=true "
+                  "--xla_should_allow_loop_variant_parameter_in_chain=ENABLED "
+                  "--xla_should_add_loop_invariant_op_in_chain=ENABLED --xla_max_concurrent_host_send_recv=100 "
+                  "--xla_tpu_scheduler_percent_shared_memory_limit=100 --xla_latency_hiding_scheduler_rerun=2",
         "layers_per_base": 1,
         "published_mfu": None},
 }

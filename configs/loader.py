@@ -113,6 +113,25 @@ def add_config_args(parser: argparse.ArgumentParser, default: str = DEFAULT_CONF
                       help="config file path or name under configs/ (default: %(default)s)")
 
 
+def split_overrides(rest: Sequence[str], example: str = "--config.train.steps=100") -> list[tuple[str, str]]:
+  """`--config.A.B=V` / `--config.A.B V` arguments -> [("A.B", "V")] in order; ConfigError for anything else."""
+  overrides: list[tuple[str, str]] = []
+  i = 0
+  while i < len(rest):
+    arg = rest[i]
+    if not arg.startswith("--config."):
+      raise ConfigError(f"unrecognised argument {arg!r}; overrides look like {example}")
+    key, eq, value = arg[len("--config."):].partition("=")
+    if not eq:
+      if i + 1 >= len(rest):
+        raise ConfigError(f"override {arg!r} has no value")
+      value = rest[i + 1]
+      i += 1
+    overrides.append((key, value))
+    i += 1
+  return overrides
+
+
 def parse(argv: Sequence[str] | None, parser: argparse.ArgumentParser,
           default: str = DEFAULT_CONFIG) -> tuple[ml_collections.ConfigDict, argparse.Namespace]:
   """Parses `argv` (without the program name): returns (config with overrides applied, other args).
@@ -125,20 +144,7 @@ def parse(argv: Sequence[str] | None, parser: argparse.ArgumentParser,
   """
   add_config_args(parser, default)
   known, rest = parser.parse_known_args(argv)
-  overrides: list[tuple[str, str]] = []
-  i = 0
-  while i < len(rest):
-    arg = rest[i]
-    if not arg.startswith("--config."):
-      raise ConfigError(f"unrecognised argument {arg!r}; overrides look like --config.train.steps=100")
-    key, eq, value = arg[len("--config."):].partition("=")
-    if not eq:
-      if i + 1 >= len(rest):
-        raise ConfigError(f"override {arg!r} has no value")
-      value = rest[i + 1]
-      i += 1
-    overrides.append((key, value))
-    i += 1
+  overrides = split_overrides(rest)
   config = load_config_file(known.config)
   for key, value in overrides:
     apply_override(config, key, value)

@@ -264,7 +264,11 @@ class LM:
     prompt = lambda i: self.tok_encode(requests[i][0])[-(self.max_len - requests[i][2]):]  # noqa: E731
     batches = [(idx[start:start + self.batch_size], max_tokens, seed + start) for max_tokens, idx in groups.items()
                for start in range(0, len(idx), self.batch_size)]
-    stop_ids = (self.tokenizer.eos_id,)
+    # A stop string that is a special piece (a chat marker such as <|end_of_turn|>) decodes to no text, so it is
+    # matched by id: generation is cut at its first occurrence, and stops there when every request lists it.
+    special_stops = [{self.specials[u] for u in until if u in self.specials} for _, until, _ in requests]
+    common = set.intersection(*special_stops) if special_stops else set()
+    stop_ids = (self.tokenizer.eos_id, *sorted(common))
     conts = {}
     with parallel.activate(self.mesh, self.rules):
       if sampler is None and self.sampler == "engine" and requests:
@@ -282,7 +286,8 @@ class LM:
                                                     temperature=temperature, top_p=top_p, stop_ids=stop_ids,
                                                     seed=batch_seed)
           conts.update(zip(chunk, outs))
-    return [cut_at_stops(self.tokenizer.decode(conts[i]), requests[i][1]) for i in range(len(requests))]
+    return [cut_at_stops(self.tokenizer.decode(_cut_at_ids(conts[i], special_stops[i])), requests[i][1])
+            for i in range(len(requests))]
 
   # ---- token-level scoring --------------------------------------------------------------------------------
   def loglikelihood_tokens(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[float, bool]]:
@@ -455,6 +460,12 @@ def _pack_rows(pieces, batch_size: int, max_len: int, length_shards: int, progre
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
     batches = tqdm(batches, desc="scoring", unit="batch", leave=False)
   yield from batches
+
+def _cut_at_ids(tokens: Sequence[int], stops: set[int]) -> list[int]:
+  """`tokens` up to (not including) the first id in `stops`."""
+  tokens = list(tokens)
+  return next((tokens[:j] for j, t in enumerate(tokens) if t in stops), tokens)
+
 
 def cut_at_stops(text: str, until: Sequence[str]) -> str:
   """`text` up to (not including) the first occurrence of any stop string, as lm-eval's generate_until does

@@ -394,6 +394,26 @@ def test_generate_until_cuts_at_stops_and_truncates_the_prompt(single, tok):
   assert cut_at_stops("a.b;c", [";", "."]) == "a"
 
 
+def test_a_stop_that_is_a_chat_marker_cuts_at_its_id(single, tok):
+  """A stop string that is a special piece (it decodes to no text) cuts the continuation at its id; generation
+  stops at it only when every request lists it."""
+  marker = "<|end_of_turn|>"
+  lm = LM(single.model, tok, single.mesh, single.rules, specials={marker: tok.special_id(marker)})
+  ids = tok.encode("42") + [tok.special_id(marker)] + tok.encode(" and more")
+  seen = []
+
+  def stand_in(model, prompts, max_new_tokens, **kwargs):
+    seen.append(kwargs["stop_ids"])
+    return [ids[:max_new_tokens] for _ in prompts]
+
+  both = lm._generate_with([("a", [marker], 12), ("b", [marker, "\n"], 12)], temperature=0.0, top_p=1.0, seed=0,
+                           sampler=stand_in)
+  assert both == ["42", "42"] and seen[-1] == (tok.eos_id, tok.special_id(marker))
+  one = lm._generate_with([("a", [marker], 12), ("b", [], 12)], temperature=0.0, top_p=1.0, seed=0,
+                          sampler=stand_in)
+  assert one == ["42", tok.decode(ids)] and seen[-1] == (tok.eos_id,)
+
+
 def test_generate_until_with_the_shared_sampler_is_greedy(single, tok):
   prompt = single.tok_encode("The value of")
   with parallel.activate(single.mesh, single.rules):

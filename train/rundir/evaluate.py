@@ -74,10 +74,14 @@ def open_lm(args):
   import evals  # pylint: disable=g-import-not-at-top
   from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   from train.rundir import restore  # pylint: disable=g-import-not-at-top
+  specials = None
   if args.workdir:
     run = restore.load_run(args.workdir, args.step, args.mesh, max_seq_len=args.max_len)
     tok = tokenizer_lib.Tokenizer.load(run.tokenizer_path)
     model, mesh, rules, what = run.model, run.mesh, run.rules, f"{args.workdir} step {run.step}"
+    # the chat markers written in a task's text (a chat-formatted prompt, an <|end_of_turn|> stop) are one id each,
+    # as the run's chat template renders them (a Hugging Face tokenizer.json matches its specials itself)
+    specials = {p: tok.special_id(p) for p in tokenizer_lib.RESERVED}
   else:
     model, tok, mesh, rules = restore.load_hf(args.hf, args.mesh)
     what = args.hf
@@ -85,7 +89,7 @@ def open_lm(args):
       raise restore.RunError(f"--max_len={args.max_len} exceeds {args.hf}'s max_position_embeddings="
                              f"{model.cfg.max_seq_len}; use at most that")
   return evals.LM(model, tok, mesh, rules, batch_size=args.batch_size, max_len=args.max_len,
-                  progress=not args.no_progress), what
+                  progress=not args.no_progress, specials=specials), what
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,364 @@
+"""`python -m train.lifecycle --config=lifecycle_tiny [--workdir DIR] [--from STAGE | --only STAGE]
+[--config.STAGE.KEY=VALUE ...]`: raw text to an evaluated, exported model, one stage after another.
+
+Stages run in the order `lifecycle.stages` gives, each in WORKDIR/<stage>/ by its own command (stages.py). The
+state is WORKDIR/lifecycle.json: per stage its status (running / done), a digest of its settings and of the
+stages it reads, its command and its seconds. Rerunning the command:
+- skips a finished stage whose digest is unchanged;
+- reruns a stage whose settings (or an input stage's) changed, and so every stage after it that reads it, saying
+  so; the old output is moved to WORKDIR/.previous/<stage>/ (the one before that is deleted);
+- resumes an interrupted stage (killed, or stopped by SIGINT / SIGTERM, which go to the stage's command) by running
+  its command again, which resumes as it does on its own (training from its last checkpoint);
+- `--from STAGE` reruns STAGE and everything after it, `--only STAGE` that stage alone (the stages it reads must be
+  done).
+Bad input (an unknown stage or key, a stage whose input stage is not in the sequence, a key for a stage that is not
+in it) exits 2 before anything runs. After every stage WORKDIR/report.html is rewritten; the export stage writes
+the model card (README.md) into the exported directory.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+import ml_collections
+
+from train.lifecycle import stages as stages_lib
+
+STATE_FILE = "lifecycle.json"
+
+
+class LifecycleError(ValueError):
+  """Bad input: the message names the stage or key and the fix (exit 2, nothing run)."""
+
+
+# ---- configuration -------------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m train.lifecycle", description=__doc__.split("\n\n")[0])
+  p.add_argument("--config", default="lifecycle_tiny", help="lifecycle config: a name under configs/ or a path")
+  p.add_argument("--workdir", default="", help="where every stage writes (default: runs/<config name>)")
+  part = p.add_mutually_exclusive_group()
+  part.add_argument("--from", dest="from_", default="", metavar="STAGE", help="rerun STAGE and every later one")
+  part.add_argument("--only", default="", metavar="STAGE", help="rerun STAGE alone")
+  return p
+
+
+def _set_command_key(section: ml_collections.ConfigDict, key: str, text: str) -> None:
+  from configs import loader  # pylint: disable=g-import-not-at-top
+  node = section.config
+  *parents, leaf = key.split(".")
+  for part in parents:
+    if part not in node:
+      node[part] = ml_collections.ConfigDict()
+    node = node[part]
+  node[leaf] = loader._parse_value(text)  # pylint: disable=protected-access  (the loader's one value parser)
+
+
+def load(argv: Sequence[str] | None) -> tuple[ml_collections.ConfigDict, list[str], argparse.Namespace]:
+  """(config with the overrides, the stage sequence, args); LifecycleError for anything that cannot run."""
+  import configs  # pylint: disable=g-import-not-at-top
+  from configs import loader  # pylint: disable=g-import-not-at-top
+  args, rest = _parser().parse_known_args(argv)
+  try:
+    cfg = ml_collections.ConfigDict(loader.load_config_file(args.config).to_dict())
+  except configs.ConfigError as e:
+    raise LifecycleError(str(e)) from None
+  given = set()
+  try:
+    overrides = loader.split_overrides(rest, "--config.pretrain.train.steps=100")
+  except configs.ConfigError as e:
+    raise LifecycleError(str(e)) from None
+  for key, text in overrides:
+    stage, _, sub = key.partition(".")
+    if stage != "lifecycle" and stage not in stages_lib.STAGES:
+      raise LifecycleError(f"--config.{key}: no stage {stage!r}; stages: {', '.join(stages_lib.STAGES)}")
+    top = sub.split(".")[0]
+    try:
+      if stage == "lifecycle" or (top in stages_lib.STAGES[stage].own_keys and top != "config"):
+        loader.apply_override(cfg, key, text)
+      elif "config" in stages_lib.STAGES[stage].own_keys:
+        _set_command_key(cfg[stage], sub[len("config."):] if top == "config" else sub, text)
+      else:
+        raise LifecycleError(f"--config.{key}: stage {stage!r} has no key {top!r}; its keys: "
+                             f"{', '.join(stages_lib.STAGES[stage].own_keys)}")
+    except configs.ConfigError as e:
+      raise LifecycleError(str(e)) from None
+    given.add(stage)
+  sequence = _sequence(cfg)
+  absent = sorted(given - set(sequence) - {"lifecycle"})
+  if absent:
+    raise LifecycleError(f"keys given for {absent}, which lifecycle.stages={cfg.lifecycle.stages!r} does not run; "
+                         "add the stage to lifecycle.stages or drop the keys")
+  for stage in sequence:
+    _check_command_keys(stage, cfg[stage])
+  for flag, stage in (("--from", args.from_), ("--only", args.only)):
+    if stage and stage not in sequence:
+      raise LifecycleError(f"{flag} {stage}: not one of this lifecycle's stages ({', '.join(sequence)})")
+  return cfg, sequence, args
+
+
+def _sequence(cfg) -> list[str]:
+  sequence = [s.strip() for s in cfg.lifecycle.stages.split(",") if s.strip()]
+  unknown = [s for s in sequence if s not in stages_lib.STAGES]
+  if unknown:
+    raise LifecycleError(f"lifecycle.stages: unknown stages {unknown}; stages: {', '.join(stages_lib.STAGES)}")
+  if len(set(sequence)) != len(sequence):
+    raise LifecycleError(f"lifecycle.stages={cfg.lifecycle.stages!r} names a stage twice")
+  for i, stage in enumerate(sequence):
+    missing = [n for n in stages_lib.STAGES[stage].needs if n not in sequence[:i]]
+    if missing:
+      raise LifecycleError(f"stage {stage!r} reads the output of {missing}, which lifecycle.stages does not run "
+                           f"before it; add them before {stage!r} or drop {stage!r}")
+  return sequence
+
+
+def _check_command_keys(stage: str, section) -> None:
+  """The command keys of a stage section, checked by the command's own config loader."""
+  import configs  # pylint: disable=g-import-not-at-top
+  from configs import loader  # pylint: disable=g-import-not-at-top
+  keys = stages_lib.flat_overrides(section.get("config", {}))
+  try:
+    if stage in stages_lib.TRAINING:
+      configs.load(section.recipe, **{k: stages_lib._arg(v) for k, v in keys})  # pylint: disable=protected-access
+    elif stage == "curate":
+      curate = loader.load_config_file("curate")
+      for k, v in keys:
+        loader.apply_override(curate, k, stages_lib._arg(v))  # pylint: disable=protected-access
+  except configs.ConfigError as e:
+    raise LifecycleError(f"stage {stage!r}: {e}") from None
+
+
+def digests(cfg, sequence: list[str]) -> dict[str, str]:
+  """Per stage: sha256 of its settings and of the digests of the stages it reads."""
+  out: dict[str, str] = {}
+  for stage in sequence:
+    reads = list(stages_lib.STAGES[stage].needs)
+    if stage in stages_lib.STARTS_FROM:
+      reads.append(stages_lib.start_of(stage, sequence))
+    if stage == "evaluate":
+      reads += [s for s in sequence[:sequence.index(stage)] if s in stages_lib.POLICY]
+    if stage == "export":
+      reads += [stages_lib.last_policy(sequence)] + (["evaluate"] if "evaluate" in sequence else [])
+    payload = {"stage": stage, "settings": cfg[stage].to_dict(), "reads": {r: out[r] for r in sorted(set(reads))
+                                                                            if r in out}}
+    out[stage] = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+  return out
+
+
+# ---- state ---------------------------------------------------------------------------------------------------
+def _read_state(workdir: str) -> dict:
+  path = os.path.join(workdir, STATE_FILE)
+  if not os.path.exists(path):
+    return {"records": {}, "evaluations": {}}
+  with open(path) as f:
+    return json.load(f)
+
+
+def _write_state(workdir: str, state: dict) -> None:
+  from data import files  # pylint: disable=g-import-not-at-top
+  files.atomic_write(os.path.join(workdir, STATE_FILE), json.dumps(state, indent=1, default=str))
+
+
+def say(message: str) -> None:
+  print(f"[lifecycle] {message}", flush=True)
+
+
+# ---- running -------------------------------------------------------------------------------------------------
+class _Child:
+  """The stage command being run; SIGINT / SIGTERM to the lifecycle go to it (it stops as it does on its own)."""
+  proc: subprocess.Popen | None = None
+  signalled: int = 0
+
+
+def _die_with_parent() -> None:
+  # A killed lifecycle takes its stage down with it (PR_SET_PDEATHSIG = 1), as a killed stage command would be.
+  try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+  except OSError:
+    pass
+
+
+def _forward(signum, frame) -> None:
+  del frame
+  _Child.signalled = signum
+  if _Child.proc is not None and _Child.proc.poll() is None:
+    _Child.proc.send_signal(signum)
+
+
+def run_command(argv: list[str]) -> int:
+  _Child.proc = subprocess.Popen(argv, preexec_fn=_die_with_parent)  # pylint: disable=subprocess-popen-preexec-fn
+  try:
+    return _Child.proc.wait()
+  finally:
+    _Child.proc = None
+
+
+def _move_aside(workdir: str, stage: str) -> None:
+  out = os.path.join(workdir, stage)
+  if not os.path.exists(out):
+    return
+  previous = os.path.join(workdir, ".previous", stage)
+  if os.path.exists(previous):
+    shutil.rmtree(previous)
+  os.makedirs(os.path.dirname(previous), exist_ok=True)
+  os.replace(out, previous)
+  say(f"{stage}: its earlier output is in {previous}")
+
+
+def _run_evaluate(workdir: str, cfg, sequence: list[str], state: dict, current: dict[str, str]) -> int:
+  """Evaluates every model stage before `evaluate` whose evaluation is missing or was made of another version of
+  that stage or with other evaluation settings (state["evaluated"]: model stage -> the digests it was made with)."""
+  section = cfg.evaluate
+  chat = next((s for s in ("sft", "dpo", "rl") if s in sequence), None)
+  stages_lib.write_task_prompts(workdir, section, cfg[chat].recipe if chat else "sft_tiny")
+  made = state.setdefault("evaluated", {})
+  settings = hashlib.sha256(json.dumps(section.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+  for model_stage in [s for s in sequence[:sequence.index("evaluate")] if s in stages_lib.POLICY]:
+    version = f"{current[model_stage]}/{settings}"
+    if made.get(model_stage) == version and os.path.exists(stages_lib.evaluation_path(workdir, model_stage)):
+      say(f"evaluate: {model_stage} evaluated earlier, kept")
+      continue
+    say(f"evaluate: {model_stage}")
+    rc = run_command(stages_lib.evaluate_command(model_stage, workdir, section))
+    if rc or _Child.signalled:
+      return rc or 128 + _Child.signalled
+    stages_lib.write_samples(workdir, model_stage, section.samples)
+    state["evaluations"][model_stage] = stages_lib.evaluation_path(workdir, model_stage)
+    made[model_stage] = version
+    _write_state(workdir, state)
+  return 0
+
+
+def run_stage(stage: str, workdir: str, cfg, sequence: list[str], state: dict, record: dict,
+              current: dict[str, str]) -> int:
+  """Runs (or resumes) one stage; returns its exit code (0 when it finished)."""
+  if stage == "curate" and cfg.curate.input == "builtin":
+    record["raw"] = stages_lib.write_raw(workdir, cfg.curate)
+  if stage == "evaluate":
+    return _run_evaluate(workdir, cfg, sequence, state, current)
+  argv = stages_lib.command(stage, workdir, cfg, sequence)
+  record["command"] = argv
+  _write_state(workdir, state)
+  rc = run_command(argv)
+  if rc or _Child.signalled:
+    return rc or 128 + _Child.signalled
+  if stage == "export":
+    from train.lifecycle import card  # pylint: disable=g-import-not-at-top
+    card.write_model_card(os.path.join(workdir, "export"), state, workdir)
+  return 0
+
+
+def _plan(sequence, records, current, args) -> dict[str, str]:
+  """What happens to each stage: "skip" (done, unchanged), "run", "resume" or "rerun" (changed or asked for)."""
+  forced = set(sequence[sequence.index(args.from_):]) if args.from_ else {args.only} if args.only else set()
+  plan = {}
+  for stage in sequence:
+    rec = records.get(stage)
+    if args.only and stage != args.only:
+      plan[stage] = "skip"
+    elif stage in forced or (rec and rec["digest"] != current[stage]):
+      plan[stage] = "rerun" if rec else "run"
+    elif rec and rec["status"] == "done":
+      plan[stage] = "skip"
+    else:
+      plan[stage] = "resume" if rec else "run"
+  if args.only:
+    reads = stages_lib.STAGES[args.only].needs
+    missing = [s for s in sequence[:sequence.index(args.only)] if s in reads or s in _starts(args.only, sequence)
+               if not (records.get(s, {}).get("status") == "done" and records[s]["digest"] == current[s])]
+    if missing:
+      raise LifecycleError(f"--only {args.only}: the stages it reads are not done with this config: {missing}; "
+                           f"run them first (e.g. --from {missing[0]})")
+  return plan
+
+
+def _starts(stage: str, sequence: list[str]) -> list[str]:
+  return [stages_lib.start_of(stage, sequence)] if stage in stages_lib.STARTS_FROM else []
+
+
+def run(cfg, sequence: list[str], args) -> int:
+  """Every stage in order (see the module docstring); the exit code of the first that did not finish, else 0."""
+  workdir = os.path.abspath(args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0]))
+  os.makedirs(workdir, exist_ok=True)
+  state = _read_state(workdir)
+  records, current = state["records"], digests(cfg, sequence)
+  plan = _plan(sequence, records, current, args)
+  state.update(name=os.path.splitext(os.path.basename(args.config))[0], stages=sequence,
+               training_stages=[s for s in sequence if s in stages_lib.TRAINING],
+               license=cfg.lifecycle.license)
+  for i, stage in enumerate(sequence, 1):
+    what = plan[stage]
+    if what == "skip":
+      if not args.only:
+        say(f"{i}/{len(sequence)} {stage}: done earlier, skipped")
+      continue
+    if what == "rerun":
+      why = "asked for" if args.from_ or args.only else "its config or an input stage changed"
+      say(f"{i}/{len(sequence)} {stage}: {why}; rerunning it" + ("" if args.only else " and the stages after it"))
+      _move_aside(workdir, stage)
+    elif what == "resume":
+      say(f"{i}/{len(sequence)} {stage}: interrupted earlier, resuming")
+    say(f"{i}/{len(sequence)} {stage}: start")
+    record = records[stage] = {**(records.get(stage, {}) if what == "resume" else {}), "status": "running",
+                               "digest": current[stage], "settings": dict(stages_lib.flat_overrides(cfg[stage])),
+                               "dir": os.path.join(workdir, stage)}
+    start = time.perf_counter()
+    _write_state(workdir, state)
+    rc = run_stage(stage, workdir, cfg, sequence, state, record, current)
+    record["seconds"] = record.get("seconds", 0.0) + time.perf_counter() - start
+    if rc:
+      _write_state(workdir, state)
+      _report(workdir, state)
+      say(f"{stage}: stopped (exit {rc}) after {record['seconds']:.0f} s; run the same command to resume")
+      return rc
+    record["status"] = "done"
+    _write_state(workdir, state)
+    _report(workdir, state)
+    say(f"{i}/{len(sequence)} {stage}: done in {record['seconds']:.1f} s")
+  print(summary(workdir, state), flush=True)
+  return 0
+
+
+def _report(workdir: str, state: dict) -> None:
+  from train.lifecycle import report  # pylint: disable=g-import-not-at-top
+  report.write_report(workdir, state)
+
+
+def summary(workdir: str, state: dict) -> str:
+  """The console's closing table: stage, status, seconds; then the per-stage evaluation table."""
+  from train.lifecycle import report  # pylint: disable=g-import-not-at-top
+  lines = [f"{'stage':10} {'status':8} {'seconds':>9}"]
+  for stage in state["stages"]:
+    rec = state["records"].get(stage, {})
+    lines.append(f"{stage:10} {rec.get('status', 'not run'):8} {rec.get('seconds', 0.0):9.1f}")
+  columns, rows = report.evaluation_table(state)
+  if rows:
+    lines += ["", "  ".join(columns)]
+    lines += ["  ".join(str(v if not isinstance(v, float) else f"{v:.4g}") for v in row) for row in rows]
+  lines.append(f"\nreport: {os.path.join(workdir, 'report.html')}")
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  try:
+    cfg, sequence, args = load(sys.argv[1:] if argv is None else argv)
+  except LifecycleError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  previous = {s: signal.signal(s, _forward) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    return run(cfg, sequence, args)
+  except LifecycleError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
