@@ -170,8 +170,23 @@ def test_sigkill_in_a_training_stage_resumes_it_exactly(run, tmp_path):
     (["--config.lifecycle.stages=curate,tokenizer,pretrain", "--config.dpo.train.steps=3"],
      "keys given for ['dpo'], which lifecycle.stages"),
     (["--config.pretrain.train.stepz=3"], "unknown config key 'train.stepz'"),
+    (["--config.pretrain.train.steps=abc"], "cannot set 'train.steps' to 'abc'"),
+    (["--config.sft.train.lr=-1.0"], "train.lr=-1.0 is out of range"),
+    (["--config.tokenizer.vocab_size=1024"], "set --config.pretrain.model.vocab_size=1024"),
+    (["--config.lifecycle.stages=curate,tokenizer,pretrain,evaluate,sft"], "puts ['sft'] after 'evaluate'"),
+    (["--config.export.dtype=float13"], "export.dtype='float13'"),
+    (["--config.evaluate.tasks=mc:/no/such.jsonl"], "/no/such.jsonl: no such file or directory"),
 ])
 def test_bad_input_exits_2_naming_it_with_nothing_run(tmp_path, capsys, args, needle):
   assert runner.main([f"--workdir={tmp_path / 'run'}", *args]) == 2
   assert needle in capsys.readouterr().err
   assert not (tmp_path / "run").exists()
+
+
+def test_a_stage_rerun_alone_leaves_the_stages_reading_it_stale():
+  """--only sft reruns sft; dpo (starts from sft), evaluate (evaluates it) and export (exports dpo, reads evaluate)
+  are then stale, reward (starts from sft too) as well; pretrain is not."""
+  sequence = ["curate", "tokenizer", "pretrain", "sft", "reward", "dpo", "evaluate", "export"]
+  records = {s: {"status": "done"} for s in sequence}
+  runner._mark_stale("sft", sequence, records)
+  assert [s for s in sequence if records[s]["status"] == "stale"] == ["reward", "dpo", "evaluate", "export"]

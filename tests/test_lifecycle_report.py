@@ -270,6 +270,10 @@ def _front_matter(text: str) -> dict:
 
 def test_model_card_front_matter_has_the_last_evaluation(lifecycle, tmp_path):
   workdir, state, evaluations, _ = lifecycle
+  # the exported model is the sequence's last model stage, sft here; with dpo after it, dpo's evaluation is needed
+  with open(card.write_model_card(str(tmp_path / "dpo_not_evaluated"), state, workdir), encoding="utf-8") as f:
+    assert not _front_matter(f.read())["model-index"][0].get("results")
+  state = {**state, "stages": ["curate", "tokenizer", "pretrain", "sft", "export"]}
   path = card.write_model_card(str(tmp_path / "export"), state, workdir)
   assert path == str(tmp_path / "export" / "README.md")
   with open(path, encoding="utf-8") as f:
@@ -281,7 +285,7 @@ def test_model_card_front_matter_has_the_last_evaluation(lifecycle, tmp_path):
   assert all(r["task"] == {"type": "text-generation"} and r["dataset"]["name"] == r["dataset"]["type"]
              for r in entry["results"])
   got = {r["dataset"]["name"]: {m["type"]: m["value"] for m in r["metrics"]} for r in entry["results"]}
-  assert got == _metric_values(evaluations["sft"])  # sft, the last evaluated stage; == on floats: exact
+  assert got == _metric_values(evaluations["sft"])  # sft, the exported model; == on floats: exact
   assert all(type(m["value"]) is float for r in entry["results"] for m in r["metrics"])
   assert "expected_max_toxicity" in text.split("## Bias and toxicity")[1].split("##")[0]
 
@@ -303,7 +307,8 @@ def test_model_card_body(lifecycle, tmp_path):
 
 def test_model_card_without_bias_tasks(lifecycle, tmp_path):
   workdir, state, evaluations, _ = lifecycle
-  only_pretrain = {**state, "evaluations": {"pretrain": state["evaluations"]["pretrain"]}}
+  only_pretrain = {**state, "stages": ["curate", "tokenizer", "pretrain", "export"],
+                   "evaluations": {"pretrain": state["evaluations"]["pretrain"]}}
   with open(card.write_model_card(str(tmp_path), only_pretrain, workdir)) as f:
     text = f.read()
   got = {r["dataset"]["name"]: {m["type"]: m["value"] for m in r["metrics"]}

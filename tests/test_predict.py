@@ -302,3 +302,30 @@ def test_offloaded_residuals_cost_their_bytes_over_the_host_link(devices):
                                             + p["exposed_collective_seconds"] + p["exposed_host_seconds"])
   # Nothing of the transfers is priced again as an HBM kernel.
   assert not [r for r in p["top_ops"] if r["bound"] in ("compute", "memory") and "slice" in r["op"]]
+
+
+_ASYNC_OFFLOAD = """HloModule m
+
+%async_computation (p0: f32[4,8]{1,0:S(5)}, p1: f32[1,8]) -> f32[4,8]{1,0:S(5)} {
+  %p0 = f32[4,8]{1,0:S(5)} parameter(0)
+  %p1 = f32[1,8]{1,0} parameter(1)
+  %i = s32[] constant(0)
+  ROOT %dus = f32[4,8]{1,0:S(5)} dynamic-update-slice(%p0, %p1, %i, %i)
+}
+
+ENTRY %main (buf: f32[4,8]{1,0:S(5)}, x: f32[1,8]) -> f32[4,8]{1,0:S(5)} {
+  %buf = f32[4,8]{1,0:S(5)} parameter(0)
+  %x = f32[1,8]{1,0} parameter(1)
+  %start = ((f32[4,8]{1,0:S(5)}, f32[1,8]{1,0}), f32[4,8]{1,0:S(5)}, u32[]) async-start(%buf, %x), calls=%async_computation
+  ROOT %done = f32[4,8]{1,0:S(5)} async-done(%start)
+}
+"""
+
+
+def test_a_host_transfer_inside_an_async_computation_is_asynchronous_in_its_issuers_scope():
+  """Newer XLA (MaxText's programs) wraps a host transfer in async-start(calls=...): it is asynchronous, it overlaps
+  with the kernels of the computation issuing the async-start, and it moves the slice (1 x 8 float32), not the
+  host buffer."""
+  (t,) = hlo.host_transfers(hlo.parse(_ASYNC_OFFLOAD))
+  assert (t["direction"], t["bytes"], t["async"]) == ("to_host", 32.0, True)
+  assert (t["where"], t["computation"]) == ("async_computation", "main")

@@ -99,8 +99,8 @@ def _md_table(header: list[str], rows: list[list[Any]]) -> list[str]:
 
 
 def _last_config(workdir: str, state: dict) -> tuple[str, dict] | None:
-  """(stage, config.json) of the last training stage that wrote one."""
-  for stage in reversed(state.get("training_stages", [])):
+  """(stage, config.json) of the last model stage (the exported model; not a reward model) that wrote one."""
+  for stage in reversed([s for s in state.get("training_stages", []) if s != "reward"]):
     config, _ = report.load_json(os.path.join(report.stage_dir(workdir, state, stage), "config.json"))
     if isinstance(config, dict) and isinstance(config.get("model"), dict):
       return stage, config

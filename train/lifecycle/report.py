@@ -110,7 +110,7 @@ def metric_series(records: list[dict]) -> dict[str, dict[str, list[tuple[float, 
 def evaluated_stages(state: dict) -> list[tuple[str, dict | None, str | None]]:
   """[(stage, evaluation JSON or None, why not)] for every stage with an evaluation path, in pipeline order."""
   paths = state.get("evaluations", {})
-  order = [s for s in state.get("stages", []) if s in paths] + [s for s in paths if s not in state.get("stages", [])]
+  order = [s for s in state.get("stages", []) if s in paths]  # a stage dropped from the sequence no longer counts
   out = []
   for stage in order:
     data, why = load_json(paths[stage])
@@ -121,9 +121,11 @@ def evaluated_stages(state: dict) -> list[tuple[str, dict | None, str | None]]:
 
 
 def last_evaluation(state: dict) -> tuple[str, dict] | None:
-  """(stage, evaluation JSON) of the last stage, in pipeline order, whose evaluation file exists."""
+  """(stage, evaluation JSON) of the last model stage of the sequence (the exported model), when its evaluation
+  exists; None otherwise (an older model's figures are not the exported one's)."""
+  policy = [s for s in state.get("stages", []) if s in ("pretrain", "sft", "dpo", "rl")]
   found = [(stage, data) for stage, data, _ in evaluated_stages(state) if data is not None]
-  return found[-1] if found else None
+  return found[-1] if found and policy and found[-1][0] == policy[-1] else None
 
 
 def evaluation_metrics(evaluation: dict) -> dict[str, tuple[Any, Any]]:

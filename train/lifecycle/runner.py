@@ -59,7 +59,10 @@ def _set_command_key(section: ml_collections.ConfigDict, key: str, text: str) ->
     if part not in node:
       node[part] = ml_collections.ConfigDict()
     node = node[part]
-  node[leaf] = loader._parse_value(text)  # pylint: disable=protected-access  (the loader's one value parser)
+  try:
+    node[leaf] = loader._parse_value(text)  # pylint: disable=protected-access  (the loader's one value parser)
+  except (TypeError, AttributeError, KeyError) as e:  # the lifecycle config already gives the key another type
+    raise LifecycleError(f"cannot set {key!r} to {text!r}: {e}") from None
 
 
 def load(argv: Sequence[str] | None) -> tuple[ml_collections.ConfigDict, list[str], argparse.Namespace]:
@@ -98,7 +101,7 @@ def load(argv: Sequence[str] | None) -> tuple[ml_collections.ConfigDict, list[st
     raise LifecycleError(f"keys given for {absent}, which lifecycle.stages={cfg.lifecycle.stages!r} does not run; "
                          "add the stage to lifecycle.stages or drop the keys")
   for stage in sequence:
-    _check_command_keys(stage, cfg[stage])
+    _check_command_keys(stage, cfg[stage], cfg)
   for flag, stage in (("--from", args.from_), ("--only", args.only)):
     if stage and stage not in sequence:
       raise LifecycleError(f"{flag} {stage}: not one of this lifecycle's stages ({', '.join(sequence)})")
@@ -117,38 +120,71 @@ def _sequence(cfg) -> list[str]:
     if missing:
       raise LifecycleError(f"stage {stage!r} reads the output of {missing}, which lifecycle.stages does not run "
                            f"before it; add them before {stage!r} or drop {stage!r}")
+  for stage in ("evaluate", "export"):  # they act on the final models: every model stage comes before them
+    later = [s for s in sequence[sequence.index(stage) + 1:] if s in stages_lib.POLICY] if stage in sequence else []
+    if later:
+      raise LifecycleError(f"lifecycle.stages puts {later} after {stage!r}; {stage!r} must follow every stage that "
+                           "changes the model")
+  if "evaluate" in sequence and "export" in sequence and sequence.index("export") < sequence.index("evaluate"):
+    raise LifecycleError("lifecycle.stages puts 'export' before 'evaluate'; the model card carries the evaluation: "
+                         "put 'evaluate' first")
   return sequence
 
 
-def _check_command_keys(stage: str, section) -> None:
-  """The command keys of a stage section, checked by the command's own config loader."""
+def _check_command_keys(stage: str, section, cfg) -> None:
+  """A stage's settings, checked as its command would check them, before anything runs."""
   import configs  # pylint: disable=g-import-not-at-top
-  from configs import loader  # pylint: disable=g-import-not-at-top
-  keys = stages_lib.flat_overrides(section.get("config", {}))
+  from configs import loader, validate  # pylint: disable=g-import-not-at-top
+  keys = stages_lib.config_args_dict(section)
   try:
     if stage in stages_lib.TRAINING:
-      configs.load(section.recipe, **{k: stages_lib._arg(v) for k, v in keys})  # pylint: disable=protected-access
+      config = configs.load(section.recipe, **dict(keys))
+      validate.check(config, [k for k, _ in keys])
+      if stage == "pretrain" and "tokenizer" in cfg and config.model.vocab_size != cfg.tokenizer.vocab_size:
+        raise LifecycleError(f"tokenizer.vocab_size={cfg.tokenizer.vocab_size} but pretrain's model.vocab_size="
+                             f"{config.model.vocab_size}: set --config.pretrain.model.vocab_size="
+                             f"{cfg.tokenizer.vocab_size} (or the tokenizer's to the model's)")
     elif stage == "curate":
       curate = loader.load_config_file("curate")
       for k, v in keys:
-        loader.apply_override(curate, k, stages_lib._arg(v))  # pylint: disable=protected-access
-  except configs.ConfigError as e:
+        loader.apply_override(curate, k, v)
+    elif stage == "tokenizer" and section.model_type not in ("bpe", "unigram"):
+      raise LifecycleError(f"tokenizer.model_type={section.model_type!r}: use bpe or unigram")
+    elif stage == "export" and section.dtype not in ("float32", "bfloat16", "float16"):
+      raise LifecycleError(f"export.dtype={section.dtype!r}: use float32, bfloat16 or float16")
+    elif stage == "evaluate":
+      from evals import tasks as tasks_lib  # pylint: disable=g-import-not-at-top
+      if section.batch_size < 1 or section.per_family < 1 or section.max_new_tokens < 1:
+        raise LifecycleError("evaluate.batch_size, per_family and max_new_tokens must be >= 1")
+      for name, path in tasks_lib.parse_specs(section.tasks) if section.tasks else []:
+        if not os.path.exists(path):
+          raise LifecycleError(f"evaluate.tasks: {path}: no such file or directory (task {name})")
+  except (configs.ConfigError, ValueError) as e:
+    if isinstance(e, LifecycleError):
+      raise
     raise LifecycleError(f"stage {stage!r}: {e}") from None
+
+
+def _settings(stage: str, section) -> dict:
+  """What a stage's output depends on: its section, for a training stage the whole config its recipe resolves to
+  (an edited recipe file reruns the stage), for curation of the user's files their paths and sizes."""
+  out = {"section": section.to_dict()}
+  if stage == "curate" and section.input != "builtin":  # the user's files: added, removed or grown ones count
+    import glob  # pylint: disable=g-import-not-at-top
+    files = sorted({f for pattern in section.input.split(",") if pattern for f in glob.glob(pattern)})
+    out["files"] = [(f, os.path.getsize(f)) for f in files]
+  if stage in stages_lib.TRAINING:
+    import configs  # pylint: disable=g-import-not-at-top
+    out["config"] = configs.load(section.recipe, **dict(stages_lib.config_args_dict(section))).to_dict()
+  return out
 
 
 def digests(cfg, sequence: list[str]) -> dict[str, str]:
   """Per stage: sha256 of its settings and of the digests of the stages it reads."""
   out: dict[str, str] = {}
   for stage in sequence:
-    reads = list(stages_lib.STAGES[stage].needs)
-    if stage in stages_lib.STARTS_FROM:
-      reads.append(stages_lib.start_of(stage, sequence))
-    if stage == "evaluate":
-      reads += [s for s in sequence[:sequence.index(stage)] if s in stages_lib.POLICY]
-    if stage == "export":
-      reads += [stages_lib.last_policy(sequence)] + (["evaluate"] if "evaluate" in sequence else [])
-    payload = {"stage": stage, "settings": cfg[stage].to_dict(), "reads": {r: out[r] for r in sorted(set(reads))
-                                                                            if r in out}}
+    payload = {"stage": stage, "settings": _settings(stage, cfg[stage]),
+               "reads": {r: out[r] for r in stages_lib.reads(stage, sequence)}}
     out[stage] = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
   return out
 
@@ -193,12 +229,26 @@ def _forward(signum, frame) -> None:
     _Child.proc.send_signal(signum)
 
 
+def _exit_code(rc: int) -> int:
+  """A stage command's exit code as the lifecycle's: killed by signal N -> 128 + N; its own exit 2 (bad input to it)
+  -> 1, since the lifecycle's 2 means that nothing ran."""
+  return 128 - rc if rc < 0 else 1 if rc == 2 else rc
+
+
 def run_command(argv: list[str]) -> int:
-  _Child.proc = subprocess.Popen(argv, preexec_fn=_die_with_parent)  # pylint: disable=subprocess-popen-preexec-fn
+  """Runs a stage command to its end; 128 + N when signal N reached the lifecycle (before or while it ran)."""
+  if _Child.signalled:
+    return 128 + _Child.signalled
+  # its own process group: a terminal's Ctrl-C reaches the lifecycle only, which forwards it once
+  _Child.proc = subprocess.Popen(argv, preexec_fn=_die_with_parent,  # pylint: disable=subprocess-popen-preexec-fn
+                                 process_group=0)
   try:
-    return _Child.proc.wait()
+    if _Child.signalled:  # arrived between the check and the start
+      _Child.proc.send_signal(_Child.signalled)
+    rc = _Child.proc.wait()
   finally:
     _Child.proc = None
+  return 128 + _Child.signalled if _Child.signalled else _exit_code(rc)
 
 
 def _move_aside(workdir: str, stage: str) -> None:
@@ -216,20 +266,28 @@ def _move_aside(workdir: str, stage: str) -> None:
 def _run_evaluate(workdir: str, cfg, sequence: list[str], state: dict, current: dict[str, str]) -> int:
   """Evaluates every model stage before `evaluate` whose evaluation is missing or was made of another version of
   that stage or with other evaluation settings (state["evaluated"]: model stage -> the digests it was made with)."""
+  del current
   section = cfg.evaluate
   chat = next((s for s in ("sft", "dpo", "rl") if s in sequence), None)
-  stages_lib.write_task_prompts(workdir, section, cfg[chat].recipe if chat else "sft_tiny")
+  stages_lib.write_task_prompts(workdir, section, cfg[chat] if chat else None)
+  heldout = cfg.curate.input == "builtin"
   made = state.setdefault("evaluated", {})
-  settings = hashlib.sha256(json.dumps(section.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+  h = hashlib.sha256(json.dumps(section.to_dict(), sort_keys=True).encode())
+  for path in [stages_lib.tasks_path(workdir)] + ([stages_lib.heldout_path(workdir)] if heldout else []):
+    with open(path, "rb") as f:
+      h.update(f.read())
+  settings = h.hexdigest()[:16]
   for model_stage in [s for s in sequence[:sequence.index("evaluate")] if s in stages_lib.POLICY]:
-    version = f"{current[model_stage]}/{settings}"
+    # the model's own run (a forced rerun of an unchanged config is a new model) and the task set
+    version = f"{state['records'][model_stage].get('run_id')}/{settings}"
     if made.get(model_stage) == version and os.path.exists(stages_lib.evaluation_path(workdir, model_stage)):
       say(f"evaluate: {model_stage} evaluated earlier, kept")
       continue
     say(f"evaluate: {model_stage}")
-    rc = run_command(stages_lib.evaluate_command(model_stage, workdir, section))
-    if rc or _Child.signalled:
-      return rc or 128 + _Child.signalled
+    state["evaluations"].pop(model_stage, None)  # until the new one exists, no figures for this model
+    rc = run_command(stages_lib.evaluate_command(model_stage, workdir, section, heldout))
+    if rc:
+      return rc
     stages_lib.write_samples(workdir, model_stage, section.samples)
     state["evaluations"][model_stage] = stages_lib.evaluation_path(workdir, model_stage)
     made[model_stage] = version
@@ -247,13 +305,7 @@ def run_stage(stage: str, workdir: str, cfg, sequence: list[str], state: dict, r
   argv = stages_lib.command(stage, workdir, cfg, sequence)
   record["command"] = argv
   _write_state(workdir, state)
-  rc = run_command(argv)
-  if rc or _Child.signalled:
-    return rc or 128 + _Child.signalled
-  if stage == "export":
-    from train.lifecycle import card  # pylint: disable=g-import-not-at-top
-    card.write_model_card(os.path.join(workdir, "export"), state, workdir)
-  return 0
+  return run_command(argv)
 
 
 def _plan(sequence, records, current, args) -> dict[str, str]:
@@ -266,13 +318,14 @@ def _plan(sequence, records, current, args) -> dict[str, str]:
       plan[stage] = "skip"
     elif stage in forced or (rec and rec["digest"] != current[stage]):
       plan[stage] = "rerun" if rec else "run"
+    elif rec and rec["status"] == "stale":
+      plan[stage] = "rerun"
     elif rec and rec["status"] == "done":
       plan[stage] = "skip"
     else:
       plan[stage] = "resume" if rec else "run"
   if args.only:
-    reads = stages_lib.STAGES[args.only].needs
-    missing = [s for s in sequence[:sequence.index(args.only)] if s in reads or s in _starts(args.only, sequence)
+    missing = [s for s in stages_lib.reads(args.only, sequence)
                if not (records.get(s, {}).get("status") == "done" and records[s]["digest"] == current[s])]
     if missing:
       raise LifecycleError(f"--only {args.only}: the stages it reads are not done with this config: {missing}; "
@@ -280,8 +333,15 @@ def _plan(sequence, records, current, args) -> dict[str, str]:
   return plan
 
 
-def _starts(stage: str, sequence: list[str]) -> list[str]:
-  return [stages_lib.start_of(stage, sequence)] if stage in stages_lib.STARTS_FROM else []
+def _mark_stale(stage: str, sequence: list[str], records: dict) -> None:
+  """After `stage` was rerun alone (--only), every later stage reading it, directly or not, is stale: the next run
+  reruns it."""
+  changed = {stage}
+  for later in sequence[sequence.index(stage) + 1:]:
+    if changed & set(stages_lib.reads(later, sequence)):
+      changed.add(later)
+      if later in records:
+        records[later]["status"] = "stale"
 
 
 def run(cfg, sequence: list[str], args) -> int:
@@ -307,8 +367,11 @@ def run(cfg, sequence: list[str], args) -> int:
     elif what == "resume":
       say(f"{i}/{len(sequence)} {stage}: interrupted earlier, resuming")
     say(f"{i}/{len(sequence)} {stage}: start")
-    record = records[stage] = {**(records.get(stage, {}) if what == "resume" else {}), "status": "running",
-                               "digest": current[stage], "settings": dict(stages_lib.flat_overrides(cfg[stage])),
+    if _Child.signalled:
+      break
+    record = records[stage] = {"run_id": time.time_ns(), **(records.get(stage, {}) if what == "resume" else {}),
+                               "status": "running", "digest": current[stage],
+                               "settings": dict(stages_lib.flat_overrides(cfg[stage])),
                                "dir": os.path.join(workdir, stage)}
     start = time.perf_counter()
     _write_state(workdir, state)
@@ -320,9 +383,17 @@ def run(cfg, sequence: list[str], args) -> int:
       say(f"{stage}: stopped (exit {rc}) after {record['seconds']:.0f} s; run the same command to resume")
       return rc
     record["status"] = "done"
+    if args.only:
+      _mark_stale(stage, sequence, records)
     _write_state(workdir, state)
+    if stage == "export":
+      from train.lifecycle import card  # pylint: disable=g-import-not-at-top
+      card.write_model_card(os.path.join(workdir, "export"), state, workdir)
     _report(workdir, state)
     say(f"{i}/{len(sequence)} {stage}: done in {record['seconds']:.1f} s")
+  if _Child.signalled:
+    say(f"stopped by signal {_Child.signalled}; run the same command to resume")
+    return 128 + _Child.signalled
   print(summary(workdir, state), flush=True)
   return 0
 
@@ -353,6 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except LifecycleError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  _Child.signalled = 0
   previous = {s: signal.signal(s, _forward) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
     return run(cfg, sequence, args)

@@ -49,6 +49,18 @@ def start_of(stage: str, sequence: list[str]) -> str:
   return next(s for s in STARTS_FROM[stage] if s in before)
 
 
+def reads(stage: str, sequence: list[str]) -> list[str]:
+  """The stages whose output `stage` reads in `sequence` (what its digest covers and --only requires done)."""
+  out = list(STAGES[stage].needs)
+  if stage in STARTS_FROM:
+    out.append(start_of(stage, sequence))
+  if stage == "evaluate":
+    out += [s for s in sequence[:sequence.index(stage)] if s in POLICY]
+  if stage == "export":
+    out += [last_policy(sequence, stage)] + (["evaluate"] if "evaluate" in sequence else [])
+  return sorted(set(out))
+
+
 def last_policy(sequence: list[str], upto: str | None = None) -> str:
   """The last model-changing stage of `sequence` (before `upto` when given)."""
   before = sequence[:sequence.index(upto)] if upto else sequence
@@ -71,6 +83,11 @@ def _arg(value) -> str:
   if isinstance(value, bool):
     return "true" if value else "false"
   return repr(value) if isinstance(value, (tuple, list)) else str(value)
+
+
+def config_args_dict(section) -> list[tuple[str, str]]:
+  """A stage's command keys as (dotted key, command-line text)."""
+  return [(k, _arg(v)) for k, v in flat_overrides(section.get("config", {}))]
 
 
 def config_args(section) -> list[str]:
@@ -132,13 +149,17 @@ def tasks_path(workdir: str) -> str:
   return os.path.join(workdir, "eval", "tasks.jsonl")
 
 
-def write_task_prompts(workdir: str, section, recipe: str) -> int:
+def write_task_prompts(workdir: str, section, chat_section) -> int:
   """WORKDIR/eval/tasks.jsonl: the held-out prompts of the built-in chat tasks `recipe` trains on (`per_family`
   per task family), each rendered as the meshlm chat template writes it (`<|role|>content<|end_of_turn|>`, then
   `<|assistant|>`), with its reference answer and the end of the turn as the stop: train.evaluate's `gen` task."""
   import configs  # pylint: disable=g-import-not-at-top
   from data import preference  # pylint: disable=g-import-not-at-top
-  items = preference.eval_items(configs.load(recipe).data, per_family=section.per_family)
+  if chat_section is None:
+    data = configs.load("sft_tiny").data
+  else:
+    data = configs.load(chat_section.recipe, **dict(config_args_dict(chat_section))).data
+  items = preference.eval_items(data, per_family=section.per_family)
   records = [{"context": "".join(f"<|{m['role']}|>{m['content']}<|end_of_turn|>" for m in item.messages)
                          + "<|assistant|>",
               "answer": item.answer, "until": ["<|end_of_turn|>"], "max_tokens": section.max_new_tokens,
@@ -183,9 +204,11 @@ def command(stage: str, workdir: str, cfg, sequence: list[str]) -> list[str]:
   raise ValueError(f"no command for stage {stage!r}")
 
 
-def evaluate_command(model_stage: str, workdir: str, section) -> list[str]:
-  """train.evaluate of `model_stage`'s run on the lifecycle's task set."""
-  tasks = [f"ppl:{heldout_path(workdir)}", f"gen:{tasks_path(workdir)}"] + [t for t in section.tasks.split(",") if t]
+def evaluate_command(model_stage: str, workdir: str, section, heldout: bool) -> list[str]:
+  """train.evaluate of `model_stage`'s run on the lifecycle's task set (held-out perplexity when the lifecycle
+  wrote the held-out documents: curate.input=builtin)."""
+  tasks = ([f"ppl:{heldout_path(workdir)}"] if heldout else []) + [f"gen:{tasks_path(workdir)}"]
+  tasks += [t for t in section.tasks.split(",") if t]
   args = ["--workdir", os.path.join(workdir, model_stage), "--tasks", ",".join(tasks), "--output",
           evaluation_path(workdir, model_stage), "--batch_size", str(section.batch_size), "--log_samples",
           "--no_progress"]

@@ -311,9 +311,14 @@ def memory_space(shape: str) -> int:
 
 
 def host_transfers(program: Program) -> list[dict]:
-  """Every transfer between device and host memory the program runs: [{"name", "computation", "direction"
+  """Every transfer between device and host memory the program runs: [{"name", "where", "computation", "direction"
   ("to_host" / "from_host"), "bytes" (of one execution), "per_step", "async"}]. Asynchronous transfers are the
-  `-start` forms (their `-done` only waits); `bytes` is the slice or array moved, not the host buffer."""
+  `-start` forms (their `-done` only waits) and the transfers inside a computation an `async-start` runs (newer
+  XLA's form), whose "computation" (the scope it overlaps with) is the one issuing that `async-start` ("where":
+  the computation holding the instruction); `bytes` is the slice or array moved,
+  not the host buffer."""
+  issuer = {callee: comp for comp, instrs in program.computations.items() for i in instrs
+            if i.opcode == "async-start" for _, callee in _CALLED.findall(i.rest)}
   out, by_comp = [], {}
   for comp, instr, mult in executed(program):
     op = instr.opcode.removesuffix("-start")
@@ -328,9 +333,10 @@ def host_transfers(program: Program) -> list[dict]:
       if memory_space(host_shape) != HOST_MEMORY_SPACE:
         continue
       moved_shape = result if moved < 0 else (args[moved] if moved < len(args) else "")
-      out.append({"name": instr.name, "computation": comp, "direction": "to_host" if host < 0 else "from_host",
+      out.append({"name": instr.name, "where": comp, "computation": issuer.get(comp, comp),
+                  "direction": "to_host" if host < 0 else "from_host",
                   "bytes": float(sum(shape_bytes(moved_shape))), "per_step": mult,
-                  "async": instr.opcode.endswith("-start")})
+                  "async": instr.opcode.endswith("-start") or comp in issuer})
   return out
 
 

@@ -310,7 +310,7 @@ def kernel_costs(hlo_text: str) -> list[dict]:
   client = jax.devices("cpu")[0].client
   program = hlo.parse(hlo_text)
   shapes = {c: {i.name: i.shape for i in instrs} for c, instrs in program.computations.items()}
-  host = {(t["computation"], t["name"]) for t in hlo.host_transfers(program)}  # priced by `predict` apart
+  host = {(t["where"], t["name"]) for t in hlo.host_transfers(program)}  # priced by `predict` apart
   by_key: dict[tuple[str, str], dict] = {}
   for comp, instr, mult in hlo.executed(program):
     if _is_free(instr) or (comp, instr.name) in host:
