@@ -39,10 +39,23 @@ def _longest_known(name: str, known) -> str | None:
   return None
 
 
+def _parse(path: pathlib.Path) -> ast.AST:
+  """ast.parse, retried: CPython 3.11's parser can raise "SystemError: AST constructor recursion depth mismatch"
+  when another thread of the process parses at the same time (python/cpython#106905; seen once in a pytest
+  worker that had run checkpointing tests); the file itself parses."""
+  for attempt in range(3):
+    try:
+      return ast.parse(path.read_text(), str(path))
+    except SystemError:
+      if attempt == 2:
+        raise
+  raise AssertionError("unreachable")
+
+
 def _imported_names(module: str, path: pathlib.Path):
   """Every dotted name an import statement in the file reaches (relative imports resolved)."""
   package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+  for node in ast.walk(_parse(path)):
     if isinstance(node, ast.Import):
       yield from (alias.name for alias in node.names)
     elif isinstance(node, ast.ImportFrom):
