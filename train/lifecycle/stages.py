@@ -91,7 +91,7 @@ def config_args_dict(section) -> list[tuple[str, str]]:
 
 
 def config_args(section) -> list[str]:
-  return [f"--config.{k}={_arg(v)}" for k, v in flat_overrides(section.get("config", {}))]
+  return [f"--config.{k}={v}" for k, v in config_args_dict(section)]
 
 
 # ---- raw text and evaluation files --------------------------------------------------------------------------
@@ -135,10 +135,8 @@ def write_raw(workdir: str, section) -> dict:
 
 
 def _write_jsonl(path: str, records: list[dict]) -> None:
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path + ".tmp", "w") as f:
-    f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-  os.replace(path + ".tmp", path)
+  from data import files  # pylint: disable=g-import-not-at-top
+  files.atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 def heldout_path(workdir: str) -> str:
@@ -224,9 +222,8 @@ def write_samples(workdir: str, stage: str, count: int) -> None:
     result = json.load(f)
   samples = result.get("samples", {}).get("gen", [])  # evals.harness: {"samples": {TASK: [{"prompt", ...}]}}
   out = [{"prompt": s["prompt"], "completion": s["output"], "answer": s["answer"]} for s in samples[:count]]
-  path = os.path.join(workdir, "eval", f"{stage}.samples.json")
-  with open(path + ".tmp", "w") as f:
-    json.dump(out, f, indent=1, ensure_ascii=False)
-  os.replace(path + ".tmp", path)
+  from data import files  # pylint: disable=g-import-not-at-top
+  files.atomic_write(os.path.join(workdir, "eval", f"{stage}.samples.json"),
+                     json.dumps(out, indent=1, ensure_ascii=False))
 
 

@@ -297,18 +297,19 @@ def _is_free(instr: hlo.Instruction) -> bool:
   return instr.opcode == "fusion" and "async-collective" in instr.name
 
 
-def kernel_costs(hlo_text: str) -> list[dict]:
+def kernel_costs(hlo_text: str, program: hlo.Program | None = None) -> list[dict]:
   """Every kernel the program runs with its cost of one execution: [{"name", "opcode", "computation",
   "per_step", "flops", "bytes", "op_name", "costed"}]. FLOPs and bytes are XLA's cost analysis of the instruction
   alone, or for a custom call (a Pallas/Mosaic kernel, which XLA sees as zero work) its closed form
   (CLOSED_FORMS). "costed" False marks an instruction neither prices: a custom call no closed form knows, or an op
-  the cost analysis could not take alone; its bytes then are its operands' and result's sizes, its FLOPs 0."""
+  the cost analysis could not take alone; its bytes then are its operands' and result's sizes, its FLOPs 0.
+  `program`: hlo.parse(hlo_text) when the caller has parsed it already."""
   import jax
   from jax._src.lib import _jax
   from jaxlib import _hlo
 
   client = jax.devices("cpu")[0].client
-  program = hlo.parse(hlo_text)
+  program = program or hlo.parse(hlo_text)
   shapes = {c: {i.name: i.shape for i in instrs} for c, instrs in program.computations.items()}
   host = {(t["where"], t["name"]) for t in hlo.host_transfers(program)}  # priced by `predict` apart
   by_key: dict[tuple[str, str], dict] = {}
@@ -366,7 +367,8 @@ def predict(hlo_text: str, chip: hardware.Chip, *, num_devices: int, torus: tupl
   hbm = chip.hbm_gbps * 1e9
   rows, scope_kernels = [], {}
   compute = memory_bound = hw_flops = 0.0
-  kernels = kernel_costs(hlo_text)
+  program = hlo.parse(hlo_text)
+  kernels = kernel_costs(hlo_text, program)
   for k in kernels:
     t_flops, t_bytes = k["flops"] / peak, k["bytes"] / hbm
     seconds = max(t_flops, t_bytes) * k["per_step"]
@@ -395,7 +397,7 @@ def predict(hlo_text: str, chip: hardware.Chip, *, num_devices: int, torus: tupl
                  "seconds": seconds, "bound": "collective" + (" (async)" if c["async"] else ""),
                  "flops": 0.0, "bytes": float(c["bytes"])})
   exposed = exposed_sync + sum(max(0.0, t - scope_kernels.get(s, 0.0)) for s, t in scope_async.items())
-  host, exposed_host = _host_seconds(hlo.host_transfers(hlo.parse(hlo_text)), chip, scope_kernels, rows)
+  host, exposed_host = _host_seconds(hlo.host_transfers(program), chip, scope_kernels, rows)
   step = compute + memory_bound + exposed + exposed_host
   terms = {"compute": compute, "memory": memory_bound, "collective": exposed, "host": exposed_host}
   rows.sort(key=lambda r: -r["seconds"])
