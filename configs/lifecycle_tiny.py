@@ -15,7 +15,10 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.lifecycle = ml_collections.ConfigDict(dict(
       stages="curate,tokenizer,pretrain,sft,reward,dpo,evaluate,export",  # in order; also: rl
-      license="apache-2.0"))  # the model card's license
+      license="apache-2.0",  # the model card's license
+      # on several hosts (the same command on each; docs/lifecycle.md): where process 0 listens for the others
+      # ("" = JAX_COORDINATOR_ADDRESS's host at its port + 1) and how long each waits for the others to start
+      pod_address="", pod_timeout_s=900))
   # raw text: "builtin" writes the built-in corpus (Python's own documentation and sources) as JSONL with planted
   # exact and near duplicates and junk (curation has work), holding `heldout` documents out for perplexity;
   # or input glob(s) of the user's own JSONL / text / WET files

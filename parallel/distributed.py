@@ -38,6 +38,25 @@ def _detected_cluster() -> str | None:
   return None
 
 
+def process_of_environment() -> tuple[int, int] | None:
+  """(process id, process count) that a launcher gave this process, read from the environment without starting
+  JAX (for a parent that runs multi-host programs as its children): JAX_PROCESS_ID / JAX_NUM_PROCESSES, a SLURM
+  step's SLURM_PROCID / SLURM_NTASKS, Open MPI's OMPI_COMM_WORLD_RANK / _SIZE, or a Cloud TPU host's TPU_WORKER_ID
+  among TPU_WORKER_HOSTNAMES. None when no launcher says.
+  """
+  pairs = (("JAX_PROCESS_ID", "JAX_NUM_PROCESSES"), ("SLURM_PROCID", "SLURM_NTASKS"),
+           ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"))
+  for id_name, count_name in pairs:
+    pid, count = _env_int(id_name), _env_int(count_name)
+    if pid is not None and count is not None:
+      return pid, count
+  hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+  worker = _env_int("TPU_WORKER_ID")
+  if worker is not None and hosts:
+    return worker, len(hosts)
+  return None
+
+
 def plan(dist_cfg) -> dict[str, Any] | None:
   """The keyword arguments `initialize` would pass to `jax.distributed.initialize`, or None for one process.
 

@@ -10,9 +10,10 @@ import sys
 import time
 
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 import yaml
+
+import checkpoint_testing
 
 from train.lifecycle import report
 from train.lifecycle import runner
@@ -55,15 +56,6 @@ def run(tmp_path_factory):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return workdir, proc
 
-
-def _params(run_dir, step):
-  """The saved parameters as numpy arrays, read with orbax directly."""
-  from etils import epath  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  path = epath.Path(run_dir) / "checkpoints" / str(step) / "state"
-  handler = ocp.PyTreeCheckpointHandler()
-  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), handler.metadata(path).tree)
-  return ocp.tree.to_flat_dict(handler.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))["params"])
 
 
 def test_every_stage_leaves_its_output_and_the_export_has_the_runs_logits(run):
@@ -158,7 +150,8 @@ def test_sigkill_in_a_training_stage_resumes_it_exactly(run, tmp_path):
   assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
   assert "curate: done earlier, skipped" in again.stdout and "tokenizer: done earlier, skipped" in again.stdout
   assert "pretrain: interrupted earlier, resuming" in again.stdout
-  got, want = _params(workdir / "pretrain", STEPS), _params(reference / "pretrain", STEPS)
+  got = checkpoint_testing.saved(workdir / "pretrain", STEPS, part="params")
+  want = checkpoint_testing.saved(reference / "pretrain", STEPS, part="params")
   assert got.keys() == want.keys()
   for key in got:
     assert np.array_equal(got[key], want[key]), key

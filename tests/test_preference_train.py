@@ -10,6 +10,8 @@ import jax
 import numpy as np
 import pytest
 
+import checkpoint_testing
+
 import configs
 from chat_testing import TEXT
 from data import pipeline
@@ -183,14 +185,6 @@ def get_config():
 """
 
 
-def _saved_state(workdir, step):
-  import orbax.checkpoint as ocp
-  from etils import epath
-  path = epath.Path(workdir) / "checkpoints" / str(step) / "state"
-  handler = ocp.PyTreeCheckpointHandler()
-  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), handler.metadata(path).tree)
-  return ocp.tree.to_flat_dict(handler.restore(path, args=ocp.args.PyTreeRestore(restore_args=args)))
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", ["reward", "dpo"])
@@ -211,12 +205,12 @@ def test_run_resumes_bit_exactly_and_the_scorer_equals_pytorch(setup, objective,
   assert all("reward_accuracy" in r for r in records if "loss" in r)
   if objective == "dpo":
     assert evals[0]["eval_reward_accuracy"] == 0.0 and evals[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
-  want = _saved_state(workdir, 4)
+  want = checkpoint_testing.saved(workdir, 4)
   losses = {r["step"]: r["loss"] for r in records if "loss" in r}
   shutil.rmtree(os.path.join(workdir, "checkpoints", "4"))
   loop.run(config, workdir)  # resumes from step 2 and redoes steps 3-4
   assert f"resumed from {workdir}/checkpoints/2" in capsys.readouterr().out
-  got = _saved_state(workdir, 4)
+  got = checkpoint_testing.saved(workdir, 4)
   assert got.keys() == want.keys()
   for k in want:
     assert np.array_equal(got[k], want[k]), k
@@ -224,7 +218,7 @@ def test_run_resumes_bit_exactly_and_the_scorer_equals_pytorch(setup, objective,
   assert {r["step"]: r["loss"] for r in records if "loss" in r} == losses
   if objective == "dpo":
     reference = {k: v for k, v in got.items() if k[0] == "frozen"}
-    start = _saved_state(str(root / "base_small"), 1)
+    start = checkpoint_testing.saved(str(root / "base_small"), 1)
     for k, v in reference.items():
       assert np.array_equal(v, start[("params",) + k[2:]]), k  # the reference is still the base run, bit for bit
     texts = root / "one_text.jsonl"

@@ -7,9 +7,10 @@ import subprocess
 import sys
 import time
 
-import jax
 import numpy as np
 import pytest
+
+import checkpoint_testing
 
 import configs
 import rl_testing
@@ -34,14 +35,6 @@ def get_config():
 def _records(workdir):
   return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
 
-
-def _saved_state(workdir, step):
-  import orbax.checkpoint as ocp
-  from etils import epath
-  path = epath.Path(workdir) / "checkpoints" / str(step) / "state"
-  handler = ocp.PyTreeCheckpointHandler()
-  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), handler.metadata(path).tree)
-  return ocp.tree.to_flat_dict(handler.restore(path, args=ocp.args.PyTreeRestore(restore_args=args)))
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +112,10 @@ def test_ppo_run_trains_value_head_and_policy(base):
     assert r["logp_diff"] <= 1e-4 and r["ratio_dev_first"] <= 1e-6 and r["nonfinite"] == 0
     assert 0 < r["ptx_nll"] < 20  # their answers' mean token NLL, beside the rollout rows
     assert np.isfinite(r["explained_variance"]) and r["value_loss"] > 0 and 0 <= r["clip_frac"] <= 1
-  state = _saved_state(workdir, 3)
+  state = checkpoint_testing.saved(workdir, 3)
   assert ("params", "value_head") in state and ("frozen", "reference", "embed", "embedding") in state
   # the reference stays the starting model while the policy moves
-  start = _saved_state(workdir, 1)
+  start = checkpoint_testing.saved(workdir, 1)
   key = ("params", "model", "embed", "embedding")
   assert not np.array_equal(state[key], start[key])
   assert np.array_equal(state[("frozen", "reference", "embed", "embedding")],
@@ -156,7 +149,7 @@ def test_gkd_distills_the_teacher_on_the_students_own_samples(base):
   assert len(train) == 6 and all(r["nonfinite"] == 0 and np.isfinite(r["reward_mean"]) for r in train)
   divergence = [r["distill_divergence"] for r in train]
   assert divergence[0] > 0 and np.mean(divergence[-2:]) < 0.8 * np.mean(divergence[:2]), divergence
-  first, last = _saved_state(workdir, 2), _saved_state(workdir, 6)  # checkpoint.keep=5
+  first, last = checkpoint_testing.saved(workdir, 2), checkpoint_testing.saved(workdir, 6)  # checkpoint.keep=5
   key = ("frozen", "teacher", "embed", "embedding")
   assert np.array_equal(first[key], last[key])
   assert first[("frozen", "teacher", "layers", "attn", "q")].shape[0] == 3  # the teacher's own 3 layers
@@ -203,7 +196,7 @@ def test_resume_after_sigkill_is_bit_exact(base, grpo_run):
   KL as the uninterrupted run."""
   workdir = str(base["root"] / "runs" / "grpo_killed")
   _kill_after_first_checkpoint_and_resume(base, "grpo_small", _config_overrides(base), workdir)
-  want, got = _saved_state(grpo_run["workdir"], 3), _saved_state(workdir, 3)
+  want, got = checkpoint_testing.saved(grpo_run["workdir"], 3), checkpoint_testing.saved(workdir, 3)
   assert got.keys() == want.keys()
   for k in want:
     assert np.array_equal(got[k], want[k]), k
@@ -394,7 +387,7 @@ def test_async_rollouts_without_staleness_equal_the_synchronous_loop(base, grpo_
     workdir = str(base["root"] / "runs" / name)
     rl.run(_async(base, **extra), workdir)
     runs[name] = ([(r["step"], r["reward_mean"], r["loss"]) for r in _records(workdir) if "loss" in r],
-                  _saved_state(workdir, 3))
+                  checkpoint_testing.saved(workdir, 3))
   assert runs["sync"][0] == runs["async0"][0]
   for k, v in runs["sync"][1].items():
     assert np.array_equal(v, runs["async0"][1][k]), k
@@ -422,7 +415,7 @@ def test_async_rollouts_on_their_own_devices_lag_one_version_and_resume_exactly(
   made_ahead = os.path.join(killed, "rollouts", "1.pkl")  # iteration 2's rollouts, saved with checkpoint 1
   _kill_after_first_checkpoint_and_resume(base, "async1", overrides, killed,
                                           lambda: assert_exists(made_ahead))
-  want, got = _saved_state(workdir, 3), _saved_state(killed, 3)
+  want, got = checkpoint_testing.saved(workdir, 3), checkpoint_testing.saved(killed, 3)
   for k in want:
     assert np.array_equal(got[k], want[k]), k
   pick = lambda records: [(r["step"], r.get("reward_mean"), r.get("loss")) for r in records if "loss" in r]

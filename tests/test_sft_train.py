@@ -9,6 +9,8 @@ import jax
 import numpy as np
 import pytest
 
+import checkpoint_testing
+
 import configs
 from chat_testing import CHATS, TEXT, expected
 from data import chat
@@ -114,14 +116,6 @@ def get_config():
 """
 
 
-def _saved_params(workdir, step):
-  import orbax.checkpoint as ocp
-  from etils import epath
-  path = epath.Path(workdir) / "checkpoints" / str(step) / "state"
-  handler = ocp.PyTreeCheckpointHandler()
-  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), handler.metadata(path).tree)
-  return ocp.tree.to_flat_dict(handler.restore(path, args=ocp.args.PyTreeRestore(restore_args=args)))
-
 
 @pytest.mark.slow
 def test_sft_run_from_its_base_recipe_resumes_bit_exactly(setup, capsys, monkeypatch):
@@ -144,13 +138,13 @@ def test_sft_run_from_its_base_recipe_resumes_bit_exactly(setup, capsys, monkeyp
   for r in evals:
     assert 0.0 <= r["eval_exact_match"] <= 1.0
     assert {k.split("/")[1] for k in r if k.startswith("eval_exact_match/")} <= families
-  want = _saved_params(workdir, 4)
+  want = checkpoint_testing.saved(workdir, 4)
   losses = {r["step"]: r["loss"] for r in records if "loss" in r}
   shutil.rmtree(os.path.join(workdir, "checkpoints", "4"))
   loop.run(config, workdir)  # resumes from step 2 and redoes steps 3-4; the base run is reused
   out = capsys.readouterr().out
   assert "reusing the" in out and f"resumed from {workdir}/checkpoints/2" in out
-  got = _saved_params(workdir, 4)
+  got = checkpoint_testing.saved(workdir, 4)
   assert got.keys() == want.keys()
   for k in want:
     assert np.array_equal(got[k], want[k]), k

@@ -14,11 +14,10 @@ import subprocess
 import sys
 import time
 
-import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-from etils import epath
+
+import checkpoint_testing
 
 from data import tokenizer as tokenizer_lib
 import configs
@@ -106,14 +105,6 @@ def _wait_for(predicate, proc, timeout=240):
   raise AssertionError("timed out waiting for the run")
 
 
-def _params(workdir, step):
-  """The saved parameters as numpy arrays, read with orbax directly (independent of the loop's restore)."""
-  path = epath.Path(workdir) / "checkpoints" / str(step) / "state"
-  handler = ocp.PyTreeCheckpointHandler()
-  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), handler.metadata(path).tree)
-  return handler.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))["params"]
-
-
 def _iterator_state(workdir, step):
   with open(os.path.join(workdir, "checkpoints", str(step), "data", "process_0-of-1.json")) as f:
     return json.load(f)
@@ -136,8 +127,8 @@ def _assert_same_run(workdir, reference):
   assert sorted(got) == list(range(1, STEPS + 1))
   for step in want:  # bit-identical per-step losses and the same number of loss tokens (same batches)
     assert (got[step]["loss"], got[step]["tokens"]) == (want[step]["loss"], want[step]["tokens"]), step
-  a, b = _params(workdir, STEPS), _params(reference, STEPS)
-  flat_a, flat_b = ocp.tree.to_flat_dict(a), ocp.tree.to_flat_dict(b)
+  flat_a = checkpoint_testing.saved(workdir, STEPS, part="params")
+  flat_b = checkpoint_testing.saved(reference, STEPS, part="params")
   assert flat_a.keys() == flat_b.keys()
   for k in flat_a:
     assert np.array_equal(flat_a[k], flat_b[k]), k
@@ -260,7 +251,7 @@ def test_sigkill_resume_is_bit_exact_with_score_biases_and_mtp_heads(env, refere
   _kill_after_first_checkpoint_and_resume(env, workdir, *MESH_222, *DEEPSEEK)
   _assert_same_run(workdir, want)  # every parameter bit-equal, the biases and the head included
   # the biases moved (the sign rule can swing a layer's biases back to 0 on even steps: any layer or head counts)
-  biases = [v for k, v in ocp.tree.to_flat_dict(_params(workdir, STEPS)).items() if k[-1] == "score_bias"]
+  biases = [v for k, v in checkpoint_testing.saved(workdir, STEPS, part="params").items() if k[-1] == "score_bias"]
   assert len(biases) == 2 and any(np.any(b != 0) for b in biases)
   assert "mtp_loss" in _train_lines(workdir)[STEPS]
 

@@ -13,7 +13,8 @@ stages it reads, its command and its seconds. Rerunning the command:
   done).
 Bad input (an unknown stage or key, a stage whose input stage is not in the sequence, a key for a stage that is not
 in it) exits 2 before anything runs. After every stage WORKDIR/report.html is rewritten; the export stage writes
-the model card (README.md) into the exported directory.
+the model card (README.md) into the exported directory. On several hosts the same command runs on each, process
+0 leading (pod.py).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from typing import Sequence
 
 import ml_collections
 
+from train.lifecycle import pod as pod_lib
 from train.lifecycle import stages as stages_lib
 
 STATE_FILE = "lifecycle.json"
@@ -96,6 +98,9 @@ def load(argv: Sequence[str] | None) -> tuple[ml_collections.ConfigDict, list[st
       raise LifecycleError(str(e)) from None
     given.add(stage)
   sequence = _sequence(cfg)
+  if cfg.lifecycle.get("pod_timeout_s", 900) <= 0:
+    raise LifecycleError(f"lifecycle.pod_timeout_s={cfg.lifecycle.pod_timeout_s}: give the seconds each host waits "
+                         "for the others (> 0)")
   absent = sorted(given - set(sequence) - {"lifecycle"})
   if absent:
     raise LifecycleError(f"keys given for {absent}, which lifecycle.stages={cfg.lifecycle.stages!r} does not run; "
@@ -235,13 +240,14 @@ def _exit_code(rc: int) -> int:
   return 128 - rc if rc < 0 else 1 if rc == 2 else rc
 
 
-def run_command(argv: list[str]) -> int:
-  """Runs a stage command to its end; 128 + N when signal N reached the lifecycle (before or while it ran)."""
+def run_command(argv: list[str], env: dict[str, str] | None = None) -> int:
+  """Runs a stage command to its end (in `env`, default this process's); 128 + N when signal N reached the
+  lifecycle (before or while it ran)."""
   if _Child.signalled:
     return 128 + _Child.signalled
   # its own process group: a terminal's Ctrl-C reaches the lifecycle only, which forwards it once
   _Child.proc = subprocess.Popen(argv, preexec_fn=_die_with_parent,  # pylint: disable=subprocess-popen-preexec-fn
-                                 process_group=0)
+                                 process_group=0, env=env)
   try:
     if _Child.signalled:  # arrived between the check and the start
       _Child.proc.send_signal(_Child.signalled)
@@ -263,10 +269,9 @@ def _move_aside(workdir: str, stage: str) -> None:
   say(f"{stage}: its earlier output is in {previous}")
 
 
-def _run_evaluate(workdir: str, cfg, sequence: list[str], state: dict, current: dict[str, str]) -> int:
+def _run_evaluate(workdir: str, cfg, sequence: list[str], state: dict, env: dict[str, str] | None) -> int:
   """Evaluates every model stage before `evaluate` whose evaluation is missing or was made of another version of
   that stage or with other evaluation settings (state["evaluated"]: model stage -> the digests it was made with)."""
-  del current
   section = cfg.evaluate
   chat = next((s for s in ("sft", "dpo", "rl") if s in sequence), None)
   stages_lib.write_task_prompts(workdir, section, cfg[chat] if chat else None)
@@ -285,7 +290,7 @@ def _run_evaluate(workdir: str, cfg, sequence: list[str], state: dict, current: 
       continue
     say(f"evaluate: {model_stage}")
     state["evaluations"].pop(model_stage, None)  # until the new one exists, no figures for this model
-    rc = run_command(stages_lib.evaluate_command(model_stage, workdir, section, heldout))
+    rc = run_command(stages_lib.evaluate_command(model_stage, workdir, section, heldout), env)
     if rc:
       return rc
     stages_lib.write_samples(workdir, model_stage, section.samples)
@@ -296,16 +301,23 @@ def _run_evaluate(workdir: str, cfg, sequence: list[str], state: dict, current: 
 
 
 def run_stage(stage: str, workdir: str, cfg, sequence: list[str], state: dict, record: dict,
-              current: dict[str, str]) -> int:
-  """Runs (or resumes) one stage; returns its exit code (0 when it finished)."""
+              pod: pod_lib.Pod | None) -> int:
+  """Runs (or resumes) one stage; returns its exit code (0 when it finished). On a pod a training stage runs on
+  every host, any other on this one (process 0) alone."""
+  env = None
+  if pod is not None and stage not in stages_lib.TRAINING:
+    pod.tell({"stage": stage, "action": "on process 0"})
+    env = pod_lib.single_host_env()
   if stage == "curate" and cfg.curate.input == "builtin":
     record["raw"] = stages_lib.write_raw(workdir, cfg.curate)
   if stage == "evaluate":
-    return _run_evaluate(workdir, cfg, sequence, state, current)
+    return _run_evaluate(workdir, cfg, sequence, state, env)
   argv = stages_lib.command(stage, workdir, cfg, sequence)
   record["command"] = argv
   _write_state(workdir, state)
-  return run_command(argv)
+  if pod is not None and stage in stages_lib.TRAINING:
+    return pod.run_everywhere(stage, argv, run_command)
+  return run_command(argv, env)
 
 
 def _plan(sequence, records, current, args) -> dict[str, str]:
@@ -344,12 +356,17 @@ def _mark_stale(stage: str, sequence: list[str], records: dict) -> None:
         records[later]["status"] = "stale"
 
 
-def run(cfg, sequence: list[str], args) -> int:
-  """Every stage in order (see the module docstring); the exit code of the first that did not finish, else 0."""
-  workdir = os.path.abspath(args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0]))
+def workdir_of(args) -> str:
+  return os.path.abspath(args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0]))
+
+
+def run(cfg, sequence: list[str], args, current: dict[str, str], pod: pod_lib.Pod | None = None) -> int:
+  """Every stage in order (see the module docstring); the exit code of the first that did not finish, else 0.
+  `current`: the stages' digests; `pod`: process 0's connections to the other hosts, if any."""
+  workdir = workdir_of(args)
   os.makedirs(workdir, exist_ok=True)
   state = _read_state(workdir)
-  records, current = state["records"], digests(cfg, sequence)
+  records = state["records"]
   plan = _plan(sequence, records, current, args)
   state.update(name=os.path.splitext(os.path.basename(args.config))[0], stages=sequence,
                training_stages=[s for s in sequence if s in stages_lib.TRAINING],
@@ -357,6 +374,8 @@ def run(cfg, sequence: list[str], args) -> int:
   for i, stage in enumerate(sequence, 1):
     what = plan[stage]
     if what == "skip":
+      if pod is not None:
+        pod.tell({"stage": stage, "action": "done earlier, skipped"})
       if not args.only:
         say(f"{i}/{len(sequence)} {stage}: done earlier, skipped")
       continue
@@ -375,7 +394,7 @@ def run(cfg, sequence: list[str], args) -> int:
                                "dir": os.path.join(workdir, stage)}
     start = time.perf_counter()
     _write_state(workdir, state)
-    rc = run_stage(stage, workdir, cfg, sequence, state, record, current)
+    rc = run_stage(stage, workdir, cfg, sequence, state, record, pod)
     record["seconds"] = record.get("seconds", 0.0) + time.perf_counter() - start
     if rc:
       _write_state(workdir, state)
@@ -426,11 +445,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   _Child.signalled = 0
   previous = {s: signal.signal(s, _forward) for s in (signal.SIGINT, signal.SIGTERM)}
+  pod, rc = None, 1
   try:
-    return run(cfg, sequence, args)
-  except LifecycleError as e:
+    current = digests(cfg, sequence)
+    pod = pod_lib.join(cfg.lifecycle, current, sequence, workdir_of(args), args)
+    if pod is not None and not pod.leader:
+      return pod_lib.follow(pod, run_command)
+    if pod is not None:
+      pod_lib.accepted(pod)
+    rc = run(cfg, sequence, args, current, pod)
+    return rc
+  except (LifecycleError, pod_lib.PodError) as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
+    rc = 2
+    return rc
   finally:
+    if pod is not None and pod.leader:
+      pod.close(rc)
     for s, handler in previous.items():
       signal.signal(s, handler)
