@@ -54,6 +54,14 @@ def _current_mesh():
   return None if mesh is None or mesh.empty else mesh
 
 
+def platform() -> str:
+  """The platform ("cpu", "tpu", "gpu") the traced program is for: the current mesh's devices' (an ahead-of-time
+  compile for a TPU topology on a CPU host traces under that topology's mesh), else JAX's default backend."""
+  mesh = _current_mesh()
+  device = getattr(mesh, "abstract_device", None) if mesh is not None else None
+  return device.platform if device is not None else jax.default_backend()
+
+
 def active() -> bool:
   """True when both a mesh (`jax.set_mesh`) and logical rules are current."""
   return bool(current_rules()) and _current_mesh() is not None

@@ -33,6 +33,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from model import axes
+
 QMAX = 127.0
 
 
@@ -150,14 +152,18 @@ def _contracted(spec: str) -> int:
 
 
 def project(spec: str, x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
-  """`jnp.einsum(spec, x, w)`, as one 2-D matmul [M, C] @ [C, N] when `spec` is a projection (`_contracted`).
+  """`jnp.einsum(spec, x, w)`; for a CPU program, as one 2-D matmul [M, C] @ [C, N] when `spec` is a projection
+  (`_contracted`).
 
-  Same product; the backward pass then has plain 2-D matmuls too. XLA:CPU runs the weight gradient of
+  Same product. On XLA:CPU the backward pass then has plain 2-D matmuls too: it runs the weight gradient of
   "bld,df->blf" (a dot contracting two axes of a 3-D operand, after a transpose copy) ~2.5x slower than that of
-  the flattened product (docs/throughput.md).
+  the flattened product (docs/throughput.md). On TPU the flattening costs: the forward and backward products then
+  want the FSDP-gathered [D, H, K] kernels in two layouts, so XLA gathers the attention kernels twice and adds
+  relayout copies (16B on v5e-256, docs/planning.md: 71 against 62 GB all-gathered per chip, 0.65 against 0.36 s
+  of memory-bound kernels per step); there the einsum stays whole.
   """
   c = _contracted(spec)
-  if not c:
+  if not c or axes.platform() != "cpu":
     return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
   free_x, free_w = x.shape[:x.ndim - c], w.shape[c:]
   with jax.named_scope(spec):  # profiles and HLO metadata keep the einsum's name, as jnp.einsum's op does

@@ -77,3 +77,27 @@ def test_model_quantises_only_the_chosen_layer_types():
   c.update(quant_layers=("attn", "embed"))
   with pytest.raises(ValueError, match="quant_layers"):
     model_lib.Transformer(c, rngs=nnx.Rngs(0))
+
+
+def _dot_operand_ranks(spec, mesh):
+  """Ranks of the dot_general operands `quant.project` traces under `mesh` (its platform decides the form)."""
+  x, w = (jax.ShapeDtypeStruct(s, jnp.float32) for s in SPECS[spec])
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    jaxpr = jax.make_jaxpr(lambda a, b: quant.project(spec, a, b))(x, w)
+  return [tuple(len(v.aval.shape) for v in e.invars) for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+
+
+@pytest.mark.parametrize("spec", ["bld,dhk->blhk", "blhk,hkd->bld"])
+def test_projections_are_flattened_for_cpu_programs_only(spec):
+  """CPU programs get one 2-D matmul (XLA:CPU's faster weight gradient); a TPU program keeps the einsum whole
+  (its forward and backward products then share one all-gathered kernel layout)."""
+  from train.planning import compile as aot  # pylint: disable=g-import-not-at-top
+  from train.planning import hardware  # pylint: disable=g-import-not-at-top
+  cpu = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  assert _dot_operand_ranks(spec, cpu) == [(2, 2)]
+  try:
+    tpu_devices = aot.abstract_devices(hardware.tpu_slice("v5e-4"))
+  except aot.NoTpuCompiler as e:
+    pytest.fail(str(e))
+  tpu = jax.sharding.Mesh(np.array(tpu_devices[:1]), ("data",))
+  assert _dot_operand_ranks(spec, tpu) == [tuple(len(s) for s in SPECS[spec])]
