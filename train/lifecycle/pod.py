@@ -150,7 +150,15 @@ def _accept(listener: socket.socket, count: int, deadline: float, mine: dict) ->
                      "start the same `python -m train.lifecycle` command on every host (lifecycle.pod_timeout_s "
                      "is the wait)") from None
     channel = _Channel(sock)
-    theirs = channel.recv() or {}
+    sock.settimeout(max(1.0, deadline - time.monotonic()))  # a connection that never says who it is
+    try:
+      theirs = channel.recv() or {}
+    except ValueError:  # not JSON lines: not a lifecycle process
+      theirs = {}
+    sock.settimeout(None)
+    if not isinstance(theirs, dict) or "hello" not in theirs:  # silent, timed out or a stranger: keep waiting
+      channel.close()
+      continue
     problem = _mismatch(theirs, mine, count, channels)
     if problem:
       for other in [*channels.values(), channel]:
