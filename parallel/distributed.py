@@ -19,6 +19,12 @@ from typing import Any
 import jax
 
 MODES = ("auto", "on", "off")
+# Every variable through which a launcher makes a process one of several (read below); a process started without
+# them runs alone.
+LAUNCHER_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
+                      "SLURM_NTASKS", "SLURM_PROCID", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE",
+                      "OMPI_COMM_WORLD_RANK", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "TPU_WORKER_ID",
+                      "MEGASCALE_COORDINATOR_ADDRESS")
 
 
 def _env_int(name: str) -> int | None:

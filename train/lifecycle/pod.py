@@ -25,11 +25,8 @@ import socket
 import time
 from typing import Callable
 
-# the environment that makes a child join the pod's jax.distributed; a single-host stage's child runs without it
-_CLUSTER_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
-                      "SLURM_NTASKS", "SLURM_PROCID", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE",
-                      "OMPI_COMM_WORLD_RANK", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "TPU_WORKER_ID",
-                      "MEGASCALE_COORDINATOR_ADDRESS")
+from parallel import distributed
+
 _TPU_COORDINATOR_PORT = 8476  # jax's default coordinator port on Cloud TPU
 
 
@@ -66,7 +63,7 @@ def address(section, env=None) -> tuple[str, int]:
 def single_host_env() -> dict[str, str]:
   """The environment for a single-host stage's child on process 0: without the launcher's cluster variables, so
   it does not wait for the other hosts to join."""
-  return {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARIABLES}
+  return {k: v for k, v in os.environ.items() if k not in distributed.LAUNCHER_VARIABLES}
 
 
 class _Channel:
@@ -197,7 +194,7 @@ def _connect(host: str, port: int, deadline: float, process: int) -> _Channel:
 def join(section, digests: dict, sequence: list[str], workdir: str, args) -> Pod | None:
   """Every process's connection to the others, or None when this is the only process. Raises PodError when the
   hosts do not run the same thing (nothing has run then)."""
-  place = _place()
+  place = distributed.process_of_environment()
   if place is None or place[1] == 1:
     return None
   process, count = place
@@ -219,11 +216,6 @@ def join(section, digests: dict, sequence: list[str], workdir: str, args) -> Pod
 def accepted(pod: Pod) -> None:
   """Process 0: every follower may go on (their arguments matched)."""
   pod.tell({"ok": True})
-
-
-def _place() -> tuple[int, int] | None:
-  from parallel import distributed  # pylint: disable=g-import-not-at-top
-  return distributed.process_of_environment()
 
 
 def follow(pod: Pod, run: Callable[[list[str]], int]) -> int:
