@@ -329,3 +329,38 @@ def test_a_host_transfer_inside_an_async_computation_is_asynchronous_in_its_issu
   (t,) = hlo.host_transfers(hlo.parse(_ASYNC_OFFLOAD))
   assert (t["direction"], t["bytes"], t["async"]) == ("to_host", 32.0, True)
   assert (t["where"], t["computation"]) == ("async_computation", "main")
+
+
+def _ring_by_steps(kind: str, nbytes: float, n: int, bandwidth: float, step_latency: float) -> float:
+  """A ring collective simulated step by step: every step each participant passes one 1/n chunk of the array to
+  its neighbour and waits one network latency; an all-reduce is a reduce-scatter's n - 1 steps then an
+  all-gather's n - 1."""
+  passes = 2 if kind == "all-reduce" else 1
+  return sum(step_latency + nbytes / n / bandwidth for _ in range(passes) for _ in range(n - 1))
+
+
+def test_a_cross_slice_all_reduce_costs_its_ring_over_the_slices_and_the_networks_latency():
+  # Four v4-8 slices (16 chips); summing an array split over the slices all-reduces it across the data-centre
+  # network (megascale transfers), each chip with its counterparts in the other 3 slices.
+  tpu = hardware.tpu_slice("v4-8", 4)
+  mesh = Mesh(np.array(aot.abstract_devices(tpu)).reshape(4, 4), ("dcn", "x"))
+  rows = 4 * 256
+  x = jax.ShapeDtypeStruct((4, rows, 1024), jnp.float32, sharding=NamedSharding(mesh, P("dcn", "x")))
+  compiled = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P("x"))).lower(x).compile()
+  dcn = [op for op in hlo.collective_ops(compiled.as_text(), 16) if op["kind"].startswith("dcn-")]
+  assert {(op["kind"], op["group"]) for op in dcn} == {("dcn-all-reduce", 4)}
+  nbytes = rows // 4 * 1024 * 4
+  assert sum(op["bytes"] for op in dcn) == nbytes  # each chip's shard of the sum
+  p = predict.predict(compiled.as_text(), V4, num_devices=16, torus=tpu.torus, model_flops_per_chip=0,
+                      tokens_per_chip=1)
+  bandwidth = V4.dcn_gbps * 1e9
+  expected = sum(predict.DCN_BASE_SECONDS * predict.DCN_ALL_REDUCE_PLATEAU  # a large all-reduce: NCCL's plateau
+                 + _ring_by_steps("all-reduce", op["bytes"], 4, bandwidth, 0.0)
+                 + _ring_by_steps("all-reduce", 0.0, 4, bandwidth, predict.DCN_STEP_SECONDS)
+                 * predict.DCN_ALL_REDUCE_PLATEAU for op in dcn)
+  assert p["collective_seconds"] == pytest.approx(expected, rel=1e-6)
+  # Latency is per step: 32 slices take 62 steps, and a small all-gather pays no plateau.
+  small = predict.dcn_seconds("all-gather", 1024.0, 32, V4)
+  assert small == pytest.approx(predict.DCN_BASE_SECONDS + _ring_by_steps("all-gather", 1024.0, 32, bandwidth,
+                                                                          predict.DCN_STEP_SECONDS))
+  assert predict.dcn_seconds("all-reduce", 1e9, 1, V4) == 0

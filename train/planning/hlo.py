@@ -255,6 +255,13 @@ def group_size(rest: str, num_devices: int) -> int:
   return num_devices
 
 
+def megascale_slices(rest: str) -> int | None:
+  """Slices a megascale (DCN) transfer spans: its `_xla_megascale_target="{1,2,...}x{0:255}"` names the slices
+  (first set) and the chips of each (second); None when the attribute is absent."""
+  m = re.search(r'_xla_megascale_target="\{([\d,]*)\}', rest)
+  return len(m.group(1).split(",")) if m and m.group(1) else None
+
+
 def executed(program: Program, *, into_fusions: bool = False) -> Iterator[tuple[str, Instruction, float]]:
   """(computation, instruction, executions per step) for every instruction the program runs.
 
@@ -349,7 +356,8 @@ def collective_ops(hlo_text: str, num_devices: int = 1) -> list[dict]:
   shard for reduce-scatter). `group` is the replica-group size; `async` whether the schedule issues it as a
   start/done pair or inside a TPU async collective fusion (so compute may run while it is in flight); `scope`
   the computation (entry or loop body) that issues it. Cross-slice (DCN) collectives, which libtpu
-  lowers to megascale host transfers, have kind `dcn-<kind>`.
+  lowers to megascale host transfers, have kind `dcn-<kind>` and `group` the slices they span (each chip
+  reduces or gathers with its counterpart in every other slice).
   """
   program = parse(hlo_text)
   ops: dict[tuple[str, str], dict] = {}
@@ -365,10 +373,12 @@ def collective_ops(hlo_text: str, num_devices: int = 1) -> list[dict]:
         parent.setdefault(callee, (scope, is_async or starts))
     kind = collective_kind(instr.opcode, instr.rest)
     sizes = shape_bytes(instr.shape)
+    group = None
     if kind is None and instr.opcode == "send" and "xla_megascale_runtime" in instr.rest:
       m = re.search(r'_xla_host_transfer_rendezvous="([a-z\-]+)', instr.rest)
       kind = "dcn-" + (m.group(1).rstrip("-.") if m else "transfer")
       sizes = sizes[:1]
+      group = megascale_slices(instr.rest)
     if kind is None:
       continue
     if instr.opcode.endswith("-start") and len(sizes) > 1:
@@ -390,7 +400,7 @@ def collective_ops(hlo_text: str, num_devices: int = 1) -> list[dict]:
         ops[key]["per_step"] += mult
       continue
     op = ops[key] = {"kind": kind, "name": instr.name, "shapes": instr.shape, "bytes": sum(sizes), "per_step": mult,
-                     "group": group_size(instr.rest, num_devices), "async": is_async, "scope": scope}
+                     "group": group or group_size(instr.rest, num_devices), "async": is_async, "scope": scope}
     if instr.opcode == "fusion":  # the all-reduce inside a reduce-scatter fusion is the same collective
       called = re.search(r"calls=%([\w.\-]+)", instr.rest)
       if called:

@@ -8,7 +8,8 @@ The model (docs/planning.md):
 - every collective costs its ring time: bytes moved per chip / ring bandwidth, where an all-gather or
   reduce-scatter over a group of n chips moves (n - 1) / n of the full array per chip, an all-reduce twice that,
   and the ring bandwidth is 2 directions x link bandwidth x the torus axes the group spans (ICI), NVLink within a
-  GPU node, or the per-chip DCN / InfiniBand bandwidth beyond;
+  GPU node, or the per-GPU InfiniBand bandwidth beyond; a cross-slice (DCN) collective is the ring over the
+  slices at the per-chip DCN bandwidth plus NCCL's ring latency between nodes (DCN_*: per collective, per step);
 - overlap: collectives the schedule issues asynchronously (start/done pairs, TPU async collective fusions) hide
   behind the kernels of the same computation (the loop body they are issued in); the excess and every
   synchronous collective are exposed;
@@ -34,6 +35,14 @@ from train.planning import hlo
 # physical range, nothing clipped) and used unchanged for every other model, chip and mesh (the other rows are held
 # out; docs/planning.md).
 MATMUL_EFFICIENCY = 0.7975
+
+# The latency of a collective across the data-centre network, which Google does not publish for DCN: NCCL's cost
+# model of a ring collective between nodes taken whole, nothing fitted (NVIDIA/nccl src/graph/tuning.cc, Simple
+# protocol): a base latency per collective, one network latency per ring step, and, for an all-reduce between
+# nodes of at least n/16 x 64 KiB, the latency x 1.9 ("plateau effect of ring").
+DCN_BASE_SECONDS = 8.4e-6  # baseLat[Ring][Simple]
+DCN_STEP_SECONDS = 9.6e-6  # hwLat[NET][Ring][Simple]
+DCN_ALL_REDUCE_PLATEAU = 1.9
 
 # Instructions that launch no kernel of their own (bookkeeping, control flow, asynchronous copies and slices,
 # whose DMA overlaps compute), or whose cost is counted as a collective.
@@ -64,6 +73,26 @@ def ring_bandwidth(group: int, chip: hardware.Chip, torus: tuple[int, ...] = ())
     covered *= d
     axes += 1
   return 2 * max(axes, 1) * chip.ici_link_gbps * 1e9
+
+
+def ring_steps(kind: str, group: int) -> int:
+  """Sequential transfers of a ring collective over `group` participants: an all-reduce is a reduce-scatter then
+  an all-gather, 2 (group - 1) steps; an all-gather or reduce-scatter group - 1; a permute or all-to-all 1."""
+  if group <= 1:
+    return 0
+  return {"all-reduce": 2 * (group - 1), "all-gather": group - 1, "reduce-scatter": group - 1}.get(kind, 1)
+
+
+def dcn_seconds(kind: str, nbytes: float, slices: int, chip: hardware.Chip) -> float:
+  """Time of one cross-slice (DCN) collective per chip: the ring over `slices` participants (each chip with its
+  counterpart in every other slice) at the chip's DCN bandwidth, plus NCCL's ring latency between nodes (the
+  DCN_* constants). `nbytes` as for collective_seconds."""
+  if slices <= 1 or nbytes <= 0:
+    return 0.0
+  latency = DCN_BASE_SECONDS + ring_steps(kind, slices) * DCN_STEP_SECONDS
+  if kind == "all-reduce" and nbytes >= slices / 16 * 65536:
+    latency *= DCN_ALL_REDUCE_PLATEAU
+  return collective_seconds(kind, nbytes, slices, chip.dcn_gbps * 1e9) + latency
 
 
 def collective_seconds(kind: str, nbytes: float, group: int, bandwidth: float) -> float:
@@ -385,10 +414,12 @@ def predict(hlo_text: str, chip: hardware.Chip, *, num_devices: int, torus: tupl
   collective = exposed_sync = 0.0
   scope_async: dict[str, float] = {}
   for c in hlo.collective_ops(hlo_text, num_devices):
-    dcn = c["kind"].startswith("dcn-")
-    kind = c["kind"][4:] if dcn else c["kind"]
-    bw = chip.dcn_gbps * 1e9 if dcn else ring_bandwidth(c["group"], chip, torus)
-    seconds = (c["bytes"] / bw if dcn else collective_seconds(kind, c["bytes"], c["group"], bw)) * c["per_step"]
+    if c["kind"].startswith("dcn-"):
+      seconds = dcn_seconds(c["kind"][4:], c["bytes"], c["group"], chip)
+    else:
+      bw = ring_bandwidth(c["group"], chip, torus)
+      seconds = collective_seconds(c["kind"], c["bytes"], c["group"], bw)
+    seconds *= c["per_step"]
     collective += seconds
     if c["async"]:
       scope_async[c["scope"]] = scope_async.get(c["scope"], 0.0) + seconds
