@@ -378,7 +378,7 @@ def collective_ops(hlo_text: str, num_devices: int = 1) -> list[dict]:
       m = re.search(r'_xla_host_transfer_rendezvous="([a-z\-]+)', instr.rest)
       kind = "dcn-" + (m.group(1).rstrip("-.") if m else "transfer")
       sizes = sizes[:1]
-      group = megascale_slices(instr.rest)
+      group = megascale_slices(instr.rest) or 2  # no target printed: the fewest slices a transfer can span
     if kind is None:
       continue
     if instr.opcode.endswith("-start") and len(sizes) > 1:
