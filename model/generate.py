@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from typing import Callable, NamedTuple, Sequence
 
@@ -40,6 +41,7 @@ from flax import nnx
 from model import axes
 from model import kv_cache
 from model.axes import BATCH, LENGTH, VOCAB
+from parallel import sharding as sharding_lib
 
 MIN_BUCKET = 16
 PAD_ID = 0  # token id written into padding slots (never attended to, so any id would do)
@@ -141,10 +143,11 @@ def choose(logits_BV: jax.Array, keys_B: jax.Array, settings: _Settings,
   return token_B, logp_B
 
 
-def _step_keys(seed, rows: int, step):
-  """uint32 [rows, 2]: fold_in(fold_in(PRNGKey(seed), row), step), so a row's draws ignore the other rows."""
-  base = jax.random.PRNGKey(seed)
-  return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, r), step))(jnp.arange(rows))
+def _step_keys(seed_2, rows: int, step):
+  """uint32 [rows, 2]: fold_in(fold_in(PRNGKey(seed), row), step) for rows first_row, first_row + 1, ... (seed_2 =
+  [seed, first_row]), so a row's draws ignore the other rows."""
+  base = jax.random.PRNGKey(seed_2[0])
+  return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, r), step))(seed_2[1] + jnp.arange(rows))
 
 
 class _Settings(NamedTuple):
@@ -188,7 +191,7 @@ def _add_seen(seen_BV, token_B):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
-def _prefill(graphdef, state, tokens_BP, start_B, seed, *, settings: _Settings):
+def _prefill(graphdef, state, tokens_BP, start_B, seed_2, *, settings: _Settings):
   """Prompts -> (filled cache, first tokens [B], their log-probs [B], the ids seen per row [B, V] or None)."""
   with axes.axis_rules(settings.rules):
     model = nnx.merge(graphdef, state)
@@ -198,7 +201,7 @@ def _prefill(graphdef, state, tokens_BP, start_B, seed, *, settings: _Settings):
     if settings.repetition_penalty != 1.0:  # the prompt's ids count (HF: the left padding does not)
       real_BP = jnp.arange(tokens_BP.shape[1])[None, :] >= start_B[:, None]
       seen_BV = seen_tokens(tokens_BP, real_BP, logits_BV.shape[-1])
-    token_B, logp_B = choose(logits_BV, _step_keys(seed, tokens_BP.shape[0], 0), settings, seen_BV)
+    token_B, logp_B = choose(logits_BV, _step_keys(seed_2, tokens_BP.shape[0], 0), settings, seen_BV)
     return cache, token_B, logp_B, _add_seen(seen_BV, token_B)
 
 
@@ -207,7 +210,7 @@ def _is_stop(token_B, stop_ids):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
-def _decode(graphdef, state, cache, token_B, logp_B, seen_BV, done_B, seed, max_new_tokens, *,
+def _decode(graphdef, state, cache, token_B, logp_B, seen_BV, done_B, seed_2, max_new_tokens, *,
             settings: _Settings):
   """The decode loop from the first token: -> (tokens [B, N], log-probs [B, N], steps run); seen_BV (bool [B, V]
   or None) the ids of each row so far, for the repetition penalty.
@@ -231,7 +234,7 @@ def _decode(graphdef, state, cache, token_B, logp_B, seen_BV, done_B, seed, max_
       positions_B1 = (cache.index - cache.start)[:, None]
       x_B1D, cache = model.features(token_B[:, None], positions_BL=positions_B1, cache=cache)
       logits_BV = model.logits(x_B1D)[:, 0]
-      token_B, logp_B = choose(logits_BV, _step_keys(seed, B, i), settings, seen_BV)
+      token_B, logp_B = choose(logits_BV, _step_keys(seed_2, B, i), settings, seen_BV)
       seen_BV = _add_seen(seen_BV, token_B)
       token_B = jnp.where(done_B, PAD_ID, token_B)  # finished rows keep computing (fixed shapes) but emit padding
       out_BN = jax.lax.dynamic_update_slice(out_BN, token_B[:, None], (0, i))
@@ -248,10 +251,14 @@ def _decode(graphdef, state, cache, token_B, logp_B, seen_BV, done_B, seed, max_
 
 @contextlib.contextmanager
 def _count_compiles():
-  """Counts XLA compilations while the block runs: {"compiles", "compile_seconds" (tracing + lowering + XLA)}."""
+  """Counts this thread's XLA compilations while the block runs: {"compiles", "compile_seconds" (tracing +
+  lowering + XLA)}. Other threads' (e.g. a learner beside an RL rollout worker) are not this sampler's time."""
   counts = {"compiles": 0, "compile_seconds": 0.0}
+  owner = threading.get_ident()
 
   def listener(event, duration, **_):
+    if threading.get_ident() != owner:  # JAX reports a compile on the thread that asked for it
+      return
     if event == _COMPILE_EVENT:
       counts["compiles"] += 1
     if event == _COMPILE_EVENT or event in _TRACE_EVENTS:
@@ -309,7 +316,7 @@ def _check(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p, rep
 
 def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-           stop_ids: Sequence[int] = (), seed: int = 0,
+           stop_ids: Sequence[int] = (), seed: int = 0, first_row: int = 0,
            on_tokens: Callable[[int, np.ndarray, np.ndarray], None] | None = None) -> Generation:
   """Generates up to `max_new_tokens` tokens after each prompt; returns tokens, log-probs and timings.
 
@@ -322,6 +329,8 @@ def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temp
       (multiplied when negative) before sampling or the argmax; 1.0 = off.
     stop_ids: ids that end a row (kept as its last token); () = run to max_new_tokens.
     seed: the sampling seed (same seed, same prompts -> same tokens, on any mesh).
+    first_row: the row of prompts[0] in a larger batch (row keys module docstring): a batch split into parts
+      sampled apart (e.g. by process) draws what the whole batch draws.
     on_tokens: optional host function called after each step with (step, tokens [rows], done [rows]) for
       streaming (rows in prompt order, padding rows dropped; `done` = the row had finished before this step).
   Returns:
@@ -344,6 +353,7 @@ def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temp
                        min_p=float(min_p), repetition_penalty=float(repetition_penalty),
                        stop_ids=tuple(sorted({int(s) for s in stop_ids})), stream=on_tokens is not None)
   graphdef, state = nnx.split(model)
+  seed_2 = np.array([seed, first_row], np.int32)
 
   def listener(step, token_B, was_done_B):
     on_tokens(step, token_B[:n], was_done_B[:n])
@@ -351,7 +361,7 @@ def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temp
   with _count_compiles() as compiled:
     t0, c0 = time.perf_counter(), compiled["compile_seconds"]
     cache, token_B, logp_B, seen_BV = jax.block_until_ready(
-        _prefill(graphdef, state, tokens_BP, start_B, np.int32(seed), settings=settings))
+        _prefill(graphdef, state, tokens_BP, start_B, seed_2, settings=settings))
     # (nested jits' trace times overlap their caller's on a first call: clamp the tiny overcount)
     prefill_s = max(0.0, time.perf_counter() - t0 - (compiled["compile_seconds"] - c0))
     if on_tokens is not None:
@@ -360,12 +370,13 @@ def sample(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temp
     try:
       t0, c0 = time.perf_counter(), compiled["compile_seconds"]
       out_BN, logps_BN, steps = jax.block_until_ready(
-          _decode(graphdef, state, cache, token_B, logp_B, seen_BV, done_B, np.int32(seed),
+          _decode(graphdef, state, cache, token_B, logp_B, seen_BV, done_B, seed_2,
                   np.int32(max_new_tokens), settings=settings))
       decode_s = max(0.0, time.perf_counter() - t0 - (compiled["compile_seconds"] - c0))
     finally:
       _listener[0] = None
-  out_BN, logps_BN, steps = np.asarray(out_BN), np.asarray(logps_BN), int(steps)
+  out_BN, logps_BN, steps = sharding_lib.to_host((out_BN, logps_BN, steps))  # every process: all rows
+  steps = int(steps)
   tokens, logprobs = [], []
   for b in range(n):
     row = out_BN[b, :steps]

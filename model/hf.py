@@ -34,6 +34,7 @@ from model import axes
 from model import config as config_lib
 from model import safetensors_io
 from model.transformer import Transformer
+from parallel import sharding as sharding_lib
 
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
 
@@ -911,10 +912,7 @@ def _host_tensor(x: jax.Array, index: tuple) -> np.ndarray:
   device and process; only that tensor is copied."""
   if index:
     x = _take(x, jnp.asarray(index, jnp.int32))
-  if not x.is_fully_addressable:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    x = multihost_utils.process_allgather(x, tiled=True)
-  return np.asarray(jax.device_get(x))
+  return sharding_lib.to_host(x)
 
 
 def save(model: Transformer, path: str, dtype: str | None = None, *,

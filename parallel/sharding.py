@@ -1,6 +1,7 @@
 """Sharding helpers: NamedShardings from logical names, and global batches from per-process data."""
 from __future__ import annotations
 
+import pickle
 from typing import Any, Mapping, Sequence
 
 import flax.linen as nn
@@ -16,6 +17,63 @@ def logical_sharding(mesh: jax.sharding.Mesh, rules, names: Sequence[str | None]
 
 def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
+
+
+def to_host(tree: Any) -> Any:
+  """`tree` with every jax.Array as a numpy array of its whole (global) value, on every process: an array that
+  spans other processes' devices is gathered first (a collective over its devices, so every process holding part
+  of it must call this in the same order); other leaves pass through."""
+  def one(x):
+    if not isinstance(x, jax.Array):
+      return x
+    if not x.is_fully_addressable and x.is_fully_replicated:  # every process has it all: no collective
+      return np.asarray(x.addressable_data(0))
+    if not x.is_fully_addressable:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+  return jax.tree.map(one, tree)
+
+
+def allgather_objects(obj: Any, mesh: jax.sharding.Mesh) -> list[Any]:
+  """Every process's `obj` (picklable), in process order, on every process: its pickled bytes all-gathered over
+  `mesh`'s devices (a collective: every process holding part of the mesh calls this at the same point)."""
+  if jax.process_count() == 1:
+    return [obj]
+  data = np.frombuffer(pickle.dumps(obj), np.uint8)
+  sizes = _allgather_rows(np.array([data.size], np.int64), mesh)[:, 0]
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:data.size] = data
+  rows = _allgather_rows(padded, mesh)
+  return [pickle.loads(rows[p, :sizes[p]].tobytes()) for p in range(jax.process_count())]
+
+
+def _allgather_rows(x: np.ndarray, mesh: jax.sharding.Mesh) -> np.ndarray:
+  """[processes, *x.shape]: each process's `x` (all the same shape), gathered over `mesh`'s devices."""
+  sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+  shape = (mesh.size,) + x.shape
+  blocks = jax.make_array_from_callback(
+      shape, sharding, lambda index: np.broadcast_to(x, (len(range(*index[0].indices(mesh.size))),) + x.shape))
+  gathered = to_host(blocks)
+  row_of = {}  # process -> a row one of its devices held
+  for device, index in sharding.devices_indices_map(shape).items():
+    row_of.setdefault(device.process_index, index[0].indices(mesh.size)[0])
+  return np.stack([gathered[row_of[p]] for p in range(jax.process_count())])
+
+
+def put(tree: Any, sharding: NamedSharding) -> Any:
+  """`tree`'s jax.Arrays laid out by `sharding`, which may lie on other devices than theirs, also across processes
+  (multi-controller JAX's device_put needs the same device set there): the value comes from a local device where
+  each process holds all of it (replicated), else gathered (`to_host`, a collective over the source's devices),
+  and each process places the blocks of its own target devices. Other leaves are device_put."""
+  def one(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.sharding.device_set == sharding.device_set:
+      return jax.device_put(x, sharding)
+    src = x.addressable_data(0) if x.is_fully_replicated else to_host(x)
+    blocks = [jax.device_put(src if sharding.is_fully_replicated else src[index], device)
+              for device, index in sharding.addressable_devices_indices_map(x.shape).items()]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, blocks)
+  return jax.tree.map(one, tree)
 
 
 def global_batch(local_batch: Mapping[str, Any], sharding: NamedSharding | Mapping[str, NamedSharding],

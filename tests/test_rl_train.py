@@ -1,5 +1,7 @@
 """`python -m train.rl` end to end on a small model: GRPO, PPO and best-of-N runs from a base run, the sampler's
 log-probs against the training forward pass, resume after SIGKILL, bad rewards and bad input."""
+import contextlib
+import io
 import json
 import os
 import signal
@@ -393,23 +395,34 @@ def test_async_rollouts_without_staleness_equal_the_synchronous_loop(base, grpo_
     assert np.array_equal(v, runs["async0"][1][k]), k
 
 
+ASYNC1 = {"rl.async_rollouts": True, "rl.max_staleness": 1, "rl.rollout_devices": 4, "rl.tis_cap": 1.5}
+
+
+@pytest.fixture(scope="module")
+def async1_run(base, grpo_run):
+  """max_staleness=1 with 4 of the 8 devices sampling, the other 4 training: the run directory and its stdout."""
+  del grpo_run  # (the base run exists)
+  workdir = str(base["root"] / "runs" / "async1")
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    rl.run(_async(base, **ASYNC1), workdir)
+  return {"workdir": workdir, "stdout": out.getvalue()}
+
+
 @pytest.mark.slow
-def test_async_rollouts_on_their_own_devices_lag_one_version_and_resume_exactly(base, grpo_run, capsys):
+def test_async_rollouts_on_their_own_devices_lag_one_version_and_resume_exactly(base, async1_run):
   """max_staleness=1 with 4 of the 8 devices sampling (training on the other 4): iteration i >= 2 trains on
   rollouts of the policy one update older (policy_lag 1) with truncated importance weights logged; a run killed
   after its first checkpoint and restarted reloads the rollouts made ahead and ends exactly as the uninterrupted
   one."""
-  del grpo_run
-  extra = {"rl.async_rollouts": True, "rl.max_staleness": 1, "rl.rollout_devices": 4, "rl.tis_cap": 1.5}
-  workdir = str(base["root"] / "runs" / "async1")
-  rl.run(_async(base, **extra), workdir)
+  extra, workdir = ASYNC1, async1_run["workdir"]
   train = [r for r in _records(workdir) if "loss" in r]
   assert [r["policy_lag"] for r in train] == [0, 1, 1]
   for r in train:
     assert 0 < r["tis_weight_mean"] <= 1.5 and 0 <= r["tis_clip_frac"] <= 1 and r["nonfinite"] == 0
   assert train[0]["tis_weight_mean"] == 1.0 and train[1]["tis_weight_mean"] != 1.0  # weights only where it lagged
   assert ("mesh data=4 fsdp=1 tensor=1 sequence=1 expert=1 stage=1 (4 devices) training, data=4 fsdp=1 tensor=1 "
-          "sequence=1 expert=1 stage=1 (4 devices) sampling") in capsys.readouterr().out
+          "sequence=1 expert=1 stage=1 (4 devices) sampling") in async1_run["stdout"]
   killed = str(base["root"] / "runs" / "async1_killed")
   overrides = {**_config_overrides(base), "rl.dynamic_sampling": False, "rl.eval_every": 0, **extra}
   made_ahead = os.path.join(killed, "rollouts", "1.pkl")  # iteration 2's rollouts, saved with checkpoint 1
@@ -420,3 +433,67 @@ def test_async_rollouts_on_their_own_devices_lag_one_version_and_resume_exactly(
     assert np.array_equal(got[k], want[k]), k
   pick = lambda records: [(r["step"], r.get("reward_mean"), r.get("loss")) for r in records if "loss" in r]
   assert pick(_records(killed)) == pick(_records(workdir))
+
+
+@pytest.mark.slow
+def test_two_processes_split_into_rollout_and_training_meshes_match_one_and_resume(base, async1_run):
+  """2 processes x 4 devices (jax.distributed on localhost), each keeping 2 devices for sampling: the rollout mesh
+  and the training mesh both span the processes, the worker and the learner issue their programs concurrently.
+  Killed (SIGKILL, both processes) after the first checkpoint and restarted, the run ends as the one-process 4 + 4
+  run does: the same rewards and policy lags every iteration (the rollouts made ahead were reloaded, not remade),
+  losses and final parameters within float32 reduction-order noise."""
+  import ports  # pylint: disable=g-import-not-at-top
+  workdir = str(base["root"] / "runs" / "async1_2proc")
+  overrides = {**_config_overrides(base), "rl.dynamic_sampling": False, "rl.eval_every": 0, **ASYNC1,
+               "rl.rollout_devices": 2}
+  config_file = base["root"] / "async1_2proc.py"
+  config_file.write_text("import configs\ndef get_config():\n  return configs.load('grpo_tiny', **%r)\n" % overrides)
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "PYTEST_"))}
+  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([os.getcwd(), os.path.dirname(__file__)]))
+
+  def launch():
+    port = ports.free_port()
+    return [subprocess.Popen([sys.executable, "-m", "train.rl", f"--config={config_file}", f"--workdir={workdir}",
+                              f"--config.distributed.coordinator_address=localhost:{port}",
+                              "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+  procs = launch()
+  try:
+    deadline = time.time() + 400
+    while not os.path.isdir(os.path.join(workdir, "checkpoints", "1")):
+      assert time.time() < deadline and all(p.poll() is None for p in procs), [p.communicate()[1][-3000:]
+                                                                                for p in procs]
+      time.sleep(0.2)
+    for p in procs:
+      p.send_signal(signal.SIGKILL)
+      p.wait()
+    assert os.path.exists(os.path.join(workdir, "rollouts", "1.pkl"))  # iteration 2's, made ahead
+    procs = launch()
+    outputs = [p.communicate(timeout=400) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, (_, err) in zip(procs, outputs):
+    assert p.returncode == 0, err[-3000:]
+  assert "(4 devices) training, " in outputs[0][0] and "(2 devices) sampling" in outputs[0][0]  # each its own
+  got = [r for r in _records(workdir) if "loss" in r]
+  want = [r for r in _records(async1_run["workdir"]) if "loss" in r]
+  assert [(r["step"], r["reward_mean"], r["policy_lag"]) for r in got] == [
+      (r["step"], r["reward_mean"], r["policy_lag"]) for r in want]
+  for key in ("loss", "tis_weight_mean", "kl"):
+    np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=1e-5, atol=1e-7, err_msg=key)
+  final, reference = checkpoint_testing.saved(workdir, 3), checkpoint_testing.saved(async1_run["workdir"], 3)
+  assert final.keys() == reference.keys()
+  for k in reference:
+    np.testing.assert_allclose(final[k], reference[k], rtol=1e-5, atol=1e-6, err_msg=str(k))
+
+
+def test_async_rollouts_on_several_processes_need_their_own_devices(base, monkeypatch):
+  """Sharing the training devices, two threads' collectives could interleave differently on each process: refused."""
+  import jax  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  run = type("Run", (), {"config": _async(base, **{"rl.async_rollouts": True, "rl.rollout_devices": 0})})()
+  with pytest.raises(loop.SetupError, match="rl.rollout_devices"):
+    rl._split_devices(run)  # pylint: disable=protected-access

@@ -434,38 +434,26 @@ def check_data_kind(run: Run) -> None:
 
 
 def check_resume(run: Run) -> None:
-  """A resumed run: its checkpoint must hold exactly the Trainer's state; a missing tokenizer file comes back."""
+  """A resumed run: its checkpoint must hold exactly the Trainer's state; a missing tokenizer file comes back
+  (written by the primary process; every process opens the checkpoints, as orbax synchronises them there)."""
   if run.latest is None:
     return
-  _check_state_layout(run.trainer, run.checkpoint_dir, run.latest)
-  if run.primary:
-    _restore_tokenizer_file(run.checkpoint_dir, run.latest, run.workdir)
-
-
-def _check_state_layout(trainer, checkpoint_dir: str, step: int) -> None:
-  """SetupError unless checkpoint `step` holds exactly the state `trainer` builds (leaves, shapes, dtypes)."""
   import configs  # pylint: disable=g-import-not-at-top
   from train.rundir import runconfig  # pylint: disable=g-import-not-at-top
-  checkpointer = ckpt_lib.Checkpointer(checkpoint_dir, read_only=True)
+  checkpointer = ckpt_lib.Checkpointer(run.checkpoint_dir, read_only=True)
   try:
-    cause = runconfig.layout_cause(trainer.config, checkpointer.metadata(step).get("config", {}))
-    runconfig.check_state_layout(runconfig.layout(trainer.abstract_state()), checkpointer.state_layout(step),
-                                 f"{checkpoint_dir}/{step}", cause=cause)
+    metadata = checkpointer.metadata(run.latest)
+    cause = runconfig.layout_cause(run.trainer.config, metadata.get("config", {}))
+    runconfig.check_state_layout(runconfig.layout(run.trainer.abstract_state()),
+                                 checkpointer.state_layout(run.latest), f"{run.checkpoint_dir}/{run.latest}",
+                                 cause=cause)
   except configs.ConfigError as e:
     raise SetupError(str(e)) from None
   finally:
     checkpointer.close()
-
-
-def _restore_tokenizer_file(checkpoint_dir: str, step: int, workdir: str) -> None:
-  """Puts the run's tokenizer file back into the workdir from the checkpoint if it went missing."""
-  checkpointer = ckpt_lib.Checkpointer(checkpoint_dir, read_only=True)
-  try:
-    entry = checkpointer.metadata(step).get(TOKENIZER_KEY)
-  finally:
-    checkpointer.close()
-  if entry and "base64" in entry:
-    ckpt_lib.decode_file(entry, workdir)
+  entry = metadata.get(TOKENIZER_KEY)
+  if run.primary and entry and "base64" in entry:
+    ckpt_lib.decode_file(entry, run.workdir)
 
 
 def load_tokenizer(run: Run) -> None:

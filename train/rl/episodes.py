@@ -28,9 +28,10 @@ def env_turn_ids(template, conversation, observation: str) -> list[int]:
   return after[len(before):]
 
 
-def run(session, conversations, seed: int, policy=None) -> dict[str, Any]:
+def run(session, conversations, seed: int, policy=None, first_row: int = 0) -> dict[str, Any]:
   """One episode per conversation (module docstring): the roll dict of Session.sample plus `masks`; `raw` is each
-  episode's return, NaN (dropped, counted) where the environment raised. `policy` as Session.sample's."""
+  episode's return, NaN (dropped, listed in `failures`) where the environment raised. `policy` as
+  Session.sample's; `first_row`: the first turn's row of conversations[0] in the sampler's keys."""
   r, n = session.config.rl, len(conversations)
   envs = [session.env_factory() for _ in conversations]
   convs = [list(c[:-1]) + [{"role": "user", "content": env.reset(c[-1]["content"])}]
@@ -44,8 +45,8 @@ def run(session, conversations, seed: int, policy=None) -> dict[str, Any]:
   for turn in range(r.max_turns):
     if not running:
       break
-    gen = session.generate([ids[i] for i in running],
-                           seed if turn == 0 else session.turn_seed(seed, turn), policy)
+    gen = session.generate([ids[i] for i in running], seed if turn == 0 else session.turn_seed(seed, turn), policy,
+                           first_row if turn == 0 else 0)
     for k in stats:
       stats[k] += gen.stats[k]
     still = []
@@ -75,8 +76,7 @@ def run(session, conversations, seed: int, policy=None) -> dict[str, Any]:
       masks[i] += [0] * len(extra)
       still.append(i)
     running = still
-  session.count_bad(returns, failures)
   lengths = np.array([sum(m) for m in masks], np.float64)
   return {"prompt_ids": prompt_ids, "tokens": [ids[i][len(prompt_ids[i]):] for i in range(n)], "logprobs": logps,
           "masks": masks, **session.shaped(returns, ended, lengths, longest), "stats": stats, "parts": parts,
-          "turns": turns}
+          "turns": turns, "failures": failures}

@@ -221,6 +221,8 @@ def _iterate(run: setup.Run, session: rollouts.Session, stop: setup.StopSignal) 
       stopping = stop.should_stop(iteration)
       if (ck.every and iteration % ck.every == 0) or iteration == r.iterations or stopping:
         save(iteration)
+      if session.worker is not None and not stopping:  # only now: the worker is idle until it has this version
+        session.worker.publish(iteration, session.state)
       if stopping:
         summary["stopped"] = run.stopped(stop, "iteration", iteration)
         break
@@ -232,6 +234,12 @@ def _split_devices(run: setup.Run):
   the rollout mesh (data parallel) on the last k of every process's; None otherwise (rollouts on the training
   mesh)."""
   r = run.config.rl
+  import jax  # pylint: disable=g-import-not-at-top
+  if r.async_rollouts and not r.rollout_devices and jax.process_count() > 1:
+    raise loop.SetupError(f"rl.async_rollouts with {jax.process_count()} processes needs a rollout mesh of its own: "
+                          "set rl.rollout_devices to the devices per process that sample (e.g. half of them); "
+                          "sharing the training devices, the sampler's and the learner's collectives could "
+                          "interleave differently on each process and hang")
   if not (r.async_rollouts and r.rollout_devices):
     return None
   from parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top

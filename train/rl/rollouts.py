@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from parallel import sharding as sharding_lib
 from train.objectives import policy
 from train.rl.rewards import reward_text
 
@@ -103,29 +104,43 @@ class Session:
     self.worker = None  # rl.async_rollouts' rollout thread (train/rl/async_rollouts.py), set by the loop
 
   # ---- rollouts ---------------------------------------------------------------------------------------
-  def sample(self, conversations, repeats: int, seed: int, policy=None) -> dict[str, Any]:
+  def sample(self, conversations, repeats: int, seed: int, policy=None, part: tuple[int, int] = (0, 1),
+             count: bool = True) -> dict[str, Any]:
     """`repeats` completions of each conversation (rows prompt-major), scored: tokens, texts, rewards; with rl.env
     whole episodes (train/rl/episodes.py), whose `masks` mark the policy's tokens among the completion's.
-    `policy`: (state, mesh) to sample with (the asynchronous worker's copy); default the learner's."""
+    `policy`: (state, mesh) to sample with (the asynchronous worker's copy); default the learner's. `part` = (k, K):
+    only the k-th of K equal blocks of the rows, drawn as in the whole batch (the worker's share on process k of
+    K). `failures` lists the rewards' errors; `count` adds them to the bad-reward count here (the worker's are
+    counted when the learner takes them)."""
     conversations = [c for c in conversations for _ in range(repeats)]
+    k, K = part
+    first = k * len(conversations) // K
+    conversations = conversations[first:(k + 1) * len(conversations) // K]
     if self.env_factory is not None:
       from train.rl import episodes  # pylint: disable=g-import-not-at-top
-      return episodes.run(self, conversations, seed, policy)
+      roll = episodes.run(self, conversations, seed, policy, first)
+    else:
+      roll = self._single_turn(conversations, seed, policy, first)
+    if count:
+      self.count_bad(roll["raw"], roll["failures"])
+    return roll
+
+  def _single_turn(self, conversations, seed: int, policy, first_row: int) -> dict[str, Any]:
     prompt_ids = [self.template.prompt(c) for c in conversations]
-    gen = self.generate(prompt_ids, seed, policy)
+    gen = self.generate(prompt_ids, seed, policy, first_row)
     completions = [self.tokenizer.decode([t for t in toks if t not in self.stop_ids]) for toks in gen.tokens]
     texts = [reward_text(c, completion) for c, completion in zip(conversations, completions)]
     failures = len(self.reward.failures)
     raw, parts = self.reward.scored([c[-1]["content"] for c in conversations], completions, texts)
-    self.count_bad(raw, self.reward.failures[failures:])
     ended = np.array([bool(t) and t[-1] in self.stop_ids for t in gen.tokens])
     return {"prompt_ids": prompt_ids, "tokens": gen.tokens, "logprobs": gen.logprobs,
             **self.shaped(raw, ended, np.array([len(t) for t in gen.tokens], np.float64)), "stats": gen.stats,
-            "parts": parts}
+            "parts": parts, "failures": self.reward.failures[failures:]}
 
-  def generate(self, prompt_ids, seed: int, policy=None):
+  def generate(self, prompt_ids, seed: int, policy=None, first_row: int = 0):
     """The policy's completions of token prompts (rl.engine's continuous batching or the static sampler):
-    model.generate's Generation (tokens, logprobs, stats). `policy` as for `sample`."""
+    model.generate's Generation (tokens, logprobs, stats). `policy` as for `sample`; `first_row`: the row of
+    prompt_ids[0] in the sampler's keys."""
     import parallel  # pylint: disable=g-import-not-at-top
     from model import generate as generate_lib  # pylint: disable=g-import-not-at-top
     r = self.config.rl
@@ -135,9 +150,10 @@ class Session:
       if r.engine:  # continuous batching over a paged cache; every rollout fits train.seq_len + 1 (checked)
         from model import engine as engine_lib  # pylint: disable=g-import-not-at-top
         return engine_lib.sample(model, prompt_ids, r.max_new_tokens, temperature=r.temperature,
-                                 stop_ids=self.stop_ids, seed=seed, max_len=self.config.train.seq_len + 1)
+                                 stop_ids=self.stop_ids, seed=seed, max_len=self.config.train.seq_len + 1,
+                                 rows=range(first_row, first_row + len(prompt_ids)))
       return generate_lib.sample(model, prompt_ids, r.max_new_tokens, temperature=r.temperature,
-                                 stop_ids=self.stop_ids, seed=seed)
+                                 stop_ids=self.stop_ids, seed=seed, first_row=first_row)
 
   def turn_seed(self, seed: int, turn: int) -> int:
     """The sampling seed of a multi-turn episode's turn `turn` >= 1 (turn 0 samples with the rollout's `seed`)."""
@@ -183,10 +199,7 @@ class Session:
     for start in range(0, batch["inputs"].shape[0], B):
       chunk = self._mine({k: v[start:start + B] for k, v in full.items()})
       scores = self.trainer.eval_fn(self.state, self.trainer.batch_to_device(chunk))
-      if jax.process_count() > 1:
-        from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-        scores = multihost_utils.process_allgather(scores, tiled=True)
-      for k, v in jax.device_get(scores).items():
+      for k, v in sharding_lib.to_host(scores).items():
         out.setdefault(k, []).append(np.asarray(v))
     return {k: np.concatenate(v) for k, v in out.items()}
 
@@ -294,9 +307,11 @@ class Session:
     else:
       batch = self._policy_batch(trained, metrics)
     metrics.update(self.train(batch, iteration))
-    if self.worker is not None:
-      self.worker.publish(iteration, self.state)
     metrics["train_seconds"] = time.perf_counter() - t1
+    if self.worker is not None:  # idle it before the loop's checkpoint and stop check (async_rollouts: Weights)
+      t2 = time.perf_counter()
+      self.worker.settle(iteration)
+      metrics["worker_wait_seconds"] = time.perf_counter() - t2
     metrics["generate_fraction"] = gen_s / (gen_s + metrics["train_seconds"])
     metrics["iteration_seconds"] = time.perf_counter() - t0  # with async rollouts generate_seconds is the wait
     if r.algorithm == "ppo" and r.kl_target > 0:  # Ziegler et al. 2019's proportional controller
