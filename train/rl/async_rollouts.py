@@ -93,8 +93,9 @@ class Worker:
     failed rewards are counted here."""
     self._wait([iteration])
     with self.cond:
-      roll = self._whole(self.results.pop(iteration))
-    self.session.count_bad(roll["raw"], roll["failures"])
+      mine = self.results.pop(iteration)
+    roll = self._whole(mine)  # (a collective: not under the lock the worker stores its results with)
+    self.session.count_bad(roll["raw"], roll.get("failures", []))  # (none kept by checkpoints before 2026-12-06)
     return roll
 
   def settle(self, iteration: int) -> None:
