@@ -437,14 +437,15 @@ def test_async_rollouts_on_their_own_devices_lag_one_version_and_resume_exactly(
 
 @pytest.mark.slow
 def test_two_processes_split_into_rollout_and_training_meshes_match_one_and_resume(base, async1_run):
-  """2 processes x 4 devices (jax.distributed on localhost), each keeping 2 devices for sampling: the rollout mesh
-  and the training mesh both span the processes, the worker and the learner issue their programs concurrently.
+  """2 processes x 4 devices (jax.distributed on localhost), each keeping 2 devices for sampling (a mesh of its own)
+  and training on the other 2 (one mesh over both processes), the worker and the learner running concurrently.
   Killed (SIGKILL, both processes) after the first checkpoint and restarted, the run ends as the one-process 4 + 4
   run does: the same rewards and policy lags every iteration (the rollouts made ahead were reloaded, not remade),
   losses and final parameters within float32 reduction-order noise."""
   import ports  # pylint: disable=g-import-not-at-top
   workdir = str(base["root"] / "runs" / "async1_2proc")
-  overrides = {**_config_overrides(base), "rl.dynamic_sampling": False, "rl.eval_every": 0, **ASYNC1,
+  # Evaluations (iterations 0 and 3) sample on the training mesh, across the processes.
+  overrides = {**_config_overrides(base), "rl.dynamic_sampling": False, "rl.eval_every": 3, **ASYNC1,
                "rl.rollout_devices": 2}
   config_file = base["root"] / "async1_2proc.py"
   config_file.write_text("import configs\ndef get_config():\n  return configs.load('grpo_tiny', **%r)\n" % overrides)
@@ -478,6 +479,8 @@ def test_two_processes_split_into_rollout_and_training_meshes_match_one_and_resu
   for p, (_, err) in zip(procs, outputs):
     assert p.returncode == 0, err[-3000:]
   assert "(4 devices) training, " in outputs[0][0] and "(2 devices) sampling" in outputs[0][0]  # each its own
+  evaluations = [r for r in _records(workdir) if "eval_reward_mean" in r]
+  assert [r["step"] for r in evaluations] == [0, 3] and all(np.isfinite(r["eval_reward_mean"]) for r in evaluations)
   got = [r for r in _records(workdir) if "loss" in r]
   want = [r for r in _records(async1_run["workdir"]) if "loss" in r]
   assert [(r["step"], r["reward_mean"], r["policy_lag"]) for r in got] == [
