@@ -67,3 +67,20 @@ def test_a_signal_to_one_process_stops_both_with_a_checkpoint(tmp_path, sig):
   assert sorted(os.listdir(workdir / "checkpoints")) == [str(step)]
   # Every process wrote its part of the checkpoint: the data-iterator state of each.
   assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(os.listdir(workdir / "checkpoints" / str(step) / "data"))
+  if sig != signal.SIGTERM:
+    return
+  # The same command, two steps further, resumes on both processes (every process opens the checkpoints: orbax
+  # synchronises them there) and trains on from the saved step.
+  resumed = [subprocess.Popen([sys.executable, "-m", "train", *args, f"--config.train.steps={step + 2}",
+                               f"--config.distributed.process_id={i}"],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+  try:
+    outputs = [p.communicate(timeout=300) for p in resumed]
+  finally:
+    for p in resumed:
+      p.kill()
+  for p, (_, err) in zip(resumed, outputs):
+    assert p.returncode == 0, err[-3000:]
+  assert f"resumed from {workdir / 'checkpoints'}/{step}" in outputs[0][0], outputs[0][0][-2000:]
+  assert max(_logged_steps(workdir)) == step + 2 and str(step + 2) in os.listdir(workdir / "checkpoints")
