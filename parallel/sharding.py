@@ -61,18 +61,15 @@ def _allgather_rows(x: np.ndarray, mesh: jax.sharding.Mesh) -> np.ndarray:
   return np.stack([gathered[row_of[p]] for p in range(jax.process_count())])
 
 
-def put(tree: Any, sharding: NamedSharding) -> Any:
-  """`tree`'s jax.Arrays laid out by `sharding`, which may lie on other devices than theirs, also across processes
-  (multi-controller JAX's device_put needs the same device set there): the value comes from a local device where
-  each process holds all of it (replicated), else gathered (`to_host`, a collective over the source's devices),
-  and each process places the blocks of its own target devices. Other leaves are device_put."""
+def to_local(tree: Any, sharding: NamedSharding) -> Any:
+  """`tree`'s jax.Arrays laid out by `sharding`, whose devices are all this process's: also from arrays spanning
+  other processes (multi-controller JAX's device_put cannot change the device set there), read from a local device
+  where this process holds the whole value (replicated), else gathered (`to_host`, a collective over the source's
+  devices)."""
   def one(x):
-    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.sharding.device_set == sharding.device_set:
-      return jax.device_put(x, sharding)
-    src = x.addressable_data(0) if x.is_fully_replicated else to_host(x)
-    blocks = [jax.device_put(src if sharding.is_fully_replicated else src[index], device)
-              for device, index in sharding.addressable_devices_indices_map(x.shape).items()]
-    return jax.make_array_from_single_device_arrays(x.shape, sharding, blocks)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      x = x.addressable_data(0) if x.is_fully_replicated else to_host(x)
+    return jax.device_put(x, sharding)
   return jax.tree.map(one, tree)
 
 

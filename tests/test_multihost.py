@@ -1,18 +1,14 @@
 """2 processes x 4 CPU devices (jax.distributed on localhost, gloo collectives) reproduce 1 process x 8 devices."""
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from parallel import mesh as mesh_lib
-import ports
+import multihost_testing
 import configs
 from train.core import step as step_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = {
     "model.vocab_size": 256, "model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4,
     "model.num_kv_heads": 2, "model.head_dim": 16, "model.mlp_dim": 128, "model.max_seq_len": 32,
@@ -25,27 +21,14 @@ OVERRIDES = {
 
 @pytest.mark.slow
 def test_two_processes_match_one_process():
-  port = ports.free_port()
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "PYTEST_"))}
-  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  args = [f"--config.{k}={v}" for k, v in OVERRIDES.items()] + [
-      "--fast_compile", f"--config.distributed.coordinator_address=localhost:{port}",
-      "--config.distributed.num_processes=2"]
-  procs = [subprocess.Popen([sys.executable, "-m", "train.step", *args, f"--config.distributed.process_id={i}"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(2)]
-  try:
+  args = [f"--config.{k}={v}" for k, v in OVERRIDES.items()] + ["--fast_compile"]
+  with multihost_testing.processes("train.step", args) as procs:
     # The single-process reference runs meanwhile, on this process's 8 devices.
     config = configs.load("tiny", **OVERRIDES)
     mesh = mesh_lib.make_mesh(config.mesh)
     assert (mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]) == (2, 2, 2)
     expected = step_lib.run_synthetic(step_lib.Trainer(config, mesh, step_lib.FAST_COMPILE), 3)
-    outputs = [p.communicate(timeout=400) for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  for p, (out, err) in zip(procs, outputs):
-    assert p.returncode == 0, err[-3000:]
+    outputs = multihost_testing.outputs(procs, timeout=400)
   lines = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
   header, steps = lines[0], lines[1:]
   assert header["processes"] == 2 and header["mesh"].startswith("data=2 fsdp=2 tensor=2")

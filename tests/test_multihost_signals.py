@@ -3,17 +3,14 @@ both processes save that step's checkpoint and exit 0, even when only one of the
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-import ports
+import multihost_testing
 import configs
 from data import tokenizer as tokenizer_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 200  # far more than the test waits for: the run must stop on the signal, not by finishing
 SMALL = {"model.d_model": 32, "model.num_layers": 1, "model.num_heads": 2, "model.num_kv_heads": 2,
          "model.head_dim": 16, "model.mlp_dim": 64, "model.vocab_size": 512, "model.max_seq_len": 32,
@@ -36,29 +33,16 @@ def test_a_signal_to_one_process_stops_both_with_a_checkpoint(tmp_path, sig):
   tokenizer = tokenizer_lib.prepare(configs.load("tiny", **SMALL, **{"data.tokenizer_max_sentences": 2000}),
                                     str(tmp_path))
   workdir = tmp_path / "run"
-  port = ports.free_port()
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "PYTEST_"))}
-  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-             PYTHONUNBUFFERED="1")
   args = [f"--config.{k}={v}" for k, v in SMALL.items()] + [
-      f"--workdir={workdir}", f"--config.data.tokenizer={tokenizer}",
-      f"--config.distributed.coordinator_address=localhost:{port}", "--config.distributed.num_processes=2"]
-  procs = [subprocess.Popen([sys.executable, "-m", "train", *args, f"--config.distributed.process_id={i}"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(2)]
-  try:
+      f"--workdir={workdir}", f"--config.data.tokenizer={tokenizer}"]
+  with multihost_testing.processes("train", args) as procs:
     deadline = time.time() + 300
     while max(_logged_steps(workdir), default=0) < 2:
       assert time.time() < deadline, "the 2-process run did not reach step 2"
       assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
       time.sleep(0.05)
     procs[1].send_signal(sig)  # only the non-primary process: the stop must reach process 0 too
-    outputs = [p.communicate(timeout=180) for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  for p, (_, err) in zip(procs, outputs):
-    assert p.returncode == 0, err[-3000:]
+    outputs = multihost_testing.outputs(procs, timeout=180)
   stopped = [line for line in outputs[0][0].splitlines() if ": stopped after step" in line]
   assert stopped, outputs[0][0][-2000:]
   step = int(stopped[0].split("stopped after step ")[1].split(";")[0])
@@ -71,16 +55,7 @@ def test_a_signal_to_one_process_stops_both_with_a_checkpoint(tmp_path, sig):
     return
   # The same command, two steps further, resumes on both processes (every process opens the checkpoints: orbax
   # synchronises them there) and trains on from the saved step.
-  resumed = [subprocess.Popen([sys.executable, "-m", "train", *args, f"--config.train.steps={step + 2}",
-                               f"--config.distributed.process_id={i}"],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-  try:
-    outputs = [p.communicate(timeout=300) for p in resumed]
-  finally:
-    for p in resumed:
-      p.kill()
-  for p, (_, err) in zip(resumed, outputs):
-    assert p.returncode == 0, err[-3000:]
+  with multihost_testing.processes("train", args + [f"--config.train.steps={step + 2}"]) as resumed:
+    outputs = multihost_testing.outputs(resumed, timeout=300)
   assert f"resumed from {workdir / 'checkpoints'}/{step}" in outputs[0][0], outputs[0][0][-2000:]
   assert max(_logged_steps(workdir)) == step + 2 and str(step + 2) in os.listdir(workdir / "checkpoints")

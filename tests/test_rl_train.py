@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import checkpoint_testing
+import multihost_testing
 
 import configs
 import rl_testing
@@ -442,26 +443,14 @@ def test_two_processes_split_into_rollout_and_training_meshes_match_one_and_resu
   Killed (SIGKILL, both processes) after the first checkpoint and restarted, the run ends as the one-process 4 + 4
   run does: the same rewards and policy lags every iteration (the rollouts made ahead were reloaded, not remade),
   losses and final parameters within float32 reduction-order noise."""
-  import ports  # pylint: disable=g-import-not-at-top
   workdir = str(base["root"] / "runs" / "async1_2proc")
   # Evaluations (iterations 0 and 3) sample on the training mesh, across the processes.
   overrides = {**_config_overrides(base), "rl.dynamic_sampling": False, "rl.eval_every": 3, **ASYNC1,
                "rl.rollout_devices": 2}
   config_file = base["root"] / "async1_2proc.py"
   config_file.write_text("import configs\ndef get_config():\n  return configs.load('grpo_tiny', **%r)\n" % overrides)
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "PYTEST_"))}
-  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join([os.getcwd(), os.path.dirname(__file__)]))
-
-  def launch():
-    port = ports.free_port()
-    return [subprocess.Popen([sys.executable, "-m", "train.rl", f"--config={config_file}", f"--workdir={workdir}",
-                              f"--config.distributed.coordinator_address=localhost:{port}",
-                              "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-
-  procs = launch()
-  try:
+  args = [f"--config={config_file}", f"--workdir={workdir}"]
+  with multihost_testing.processes("train.rl", args) as procs:
     deadline = time.time() + 400
     while not os.path.isdir(os.path.join(workdir, "checkpoints", "1")):
       assert time.time() < deadline and all(p.poll() is None for p in procs), [p.communicate()[1][-3000:]
@@ -470,14 +459,9 @@ def test_two_processes_split_into_rollout_and_training_meshes_match_one_and_resu
     for p in procs:
       p.send_signal(signal.SIGKILL)
       p.wait()
-    assert os.path.exists(os.path.join(workdir, "rollouts", "1.pkl"))  # iteration 2's, made ahead
-    procs = launch()
-    outputs = [p.communicate(timeout=400) for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  for p, (_, err) in zip(procs, outputs):
-    assert p.returncode == 0, err[-3000:]
+  assert os.path.exists(os.path.join(workdir, "rollouts", "1.pkl"))  # iteration 2's, made ahead
+  with multihost_testing.processes("train.rl", args) as procs:
+    outputs = multihost_testing.outputs(procs, timeout=400)
   assert "(4 devices) training, " in outputs[0][0] and "(2 devices) sampling" in outputs[0][0]  # each its own
   evaluations = [r for r in _records(workdir) if "eval_reward_mean" in r]
   assert [r["step"] for r in evaluations] == [0, 3] and all(np.isfinite(r["eval_reward_mean"]) for r in evaluations)

@@ -81,7 +81,7 @@ class Worker:
     params = state["params"]
     if self.rollout_mesh is not None:
       replicated = jax.sharding.NamedSharding(self.rollout_mesh, jax.sharding.PartitionSpec())
-      params = sharding_lib.put(params, replicated)
+      params = sharding_lib.to_local(params, replicated)
     with self.cond:
       self.versions[version] = {"params": params}
       for old in [v for v in self.versions if v < version - self.staleness]:
