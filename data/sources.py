@@ -17,6 +17,8 @@ Mixture spec (`config.data.sources`): a string of comma-separated items, or a tu
   chat:/data/sft/*.jsonl          one conversation per line (data/chat.py: messages or prompt/completion)
   instruct=builtin:instruct       the built-in instruction task (data/instruct.py), generated from a seed
   tasks=builtin:tasks             the built-in RL tasks' conversations, answers tagged (data/tasks.py; cold start)
+  builtin:arithmetic              one family of them (also builtin:number_sorting, builtin:countdown,
+                                  builtin:calculator), the families rl.prompts names the same way
   preference:/data/pairs/*.jsonl  one preference pair per line (data/preference.py: prompt, chosen, rejected)
   pairs=builtin:preference        the built-in preference task (data/preference.py), generated from a seed
   tokens:/cache/dir               a tokenized cache (python -m data.pretokenize): every source it holds, with its
@@ -82,7 +84,7 @@ class SpecError(ValueError):
 
 def is_chat_source(spec: SourceSpec) -> bool:
   """Whether a parsed mixture item holds conversations (chat:PATH or builtin:instruct; data/chat.py)."""
-  return spec.kind == "chat" or (spec.kind == "builtin" and spec.arg in ("instruct", "tasks"))
+  return spec.kind == "chat" or (spec.kind == "builtin" and spec.arg in _CHAT_BUILTINS)
 
 
 def is_preference_source(spec: SourceSpec) -> bool:
@@ -91,6 +93,9 @@ def is_preference_source(spec: SourceSpec) -> bool:
   return spec.kind == "preference" or (spec.kind == "builtin" and spec.arg == "preference")
 
 
+# The built-in RL tasks' families (data/tasks.py FAMILIES), each also a chat source of its own.
+TASK_FAMILIES = ("arithmetic", "number_sorting", "countdown", "calculator")
+_CHAT_BUILTINS = ("instruct", "tasks", *TASK_FAMILIES)
 _ITEM_RE = re.compile(r"^(?:(?P<name>[A-Za-z_][\w\-]*)=)?(?P<kind>[a-z]+):(?P<arg>.+?)(?:@(?P<weight>[0-9.eE+\-]+))?$")
 
 
@@ -110,9 +115,10 @@ def parse_spec(sources: str | Sequence[str], weights: Sequence[float] = ()) -> l
       raise SpecError(f"cannot parse source {p!r}: expected [NAME=]KIND:PATH[@WEIGHT] with KIND one of "
                       f"{', '.join(KINDS)} (e.g. 'web=jsonl:/data/*.jsonl@0.9')")
     kind, arg = m["kind"], m["arg"]
-    if kind == "builtin" and arg not in ("prose", "code", "instruct", "tasks", "preference"):
+    if kind == "builtin" and arg not in ("prose", "code", "preference", *_CHAT_BUILTINS):
       raise SpecError(f"unknown built-in source {arg!r} in {p!r}: use builtin:prose, builtin:code, "
-                      "builtin:instruct, builtin:tasks or builtin:preference")
+                      "builtin:instruct, builtin:tasks (or one of its families: "
+                      f"{', '.join('builtin:' + f for f in TASK_FAMILIES)}) or builtin:preference")
     name = m["name"] or (arg if kind == "builtin" else kind)
     weight = float(m["weight"]) if m["weight"] else 1.0
     if kind == "tokens":
@@ -427,9 +433,9 @@ def open_source(spec: SourceSpec, text_field: str = "text", strict: bool = False
   if spec.kind == "builtin" and spec.arg == "instruct":
     from data import instruct  # pylint: disable=g-import-not-at-top
     return instruct.InstructTask(spec.name)
-  if spec.kind == "builtin" and spec.arg == "tasks":
+  if spec.kind == "builtin" and spec.arg in ("tasks", *TASK_FAMILIES):
     from data import tasks  # pylint: disable=g-import-not-at-top
-    return tasks.TaskSource(spec.name)
+    return tasks.TaskSource(spec.name, family=None if spec.arg == "tasks" else spec.arg)
   if spec.kind == "builtin" and spec.arg == "preference":
     from data import preference_task  # pylint: disable=g-import-not-at-top
     return preference_task.PreferenceTask(spec.name)

@@ -145,10 +145,15 @@ def reward(prompt: str, completion: str) -> dict[str, float]:
 
 class TaskSource(instruct.InstructTask):
   """The chat source `builtin:tasks`: the tasks' conversations with tagged answers (cold start for RL), split by
-  prompt hash with EVAL_FRACTION, so the RL held-out prompts are held out here too."""
+  prompt hash with EVAL_FRACTION, so the RL held-out prompts are held out here too. With `family` (the source
+  `builtin:arithmetic` and so on) only that family's SIZE / 4 items: record i is item FAMILIES.index(family) + 4 i,
+  the same conversation `builtin:tasks` and `rl.prompts=builtin:<family>` hold."""
 
-  def __init__(self, name: str = "tasks", seed: int = 0):
-    super().__init__(name, seed, SIZE, EVAL_FRACTION)
+  def __init__(self, name: str = "tasks", seed: int = 0, family: str | None = None):
+    if family is not None and family not in FAMILIES:
+      raise ValueError(f"unknown task family {family!r}; use one of {', '.join(FAMILIES)}")
+    self.offset, self.stride = (0, 1) if family is None else (FAMILIES.index(family), len(FAMILIES))
+    super().__init__(name, seed, SIZE // self.stride, EVAL_FRACTION)
 
   def record(self, index: int) -> dict:
-    return item(self.seed, index)
+    return item(self.seed, self.offset + self.stride * index)

@@ -77,6 +77,24 @@ def test_held_out_rl_prompts_are_held_out_of_the_cold_start_source():
     rl_prompts.load("builtin:nope", 0.05)
 
 
+@pytest.mark.parametrize("family", tasks.FAMILIES)
+def test_one_family_chat_source_holds_that_familys_items_and_split(family):
+  """`builtin:<family>` (data.sources) = builtin:tasks' records of that family, in order, with the same held-out
+  prompts as rl.prompts=builtin:<family>."""
+  from data import sources  # pylint: disable=g-import-not-at-top
+  spec, = sources.parse_spec(f"builtin:{family}")
+  source, whole = sources.open_source(spec), tasks.TaskSource()
+  assert sources.is_chat_source(spec) and len(source) == tasks.SIZE // len(tasks.FAMILIES)
+  mine = [i for i in range(tasks.SIZE) if tasks.FAMILIES[i % len(tasks.FAMILIES)] == family]
+  assert [source[i] for i in range(0, len(source), 97)] == [whole[mine[i]] for i in range(0, len(source), 97)]
+  held = {json.loads(source[int(i)])["messages"][0]["content"] for i in source.split_indices("eval")}
+  trained = {json.loads(source[int(i)])["messages"][0]["content"] for i in source.split_indices("train")}
+  assert held == {c[-1]["content"] for c in rl_prompts.load(f"builtin:{family}", tasks.EVAL_FRACTION)["eval"]}
+  assert held and trained and not held & trained
+  with pytest.raises(sources.SpecError, match="builtin:countdown"):
+    sources.parse_spec("builtin:arithmetics")
+
+
 def test_calculator_environment_answers_tool_calls_and_scores_answers():
   """The tool's reply is the expression's value (or error), an answer ends the episode with data.tasks.reward,
   and without the tool a call is just a malformed answer."""
