@@ -3,9 +3,9 @@
 (rl.loss=grpo, DeepSeekMath's per-sequence mean) on the training split of "Compute 47 + 85." (data/tasks.py,
 rl.prompts=builtin:arithmetic), answered at once in <answer>...</answer>: reward 1 for the right number, the
 format penalty for anything but one tagged answer. 64 prompts x 8 samples per iteration and one optimizer step
-over all 512 (train.batch_size = the rollout batch, as DeepSeekMath takes one step per rollout batch): with
-minibatches of 16 rows, 2 prompts per step, held-out greedy exact match fell from 0.38 to 0.25-0.30 in 60
-iterations at lr 1e-4 or 2e-4, the steps following two prompts' noise. Group-normalised advantages, k3 KL to the
+over all 512 (train.batch_size = the rollout batch): with minibatches of 16 rows (2 prompts per step) held-out
+greedy exact match fell from 0.379 to 0.305 in 60 iterations at lr 1e-4, and with one step over 16 prompts at lr
+2e-4 to 0.254; steps that follow a few prompts' groups fit those prompts. Group-normalised advantages, k3 KL to the
 SFT model with beta = 0.04, lr 1e-4, and no PPO-ptx (the update is RL alone, so the held-out gain is RL's). Every
 evaluation scores 256 held-out prompts twice: one sample each at temperature 1 (eval_reward_correct_mean) and
 greedy (eval_exact_match/arithmetic).
