@@ -83,7 +83,8 @@ class SpecError(ValueError):
 
 
 def is_chat_source(spec: SourceSpec) -> bool:
-  """Whether a parsed mixture item holds conversations (chat:PATH or builtin:instruct; data/chat.py)."""
+  """Whether a parsed mixture item holds conversations (chat:PATH, builtin:instruct, builtin:tasks or one of its
+  families; data/chat.py)."""
   return spec.kind == "chat" or (spec.kind == "builtin" and spec.arg in _CHAT_BUILTINS)
 
 
@@ -93,7 +94,8 @@ def is_preference_source(spec: SourceSpec) -> bool:
   return spec.kind == "preference" or (spec.kind == "builtin" and spec.arg == "preference")
 
 
-# The built-in RL tasks' families (data/tasks.py FAMILIES), each also a chat source of its own.
+# The built-in RL tasks' families, each also a chat source of its own: data/tasks.py's FAMILIES, named here so that
+# parsing a spec imports no task generator (tests/test_rl_tasks.py keeps the two equal).
 TASK_FAMILIES = ("arithmetic", "number_sorting", "countdown", "calculator")
 _CHAT_BUILTINS = ("instruct", "tasks", *TASK_FAMILIES)
 _ITEM_RE = re.compile(r"^(?:(?P<name>[A-Za-z_][\w\-]*)=)?(?P<kind>[a-z]+):(?P<arg>.+?)(?:@(?P<weight>[0-9.eE+\-]+))?$")
