@@ -26,24 +26,18 @@ import jax  # noqa: E402
 from data import chat as chat_lib  # noqa: E402
 from data import rl_prompts  # noqa: E402
 from data import tasks  # noqa: E402
-from model import generate as generate_lib  # noqa: E402
+from train.core import chat_eval  # noqa: E402
 from train.rundir import generate as run_generate  # noqa: E402
 
 
-def correct_answers(workdir: str, prompts: list[str], max_new_tokens: int, rows: int = 64) -> list[bool]:
+def correct_answers(workdir: str, prompts: list[str], max_new_tokens: int) -> list[bool]:
   """Whether the run's greedy answer to each prompt (one user turn) is right (data.tasks.correct)."""
   config, tokenizer, _, model, mesh, _ = run_generate.load(workdir, None)
   template = chat_lib.make_template(config.data, tokenizer)
-  stops = tuple(template.stop_ids())
-  right = []
   with jax.set_mesh(mesh):
-    for start in range(0, len(prompts), rows):
-      chunk = prompts[start:start + rows]
-      outs = generate_lib.generate(model, [template.prompt([{"role": "user", "content": p}]) for p in chunk],
-                                   max_new_tokens, temperature=0.0, stop_ids=stops)
-      right += [tasks.reward(p, tokenizer.decode([t for t in out if t not in stops]))["correct"] == 1.0
-                for p, out in zip(chunk, outs)]
-  return right
+    answers = chat_eval.greedy_answers(model, tokenizer, template, [[{"role": "user", "content": p}] for p in prompts],
+                                       max_new_tokens)
+  return [tasks.reward(p, answer)["correct"] == 1.0 for p, answer in zip(prompts, answers)]
 
 
 def mcnemar_p(only_before: int, only_after: int) -> float:

@@ -45,6 +45,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from data import files
+from data import tasks
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +95,8 @@ def is_preference_source(spec: SourceSpec) -> bool:
   return spec.kind == "preference" or (spec.kind == "builtin" and spec.arg == "preference")
 
 
-# The built-in RL tasks' families, each also a chat source of its own: data/tasks.py's FAMILIES, named here so that
-# parsing a spec imports no task generator (tests/test_rl_tasks.py keeps the two equal).
-TASK_FAMILIES = ("arithmetic", "number_sorting", "countdown", "calculator")
-_CHAT_BUILTINS = ("instruct", "tasks", *TASK_FAMILIES)
+# builtin:tasks and each of its families (data/tasks.py) are chat sources as builtin:instruct is.
+_CHAT_BUILTINS = ("instruct", "tasks", *tasks.FAMILIES)
 _ITEM_RE = re.compile(r"^(?:(?P<name>[A-Za-z_][\w\-]*)=)?(?P<kind>[a-z]+):(?P<arg>.+?)(?:@(?P<weight>[0-9.eE+\-]+))?$")
 
 
@@ -120,7 +119,7 @@ def parse_spec(sources: str | Sequence[str], weights: Sequence[float] = ()) -> l
     if kind == "builtin" and arg not in ("prose", "code", "preference", *_CHAT_BUILTINS):
       raise SpecError(f"unknown built-in source {arg!r} in {p!r}: use builtin:prose, builtin:code, "
                       "builtin:instruct, builtin:tasks (or one of its families: "
-                      f"{', '.join('builtin:' + f for f in TASK_FAMILIES)}) or builtin:preference")
+                      f"{', '.join('builtin:' + f for f in tasks.FAMILIES)}) or builtin:preference")
     name = m["name"] or (arg if kind == "builtin" else kind)
     weight = float(m["weight"]) if m["weight"] else 1.0
     if kind == "tokens":
@@ -435,8 +434,7 @@ def open_source(spec: SourceSpec, text_field: str = "text", strict: bool = False
   if spec.kind == "builtin" and spec.arg == "instruct":
     from data import instruct  # pylint: disable=g-import-not-at-top
     return instruct.InstructTask(spec.name)
-  if spec.kind == "builtin" and spec.arg in ("tasks", *TASK_FAMILIES):
-    from data import tasks  # pylint: disable=g-import-not-at-top
+  if spec.kind == "builtin" and spec.arg in ("tasks", *tasks.FAMILIES):
     return tasks.TaskSource(spec.name, family=None if spec.arg == "tasks" else spec.arg)
   if spec.kind == "builtin" and spec.arg == "preference":
     from data import preference_task  # pylint: disable=g-import-not-at-top

@@ -30,19 +30,26 @@ def eval_items(config, template, plan: plan_lib.DataPlan | None) -> list[chat_li
   return preference.eval_items(config.data, per_family=config.train.eval_generations, plan=plan)
 
 
+def greedy_answers(model, tokenizer, template, conversations: Sequence[Sequence[dict]], max_new_tokens: int,
+                   batch_size: int = 64) -> list[str]:
+  """The greedy answer text to each conversation (messages up to the answer's turn), stop tokens removed."""
+  from model import generate as generate_lib  # pylint: disable=g-import-not-at-top
+  stops = tuple(template.stop_ids())
+  answers = []
+  for start in range(0, len(conversations), batch_size):
+    prompts = [template.prompt(c) for c in conversations[start:start + batch_size]]
+    outs = generate_lib.generate(model, prompts, max_new_tokens, temperature=0.0, stop_ids=stops)
+    answers += [tokenizer.decode([t for t in out if t not in stops]) for out in outs]
+  return answers
+
+
 def exact_match(model, tokenizer, template, items: Sequence[chat_lib.EvalItem], max_new_tokens: int,
                 batch_size: int = 64) -> dict[str, float]:
   """{"eval_exact_match": fraction over all items, "eval_exact_match/<family>": fraction per family}."""
-  from model import generate as generate_lib  # pylint: disable=g-import-not-at-top
-  stops = tuple(template.stop_ids())
+  answers = greedy_answers(model, tokenizer, template, [item.messages for item in items], max_new_tokens, batch_size)
   hits: dict[str, list[bool]] = {}
-  for start in range(0, len(items), batch_size):
-    chunk = items[start:start + batch_size]
-    prompts = [template.prompt(item.messages) for item in chunk]
-    outs = generate_lib.generate(model, prompts, max_new_tokens, temperature=0.0, stop_ids=stops)
-    for item, out in zip(chunk, outs):
-      answer = tokenizer.decode([t for t in out if t not in stops])
-      hits.setdefault(item.family, []).append(chat_lib.exact_match(answer, item.answer))
+  for item, answer in zip(items, answers):
+    hits.setdefault(item.family, []).append(chat_lib.exact_match(answer, item.answer))
   if not hits:
     return {}
   every = [h for family in hits.values() for h in family]

@@ -161,13 +161,17 @@ def encode(pending: dict[int, dict[str, Any]]) -> dict[str, Any]:
           for i, roll in pending.items()}
 
 
+def block(n: int, k: int, K: int) -> tuple[int, int]:
+  """[start, stop) of the k-th of K equal blocks of n rows (process k's share of a rollout batch)."""
+  return k * n // K, (k + 1) * n // K
+
+
 def rows(roll: dict[str, Any], k: int, K: int) -> dict[str, Any]:
   """The k-th of K equal blocks of a rollout's rows (per-row lists and arrays, `parts` by name; the failed
   rewards' messages go with block 0; everything else, e.g. `lag`, as it is)."""
   if K == 1:
     return roll
-  n = len(roll["tokens"])
-  a, b = k * n // K, (k + 1) * n // K
+  a, b = block(len(roll["tokens"]), k, K)
   out = {}
   for key, v in roll.items():
     if key == "failures":

@@ -18,6 +18,7 @@ import numpy as np
 
 from parallel import sharding as sharding_lib
 from train.objectives import policy
+from train.rl import async_rollouts
 from train.rl.rewards import reward_text
 
 _ROLLOUT, _EPOCHS, _EVAL, _TIES, _PTX, _REFILL, _TURN = range(7)  # seed streams
@@ -113,9 +114,8 @@ class Session:
     K). `failures` lists the rewards' errors; `count` adds them to the bad-reward count here (the worker's are
     counted when the learner takes them)."""
     conversations = [c for c in conversations for _ in range(repeats)]
-    k, K = part
-    first = k * len(conversations) // K
-    conversations = conversations[first:(k + 1) * len(conversations) // K]
+    first, stop = async_rollouts.block(len(conversations), *part)
+    conversations = conversations[first:stop]
     if self.env_factory is not None:
       from train.rl import episodes  # pylint: disable=g-import-not-at-top
       roll = episodes.run(self, conversations, seed, policy, first)
